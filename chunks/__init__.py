@@ -1,0 +1,22 @@
+"""Chunks: flat buffers holding many tensors as views, and the manager that moves them."""
+
+from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
+from chunks.manager import ChunkGroup, ChunkManager, plan_layout
+from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
+from chunks.storage import ChunkStorage, Tier
+
+__all__ = [
+    "Chunk",
+    "ChunkGroup",
+    "ChunkKind",
+    "ChunkManager",
+    "ChunkSizeSearch",
+    "ChunkState",
+    "ChunkStorage",
+    "TensorSlot",
+    "Tier",
+    "default_search_range",
+    "plan_layout",
+    "search_chunk_size",
+    "waste_for",
+]

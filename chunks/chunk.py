@@ -1,0 +1,216 @@
+"""`Chunk`: one flat 1-D buffer holding many tensors as views, and its state machine."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from chunks.storage import ChunkStorage, Tier
+
+__all__ = ["ChunkKind", "ChunkState", "TensorSlot", "Chunk"]
+
+
+class ChunkKind(enum.Enum):
+    """What a chunk holds; chunks of one group share a layout."""
+
+    PARAM = "param"  # the compute-precision parameters (the module's params are views of it)
+    GRAD = "grad"  # gradients, accumulated over micro-batches until the step
+    MASTER = "master"  # fp32 master weights (only when the params are bf16/fp16)
+    EXP_AVG = "exp_avg"  # Adam's first moment
+    EXP_AVG_SQ = "exp_avg_sq"  # Adam's second moment
+
+
+class ChunkState(enum.Enum):
+    """Which copies of a chunk's payload exist, and so which memory it uses.
+
+    - ``RELEASED``: no copy; uses no memory (a gradient chunk before the first backward).
+    - ``HOST``: one copy in host memory.
+    - ``DEVICE``: one copy on the compute device.
+    - ``HOST_AND_DEVICE``: a device copy identical to the host copy, both counted; the device
+      copy can be dropped without a device-to-host copy (parameters fetched for compute).
+    """
+
+    RELEASED = "released"
+    HOST = "host"
+    DEVICE = "device"
+    HOST_AND_DEVICE = "host_and_device"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor sits in its chunk."""
+
+    index: int  # position in the chunk's slot list
+    offset: int  # first element
+    numel: int
+    shape: torch.Size
+    name: str  # the parameter's (first) qualified name in the module
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class Chunk:
+    """A flat buffer of ``capacity`` elements of one dtype holding tensors as views.
+
+    Moves happen only through the methods below; each checks the current state, does a real
+    copy through :class:`ChunkStorage` (which counts the bytes) and records the new state.
+    """
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        kind: ChunkKind,
+        capacity: int,
+        dtype: torch.dtype,
+        storage: ChunkStorage,
+        slots: tuple[TensorSlot, ...] = (),
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"{capacity=} must be positive")
+        self.index = index
+        self.kind = kind
+        self.capacity = capacity
+        self.dtype = dtype
+        self.slots = slots
+        self.used_numel = max((s.end for s in slots), default=0)
+        assert self.used_numel <= capacity, f"{self.used_numel=} > {capacity=}"
+        self.state = ChunkState.RELEASED
+        self._storage = storage
+        self._copies: dict[Tier, torch.Tensor] = {}
+        # Called after every state change (the manager re-points parameter views).
+        self.on_move: Callable[[Chunk], None] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Chunk({self.kind.value}#{self.index}, {self.used_numel}/{self.capacity} "
+            f"{self.dtype}, {self.state.value})"
+        )
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one copy of the payload."""
+        return self.capacity * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(self._copies)
+
+    def is_on(self, tier: Tier) -> bool:
+        return tier in self._copies
+
+    def payload(self, tier: Tier | None = None) -> torch.Tensor:
+        """The whole buffer on ``tier`` (default: the device copy if there is one)."""
+        if tier is None:
+            tier = Tier.DEVICE if Tier.DEVICE in self._copies else Tier.HOST
+        if tier not in self._copies:
+            raise RuntimeError(f"{self.index=} ({self.kind.value}) is {self.state}, no {tier.value} copy")
+        return self._copies[tier]
+
+    def used(self, tier: Tier | None = None) -> torch.Tensor:
+        """The part of the buffer that holds tensors (the padding tail excluded)."""
+        return self.payload(tier)[: self.used_numel]
+
+    def view(self, slot: TensorSlot, tier: Tier | None = None) -> torch.Tensor:
+        """The tensor of ``slot`` as a view into the payload, in its original shape."""
+        return self.payload(tier)[slot.offset : slot.end].view(slot.shape)
+
+    def flat_view(self, slot: TensorSlot, tier: Tier | None = None) -> torch.Tensor:
+        return self.payload(tier)[slot.offset : slot.end]
+
+    def write(self, slot: TensorSlot, value: torch.Tensor) -> None:
+        """Set ``slot``'s tensor in every copy (keeps HOST_AND_DEVICE copies identical)."""
+        self._expect(ChunkState.HOST, ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE)
+        for payload in self._copies.values():
+            payload[slot.offset : slot.end].view(slot.shape).copy_(value)
+
+    # ------------------------------------------------------------------------------ moves
+    def _expect(self, *allowed: ChunkState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(
+                f"chunk {self.kind.value} {self.index=} is {self.state}, expected one of "
+                f"{[s.name for s in allowed]}"
+            )
+
+    def _set_state(self) -> None:
+        host, dev = Tier.HOST in self._copies, Tier.DEVICE in self._copies
+        self.state = {
+            (False, False): ChunkState.RELEASED,
+            (True, False): ChunkState.HOST,
+            (False, True): ChunkState.DEVICE,
+            (True, True): ChunkState.HOST_AND_DEVICE,
+        }[(host, dev)]
+        if self.on_move is not None:
+            self.on_move(self)
+
+    def allocate(self, tier: Tier, *, zero: bool = True) -> None:
+        """RELEASED -> HOST or DEVICE: a fresh (zeroed) payload."""
+        self._expect(ChunkState.RELEASED)
+        self._copies[tier] = self._storage.alloc(tier, self.capacity, self.dtype, zero=zero)
+        self._set_state()
+
+    def fetch(self, *, keep_host: bool) -> None:
+        """HOST -> HOST_AND_DEVICE (``keep_host``) or DEVICE: copy to the device.
+
+        Keep the host copy when the device copy will only be read (parameters for compute):
+        dropping it later then costs no copy back.
+        """
+        self._expect(ChunkState.HOST)
+        host = self._copies[Tier.HOST]
+        self._copies[Tier.DEVICE] = self._storage.transfer(host, Tier.HOST, Tier.DEVICE)
+        if not keep_host:
+            self._drop(Tier.HOST)
+        self._set_state()
+
+    def offload(self) -> None:
+        """DEVICE -> HOST (copy back) or HOST_AND_DEVICE -> HOST (the host copy is current)."""
+        self._expect(ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE)
+        if self.state is ChunkState.DEVICE:
+            self._copies[Tier.HOST] = self._storage.transfer(
+                self._copies[Tier.DEVICE], Tier.DEVICE, Tier.HOST
+            )
+        self._drop(Tier.DEVICE)
+        self._set_state()
+
+    def drop_host_copy(self) -> None:
+        """HOST_AND_DEVICE -> DEVICE: the device copy is about to be written."""
+        self._expect(ChunkState.HOST_AND_DEVICE)
+        self._drop(Tier.HOST)
+        self._set_state()
+
+    def drop_device_copy(self) -> None:
+        """HOST_AND_DEVICE -> HOST: the host copy is about to be written, or the device needs room."""
+        self._expect(ChunkState.HOST_AND_DEVICE)
+        self._drop(Tier.DEVICE)
+        self._set_state()
+
+    def move_to(self, tier: Tier) -> None:
+        """Leave exactly one copy, on ``tier`` (no-op if it already is the only copy)."""
+        if tier is Tier.DEVICE:
+            if self.state is ChunkState.HOST:
+                self.fetch(keep_host=False)
+            elif self.state is ChunkState.HOST_AND_DEVICE:
+                self.drop_host_copy()
+            else:
+                self._expect(ChunkState.DEVICE)
+        else:
+            if self.state in (ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE):
+                self.offload()
+            else:
+                self._expect(ChunkState.HOST)
+
+    def release(self) -> None:
+        """Any state -> RELEASED: free every copy."""
+        for tier in list(self._copies):
+            self._drop(tier)
+        self._set_state()
+
+    def _drop(self, tier: Tier) -> None:
+        self._storage.free(tier, self._copies.pop(tier))
+

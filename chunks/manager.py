@@ -1,0 +1,245 @@
+"""`ChunkManager`: packs a model's parameters into chunk groups and keeps their views right."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
+from chunks.storage import ChunkStorage, Tier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkGroup", "ChunkManager", "plan_layout"]
+
+NamedParams = Sequence[tuple[str, nn.Parameter]]
+
+
+def plan_layout(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
+    """Next-fit packing of tensors (in the given order) into chunks of ``chunk_size``.
+
+    Returns, per chunk, the indices of the tensors it holds. A tensor larger than the chunk
+    size gets a chunk of its own (sized to it), so nothing is ever split.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be a positive number of elements")
+    chunks: list[list[int]] = []
+    fill = chunk_size  # forces a new chunk for the first tensor
+    for i, n in enumerate(numels):
+        if n > chunk_size:
+            chunks.append([i])
+            fill = chunk_size  # the oversized chunk is closed
+        elif fill + n > chunk_size:
+            chunks.append([i])
+            fill = n
+        else:
+            chunks[-1].append(i)
+            fill += n
+    return chunks
+
+
+@dataclass(eq=False)
+class ChunkGroup:
+    """Chunk k of a param group in all its flavours, with one layout.
+
+    The optimizer-state chunk group (``master`` — the param chunk itself under fp32 — plus
+    ``exp_avg`` and ``exp_avg_sq``) moves as a unit and is updated wherever it lies.
+    """
+
+    index: int
+    param_group: int  # index into the optimizer's param groups; -1 for frozen parameters
+    slots: tuple[TensorSlot, ...]
+    params: tuple[nn.Parameter, ...]  # by slot
+    param: Chunk
+    grad: Chunk | None = None
+    master: Chunk | None = None
+    exp_avg: Chunk | None = None
+    exp_avg_sq: Chunk | None = None
+    # Adam step count of each tensor (torch keeps one per parameter; they differ only when a
+    # parameter got no gradient in some step). Lives with the optimizer states.
+    steps: torch.Tensor | None = None
+    # All step counts equal: the group can be updated as one flat tensor with one count.
+    steps_uniform: bool = True
+    # Per slot: does the gradient chunk hold a gradient for it since the last zero_grad?
+    grad_ready: list[bool] = field(default_factory=list)
+    # Slots whose gradient arrived in the backward pass now running.
+    grads_this_backward: int = 0
+
+    @property
+    def trainable(self) -> bool:
+        return self.param_group >= 0
+
+    @property
+    def master_chunk(self) -> Chunk:
+        """The fp32 weights Adam updates: the master chunk, or the param chunk under fp32."""
+        return self.master if self.master is not None else self.param
+
+    @property
+    def optimizer_chunks(self) -> tuple[Chunk, ...]:
+        assert self.trainable, f"group {self.index} is frozen"
+        return (self.master_chunk, self.exp_avg, self.exp_avg_sq)
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return tuple(c for c in (self.param, self.grad, self.master, self.exp_avg, self.exp_avg_sq) if c is not None)
+
+    @property
+    def all_grads_ready(self) -> bool:
+        return all(self.grad_ready)
+
+    @property
+    def any_grad_ready(self) -> bool:
+        return any(self.grad_ready)
+
+
+class ChunkManager:
+    """Registers parameters into chunk groups and owns every chunk.
+
+    Parameters stay ``nn.Parameter`` objects of the user's module; their ``.data`` is always a
+    view of their param chunk's current copy (the device copy when there is one), re-pointed
+    on every move by :meth:`_repoint`.
+    """
+
+    def __init__(
+        self,
+        storage: ChunkStorage,
+        *,
+        chunk_size: int,
+        param_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size={chunk_size} must be a positive number of elements")
+        self.storage = storage
+        self.chunk_size = chunk_size
+        self.param_dtype = param_dtype
+        self.groups: list[ChunkGroup] = []
+        self._where: dict[nn.Parameter, tuple[ChunkGroup, TensorSlot]] = {}
+
+    # ------------------------------------------------------------------------ registration
+    def register(
+        self,
+        param_groups: Sequence[NamedParams],
+        frozen: NamedParams,
+        *,
+        initial_tier: Callable[[ChunkKind], Tier],
+    ) -> None:
+        """Pack each param group (and the frozen parameters) into chunk groups.
+
+        Tensors keep the order given (the order the model uses them); groups never share a
+        chunk because each has its own learning rate and weight decay. Frozen parameters get
+        param chunks only: no gradients, no optimizer states.
+        """
+        if self.groups:
+            raise RuntimeError("register() was already called")
+        for pg_index, named in enumerate(param_groups):
+            self._register_group(named, pg_index, initial_tier)
+        self._register_group(frozen, -1, initial_tier)
+        logger.info(
+            "registered %d chunk groups of %d elements (%d trainable); host %d B, device %d B",
+            len(self.groups),
+            self.chunk_size,
+            sum(g.trainable for g in self.groups),
+            self.storage.bytes_on(Tier.HOST),
+            self.storage.bytes_on(Tier.DEVICE),
+        )
+
+    def _register_group(self, named: NamedParams, pg_index: int, initial_tier) -> None:
+        numels = [p.numel() for _, p in named]
+        for members in plan_layout(numels, self.chunk_size):
+            slots, offset = [], 0
+            for i in members:
+                name, p = named[i]
+                slots.append(TensorSlot(len(slots), offset, p.numel(), p.shape, name))
+                offset += p.numel()
+            capacity = max(self.chunk_size, offset)
+            self._build_group(tuple(slots), tuple(named[i][1] for i in members), capacity, pg_index, initial_tier)
+
+    def _build_group(self, slots, params, capacity, pg_index, initial_tier) -> None:
+        index = len(self.groups)
+        trainable = pg_index >= 0
+        low_precision = self.param_dtype != torch.float32
+
+        def new(kind: ChunkKind, dtype: torch.dtype) -> Chunk:
+            return Chunk(index=index, kind=kind, capacity=capacity, dtype=dtype, storage=self.storage, slots=slots)
+
+        group = ChunkGroup(index=index, param_group=pg_index, slots=slots, params=params,
+                           param=new(ChunkKind.PARAM, self.param_dtype))
+        self._fill(group.param, params, initial_tier(ChunkKind.PARAM))
+        if low_precision:
+            # Frozen parameters keep an fp32 copy on the host too, so that the model's
+            # state_dict returns their exact original values.
+            group.master = new(ChunkKind.MASTER, torch.float32)
+            self._fill(group.master, params, initial_tier(ChunkKind.MASTER) if trainable else Tier.HOST)
+        if trainable:
+            group.grad = new(ChunkKind.GRAD, self.param_dtype)
+            group.exp_avg = new(ChunkKind.EXP_AVG, torch.float32)
+            group.exp_avg_sq = new(ChunkKind.EXP_AVG_SQ, torch.float32)
+            os_tier = initial_tier(ChunkKind.EXP_AVG)
+            group.exp_avg.allocate(os_tier)
+            group.exp_avg_sq.allocate(os_tier)
+            group.steps = torch.zeros(len(slots), dtype=torch.float32, device=self.storage.tier_device(os_tier))
+            group.grad_ready = [False] * len(slots)
+        for slot, p in zip(slots, params):
+            assert p not in self._where, f"parameter {slot.name} registered twice"
+            self._where[p] = (group, slot)
+        self.groups.append(group)
+        group.param.on_move = self._repoint
+        self._repoint(group.param)
+
+    def _fill(self, chunk: Chunk, params: Iterable[nn.Parameter], tier: Tier) -> None:
+        # Padding is zeroed so that whole-chunk reductions (norms, Adam) see zeros there.
+        chunk.allocate(tier, zero=True)
+        with torch.no_grad():
+            for slot, p in zip(chunk.slots, params):
+                chunk.view(slot, tier).copy_(p.detach())
+
+    # ------------------------------------------------------------------------------ views
+    def _repoint(self, chunk: Chunk) -> None:
+        """Point each parameter's ``.data`` at its view in the chunk's primary copy."""
+        params = self.groups[chunk.index].params
+        if chunk.state is ChunkState.RELEASED:
+            for p in params:
+                p.data = torch.empty(0, dtype=chunk.dtype)
+            return
+        for slot, p in zip(chunk.slots, params):
+            p.data = chunk.view(slot)
+
+    # ---------------------------------------------------------------------------- lookups
+    def locate(self, param: nn.Parameter) -> tuple[ChunkGroup, TensorSlot]:
+        try:
+            return self._where[param]
+        except KeyError:
+            raise KeyError(f"parameter of shape {tuple(param.shape)} is not managed by this ChunkManager") from None
+
+    def groups_of(self, params: Iterable[nn.Parameter]) -> list[ChunkGroup]:
+        """The chunk groups holding ``params``, each once, in first-use order."""
+        seen: dict[int, ChunkGroup] = {}
+        for p in params:
+            g = self._where.get(p)
+            if g is not None:
+                seen.setdefault(g[0].index, g[0])
+        return list(seen.values())
+
+    @property
+    def trainable_groups(self) -> list[ChunkGroup]:
+        return [g for g in self.groups if g.trainable]
+
+    def chunks(self) -> Iterable[Chunk]:
+        for g in self.groups:
+            yield from g.chunks
+
+    def bytes_by_kind(self, tier: Tier) -> dict[ChunkKind, int]:
+        """Bytes of chunk payloads on ``tier``, by kind (a cross-check of the storage ledger)."""
+        out = {k: 0 for k in ChunkKind}
+        for c in self.chunks():
+            if c.is_on(tier):
+                out[c.kind] += c.nbytes
+        return out
+
+    def waste_elements(self) -> int:
+        """Elements allocated per chunk flavour but holding no tensor."""
+        return sum(g.param.capacity - g.param.used_numel for g in self.groups)

@@ -1,0 +1,175 @@
+"""`GeminiConfig`: every knob of the engine, validated where it is made."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from offload.budgets import parse_size
+
+__all__ = ["GeminiConfig", "PLACEMENTS", "PRECISIONS"]
+
+PLACEMENTS = ("cuda", "cpu", "auto", "static")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _fail(name: str, value: Any, accepted: str) -> None:
+    raise ValueError(f"GeminiConfig.{name}={value!r} is invalid: expected {accepted}")
+
+
+@dataclass(kw_only=True)
+class GeminiConfig:
+    """Configuration of :func:`gemini.initialize`. Bad values raise ``ValueError`` naming the field."""
+
+    device: str | torch.device | None = None
+    """Compute device: "cuda", "cuda:N", "cpu" (the CPU standing in for an accelerator), or
+    None for cuda when available, else cpu."""
+
+    placement: str = "auto"
+    """Where chunks live: "cuda" (all on the device), "cpu" (on the host, fetched for compute,
+    optimizer on the host), "auto" (traced, budgeted, margin on the device) or "static"."""
+
+    precision: str = "fp32"
+    """Compute precision of parameters: "fp32", "bf16" or "fp16" (fp16 uses dynamic loss
+    scaling). Master weights and Adam states are always fp32."""
+
+    chunk_size: int | None = None
+    """Elements per chunk; None searches for the size with the least padding waste."""
+
+    device_memory: int | str | None = None
+    """Budget for the compute device in bytes (int or "512MiB"); None = the whole device."""
+
+    gpu_margin_mem_ratio: float = 0.0
+    """Share of the margin (budget - peak non-model - peak working set) given to optimizer-state
+    chunks updated on the device, in [0, 1]."""
+
+    cpu_memory: int | str | None = None
+    """Host budget for optimizer-state chunks (bytes or "8GiB"); beyond it they go to NVMe."""
+
+    nvme_dir: str | os.PathLike | None = None
+    """Folder for NVMe-resident chunks (a private subfolder is made per process and rank)."""
+
+    nvme_offload_fraction: float = 0.0
+    """Share of optimizer-state chunks always kept on NVMe, in [0, 1]; needs ``nvme_dir``."""
+
+    clip_grad_norm: float = 0.0
+    """Max global L2 norm of the gradients over all chunks (and ranks); 0 turns clipping off."""
+
+    initial_scale: float = 2.0**16
+    """fp16 loss scaler: the starting scale."""
+
+    min_scale: float = 1.0
+    """fp16 loss scaler: the scale never backs off below this."""
+
+    growth_factor: float = 2.0
+    """fp16 loss scaler: multiplies the scale after ``growth_interval`` steps without overflow."""
+
+    backoff_factor: float = 0.5
+    """fp16 loss scaler: multiplies the scale after ``hysteresis`` overflows, in (0, 1)."""
+
+    growth_interval: int = 1000
+    """fp16 loss scaler: consecutive good steps before the scale grows."""
+
+    hysteresis: int = 2
+    """fp16 loss scaler: overflows tolerated (each still skips its step) before backing off."""
+
+    max_scale: float = 2.0**32
+    """fp16 loss scaler: the scale never grows above this."""
+
+    report_path: str | os.PathLike | None = None
+    """JSON Lines file receiving one MemoryReport per step; None writes no file."""
+
+    process_group: Any = None
+    """torch.distributed group for ZeRO sharding; None = no sharding (or WORLD when initialized)."""
+
+    def __post_init__(self) -> None:
+        self._check_device()
+        if self.placement not in PLACEMENTS:
+            _fail("placement", self.placement, f"one of {PLACEMENTS}")
+        if self.precision not in PRECISIONS:
+            _fail("precision", self.precision, f"one of {tuple(PRECISIONS)}")
+        if self.chunk_size is not None and (
+            isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0
+        ):
+            _fail("chunk_size", self.chunk_size, "None or a positive int (elements per chunk)")
+        for name in ("device_memory", "cpu_memory"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                nbytes = parse_size(value)
+            except (ValueError, TypeError) as e:
+                _fail(name, value, f"None, a positive int of bytes or a size string like '512MiB' ({e})")
+            if nbytes <= 0:
+                _fail(name, value, "a positive size")
+            setattr(self, name, nbytes)
+        for name in ("gpu_margin_mem_ratio", "nvme_offload_fraction"):
+            self._check_fraction(name)
+        if self.nvme_offload_fraction > 0 and self.nvme_dir is None:
+            _fail("nvme_dir", None, "a folder when nvme_offload_fraction > 0")
+        if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
+            _fail("nvme_dir", self.nvme_dir, "None or a path")
+        if not _is_real(self.clip_grad_norm) or self.clip_grad_norm < 0 or not math.isfinite(self.clip_grad_norm):
+            _fail("clip_grad_norm", self.clip_grad_norm, "a finite number >= 0 (0 = off)")
+        self._check_scaler()
+        if self.report_path is not None and not isinstance(self.report_path, (str, os.PathLike)):
+            _fail("report_path", self.report_path, "None or a file path")
+
+    # ------------------------------------------------------------------------ validation
+    def _check_device(self) -> None:
+        if self.device is None:
+            return
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            _fail("device", self.device, '"cuda", "cuda:N", "cpu" or None')
+        if dev.type not in ("cuda", "cpu"):
+            _fail("device", self.device, '"cuda", "cuda:N", "cpu" or None')
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            _fail("device", self.device, '"cpu" or None: this torch build or machine has no CUDA device')
+
+    def _check_fraction(self, name: str) -> None:
+        value = getattr(self, name)
+        if not _is_real(value) or not 0.0 <= value <= 1.0:
+            _fail(name, value, "a number in [0, 1]")
+
+    def _check_scaler(self) -> None:
+        for name in ("initial_scale", "min_scale", "max_scale"):
+            v = getattr(self, name)
+            if not _is_real(v) or not (0 < v < math.inf):
+                _fail(name, v, "a finite number > 0")
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            _fail(
+                "initial_scale",
+                self.initial_scale,
+                f"a value within [min_scale={self.min_scale}, max_scale={self.max_scale}]",
+            )
+        if not _is_real(self.growth_factor) or not (1 < self.growth_factor < math.inf):
+            _fail("growth_factor", self.growth_factor, "a finite number > 1")
+        if not _is_real(self.backoff_factor) or not (0 < self.backoff_factor < 1):
+            _fail("backoff_factor", self.backoff_factor, "a number in (0, 1)")
+        for name in ("growth_interval", "hysteresis"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                _fail(name, v, "an int >= 1")
+
+    # ----------------------------------------------------------------------------- derived
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -1,0 +1,200 @@
+"""`initialize()`: pack a module into chunks and hand back the wrapped module and its optimizer."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from chunks import ChunkManager, ChunkStorage, plan_layout, search_chunk_size
+from gemini.config import GeminiConfig
+from gemini.hooks import ModuleHooks
+from gemini.module import GeminiModel
+from gemini.optimizer import HybridAdam
+from gemini.placement import make_placement
+from gemini.report import ReportWriter
+from gemini.runtime import GeminiRuntime
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["initialize"]
+
+_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
+
+
+def initialize(
+    model: nn.Module,
+    config: GeminiConfig | None = None,
+    *,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adamw_mode: bool = True,
+    param_groups: list[dict[str, Any]] | None = None,
+) -> tuple[GeminiModel, HybridAdam]:
+    """Move ``model``'s parameters into chunks and build its optimizer.
+
+    ``param_groups`` (optional) works as in ``torch.optim``: dicts with ``params`` and any of
+    ``lr``, ``betas``, ``eps``, ``weight_decay``; parameters of the model not listed form a
+    last group with the defaults. Returns ``(model, optimizer)``; train with
+    ``optimizer.backward(loss)`` (or ``loss.backward()`` outside fp16), ``optimizer.step()``
+    and ``optimizer.zero_grad()``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, GeminiModel):
+        raise ValueError("model is already wrapped by gemini.initialize")
+    config = GeminiConfig() if config is None else config
+    if not isinstance(config, GeminiConfig):
+        raise TypeError(f"config must be a gemini.GeminiConfig, got {type(config).__name__}")
+    _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    _check_supported(config)
+
+    device = config.resolved_device()
+    torch_groups, named_groups, frozen = _split_param_groups(model, param_groups)
+    numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
+    if config.chunk_size is not None:
+        chunk_size = config.chunk_size
+    else:
+        found = search_chunk_size([n for n in numels if n])
+        chunk_size = found.chunk_size
+        logger.info("chunk size %d elements: %d chunks, %d elements of padding (%d sizes scored)",
+                    found.chunk_size, found.n_chunks, found.waste, found.candidates)
+    _check_device_budget(config, numels, chunk_size)
+
+    storage = ChunkStorage(device, pin_host=True)
+    manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype)
+    placement = make_placement(config.placement, manager)
+    manager.register(named_groups, frozen, initial_tier=placement.initial_tier)
+    _move_buffers(model, device, config.param_dtype)
+    hooks = ModuleHooks(model, manager, placement)
+    writer = ReportWriter(config.report_path) if config.report_path is not None else None
+    runtime = GeminiRuntime(config, device, storage, manager, placement, hooks, tuple(model.parameters()), writer)
+    wrapped = GeminiModel(model, runtime)
+    optimizer = HybridAdam(
+        runtime, torch_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode
+    )
+    runtime.start_new_step()
+    return wrapped, optimizer
+
+
+def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
+    if not isinstance(lr, (int, float)) or not (0.0 <= lr < math.inf):
+        raise ValueError(f"lr={lr!r} is invalid: expected a finite number >= 0")
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"betas={betas!r} is invalid: expected two numbers in [0, 1)")
+    if not isinstance(eps, (int, float)) or not (0.0 <= eps < math.inf):
+        raise ValueError(f"eps={eps!r} is invalid: expected a finite number >= 0")
+    if not isinstance(weight_decay, (int, float)) or not (0.0 <= weight_decay < math.inf):
+        raise ValueError(f"weight_decay={weight_decay!r} is invalid: expected a finite number >= 0")
+
+
+def _check_supported(config: GeminiConfig) -> None:
+    """Fields of the contract whose machinery is not in this build fail loudly, never silently."""
+    pending = {
+        "placement": (config.placement in ("auto", "static"), "'cuda' or 'cpu' (auto/static come with the runtime tracer)"),
+        "cpu_memory": (config.cpu_memory is not None, "None (NVMe offload of optimizer states is not built yet)"),
+        "nvme_dir": (config.nvme_dir is not None, "None (NVMe offload of optimizer states is not built yet)"),
+        "gpu_margin_mem_ratio": (config.gpu_margin_mem_ratio != 0.0, "0.0 (the margin needs placement='auto')"),
+        "process_group": (config.process_group is not None, "None (ZeRO sharding across ranks is not built yet)"),
+    }
+    for name, (bad, accepted) in pending.items():
+        if bad:
+            raise NotImplementedError(
+                f"GeminiConfig.{name}={getattr(config, name)!r} is not supported by this version: use {accepted}"
+            )
+
+
+def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_size: int) -> None:
+    """Under placement 'cuda' every chunk lives on the device: say before allocating if they can't."""
+    if config.placement != "cuda" or config.device_memory is None:
+        return
+    param_bytes = torch.empty((), dtype=config.param_dtype).element_size()
+    low = config.param_dtype != torch.float32
+    per_trainable = 2 * param_bytes + (4 if low else 0) + 8  # param, grad, master, m, v
+    need = 0
+    for i, group in enumerate(numels):
+        frozen = i == len(numels) - 1
+        for members in plan_layout(group, chunk_size):
+            capacity = max(chunk_size, sum(group[j] for j in members))
+            need += capacity * (param_bytes if frozen else per_trainable)
+    if need > config.device_memory:
+        raise ValueError(
+            f"placement='cuda' needs {need} bytes of chunks on the device but "
+            f"GeminiConfig.device_memory={config.device_memory}: {need - config.device_memory} bytes are missing; "
+            f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size"
+        )
+
+
+def _split_param_groups(model: nn.Module, param_groups):
+    """(torch-style groups, named trainable params per group in model order, frozen params)."""
+    named = list(model.named_parameters())  # tied parameters appear once, under their first name
+    order = {p: i for i, (_, p) in enumerate(named)}
+    name_of = {p: n for n, p in named}
+    for n, p in named:
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {n} has dtype {p.dtype}: only floating-point parameters can be trained")
+    if param_groups is None:
+        specs: list[dict[str, Any]] = [{"params": [p for _, p in named]}]
+    else:
+        specs = _validate_group_specs(param_groups, order, name_of)
+        listed = {p for spec in specs for p in spec["params"]}
+        rest = [p for _, p in named if p not in listed]
+        if rest:
+            specs.append({"params": rest})
+    torch_groups, named_groups = [], []
+    for spec in specs:
+        torch_groups.append(spec)
+        trainable = sorted((p for p in spec["params"] if p.requires_grad), key=order.__getitem__)
+        named_groups.append([(name_of[p], p) for p in trainable])
+    frozen = [(n, p) for n, p in named if not p.requires_grad]
+    return torch_groups, named_groups, frozen
+
+
+def _validate_group_specs(param_groups, order, name_of) -> list[dict[str, Any]]:
+    if not isinstance(param_groups, (list, tuple)) or not param_groups:
+        raise ValueError(f"param_groups={param_groups!r} is invalid: expected a non-empty list of dicts")
+    seen: set = set()
+    specs = []
+    for i, spec in enumerate(param_groups):
+        if not isinstance(spec, dict) or "params" not in spec:
+            raise ValueError(f"param_groups[{i}] is invalid: expected a dict with a 'params' entry")
+        unknown = set(spec) - _GROUP_KEYS
+        if unknown:
+            raise ValueError(f"param_groups[{i}] has unknown keys {sorted(unknown)}: accepted {sorted(_GROUP_KEYS)}")
+        params = spec["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params) if isinstance(params, Iterable) else None
+        if params is None:
+            raise ValueError(f"param_groups[{i}]['params'] must be an iterable of parameters")
+        for p in params:
+            if p not in order:
+                raise ValueError(f"param_groups[{i}] holds a parameter of shape {tuple(p.shape)} that is not in the model")
+            if p in seen:
+                raise ValueError(f"parameter {name_of[p]} appears in more than one of param_groups")
+            seen.add(p)
+        hyper = {k: v for k, v in spec.items() if k != "params"}
+        _check_hyperparams(
+            lr=hyper.get("lr", 0.0), betas=hyper.get("betas", (0.9, 0.999)),
+            eps=hyper.get("eps", 0.0), weight_decay=hyper.get("weight_decay", 0.0),
+        )
+        specs.append({"params": params, **hyper})
+    return specs
+
+
+def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Buffers are small and stay on the compute device, in the compute precision."""
+    for sub in model.modules():
+        for name, buf in sub._buffers.items():
+            if buf is None:
+                continue
+            target = dtype if buf.is_floating_point() else buf.dtype
+            sub._buffers[name] = buf.to(device=device, dtype=target)

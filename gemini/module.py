@@ -1,0 +1,81 @@
+"""`GeminiModel`: the user's module with its parameters in chunks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+if TYPE_CHECKING:
+    from gemini.runtime import GeminiRuntime
+
+__all__ = ["GeminiModel"]
+
+
+class _IncompatibleKeys(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class GeminiModel(nn.Module):
+    """Runs the wrapped module; ``state_dict`` speaks the wrapped module's keys.
+
+    Floating-point inputs are cast to the compute precision (bf16/fp16) on the way in.
+    ``state_dict()`` returns full fp32 values (the masters under bf16/fp16) on the CPU, under
+    the original keys and shapes, so a plain module loads it.
+    """
+
+    def __init__(self, module: nn.Module, runtime: GeminiRuntime) -> None:
+        super().__init__()
+        self.module = module
+        self._runtime = runtime
+        self._compute_dtype = runtime.config.param_dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compute_dtype != torch.float32:
+            cast = lambda t: t.to(self._compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            args, kwargs = tree_map(cast, (args, kwargs))
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        manager = self._runtime.manager
+        out = OrderedDict() if destination is None else destination
+        copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            if isinstance(t, nn.Parameter):
+                if id(t) not in copies:
+                    group, slot = manager.locate(t)
+                    src = group.master if group.master is not None else group.param
+                    copies[id(t)] = src.view(slot).detach().to("cpu", torch.float32, copy=True)
+                out[prefix + key] = copies[id(t)]
+            else:
+                out[prefix + key] = t.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("GeminiModel.load_state_dict(assign=True) is not supported: parameters live in chunks")
+        manager = self._runtime.manager
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) loading state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        with torch.no_grad():
+            for key, t in own.items():
+                if key not in state_dict:
+                    continue
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(t.shape):
+                    raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tuple(t.shape)}")
+                if isinstance(t, nn.Parameter):
+                    group, slot = manager.locate(t)
+                    for chunk in (group.param, group.master):
+                        if chunk is not None:
+                            chunk.write(slot, value)
+                else:
+                    t.copy_(value)
+        return _IncompatibleKeys(missing, unexpected)

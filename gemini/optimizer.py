@@ -1,0 +1,317 @@
+"""`HybridAdam`: Adam/AdamW over chunk groups, each updated on the tier where its states lie."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from chunks import ChunkGroup, Tier
+from gemini.adam import adam_update
+from gemini.loss_scaler import DynamicLossScaler
+from gemini.report import MemoryReport
+
+if TYPE_CHECKING:
+    from gemini.runtime import GeminiRuntime
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HybridAdam"]
+
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
+_CLIP_EPS = 1e-6
+
+
+class HybridAdam(torch.optim.Optimizer):
+    """Adam / AdamW whose parameters, gradients and states live in chunks.
+
+    A ``torch.optim.Optimizer``, so learning-rate schedulers work on ``param_groups``; but
+    the parameters' gradients are kept in gradient chunks (``p.grad`` stays None), and the
+    state lives in the chunk groups rather than ``self.state``. ``state_dict()`` has
+    ``torch.optim.AdamW``'s format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``).
+    """
+
+    def __init__(
+        self,
+        runtime: GeminiRuntime,
+        param_groups: list[dict[str, Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        adamw_mode: bool,
+    ) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(param_groups, defaults)
+        self._rt = runtime
+        self.adamw_mode = adamw_mode
+        cfg = runtime.config
+        self.scaler = (
+            DynamicLossScaler(
+                initial_scale=cfg.initial_scale,
+                min_scale=cfg.min_scale,
+                growth_factor=cfg.growth_factor,
+                backoff_factor=cfg.backoff_factor,
+                growth_interval=cfg.growth_interval,
+                hysteresis=cfg.hysteresis,
+                max_scale=cfg.max_scale,
+            )
+            if cfg.precision == "fp16"
+            else None
+        )
+        self.report: MemoryReport | None = None
+        self.reports_made = 0
+        self._scaled_backwards = 0
+        self._backward_passes_at_step = 0
+        self._step_started = time.perf_counter()
+        # Position of each parameter in the module (clipping visits them in this order).
+        self._param_order = {id(p): i for i, p in enumerate(runtime.module_params)}
+
+    # ------------------------------------------------------------------------------- API
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, with the loss scaled under fp16."""
+        if self.scaler is not None:
+            self._scaled_backwards += 1
+            loss = loss * self.scaler.scale
+        loss.backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the accumulated gradients (the gradient chunks' storage is kept for reuse)."""
+        for group in self._rt.manager.trainable_groups:
+            group.grad_ready = [False] * len(group.slots)
+        for hp in self.param_groups:
+            for p in hp["params"]:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rt = self._rt
+        self._check_fp16_backward()
+        groups = [g for g in rt.manager.trainable_groups if g.any_grad_ready]
+        scale = self.loss_scale
+        with torch.profiler.record_function("gemini::gather_for_step"):
+            tiers = {g.index: rt.placement.before_step(g) for g in groups}
+        norm = None
+        if rt.config.clip_grad_norm > 0 or self.scaler is not None:
+            with torch.profiler.record_function("gemini::grad_norm"):
+                norm = self._global_grad_norm(groups, tiers) / scale
+        overflow = self.scaler is not None and not math.isfinite(norm.item())
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
+        if overflow:
+            logger.info("fp16 overflow at step %d: step skipped, loss scale now %s", self.reports_made, self.loss_scale)
+        else:
+            clip_coef = None
+            clip = rt.config.clip_grad_norm
+            if clip > 0:
+                # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, so results match it.
+                clip_coef = torch.clamp(clip / (norm + _CLIP_EPS), max=1.0)
+                if clip_coef.item() == 1.0:
+                    clip_coef = None
+            seconds = self._update(groups, tiers, scale, clip_coef)
+            with torch.profiler.record_function("gemini::params_from_masters"):
+                for g in groups:
+                    rt.placement.after_step(g)
+        self._finish_report(skipped=overflow, grad_norm=None if norm is None else norm.item(), seconds=seconds, scale=scale)
+        return loss
+
+    # ------------------------------------------------------------------------- internals
+    def _check_fp16_backward(self) -> None:
+        passes = self._rt.hooks.backward_passes - self._backward_passes_at_step
+        self._backward_passes_at_step = self._rt.hooks.backward_passes
+        scaled, self._scaled_backwards = self._scaled_backwards, 0
+        if self.scaler is not None and passes != scaled:
+            raise RuntimeError(
+                f"precision='fp16' needs optimizer.backward(loss) so the loss is scaled; "
+                f"{passes} backward pass(es) ran since the last step, {scaled} through optimizer.backward"
+            )
+
+    def _global_grad_norm(self, groups: list[ChunkGroup], tiers: dict[int, Tier]) -> torch.Tensor:
+        """L2 norm (fp32, on the CPU) of every gradient that arrived since zero_grad, as stored.
+
+        [Note: clipping like torch]
+        torch.nn.utils.clip_grad_norm_ takes one norm per parameter, in the model's parameter
+        order, and the norm of those. Doing the same (rather than one norm per chunk) costs
+        nothing extra and keeps results bit-identical to plain PyTorch: gradients that are
+        rounding noise (a key projection's bias has a zero gradient in exact arithmetic) would
+        otherwise differ in every bit and Adam would amplify the difference.
+        """
+        views: list[tuple[int, torch.Tensor]] = []
+        for g in groups:
+            tier = tiers[g.index]
+            for slot in g.slots:
+                if g.grad_ready[slot.index]:
+                    views.append((self._param_order[id(g.params[slot.index])], g.grad.flat_view(slot, tier)))
+        if not views:
+            return torch.zeros((), dtype=torch.float32)
+        views.sort(key=lambda t: t[0])
+        norms = torch._foreach_norm([v for _, v in views], 2.0, dtype=torch.float32)
+        return torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))
+
+    def _update(
+        self, groups: list[ChunkGroup], tiers: dict[int, Tier], loss_scale: float, clip_coef: torch.Tensor | None
+    ) -> dict[Tier, float]:
+        """Adam on every group with gradients, one fused call per (tier, param group)."""
+        batches: dict[tuple[Tier, int], list[ChunkGroup]] = defaultdict(list)
+        for g in groups:
+            batches[(tiers[g.index], g.param_group)].append(g)
+        seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
+        for (tier, pg), members in batches.items():
+            hp = self.param_groups[pg]
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            whole = []  # groups updated as one flat tensor: their step counts are re-synced
+            for g in members:
+                master, m, v = g.optimizer_chunks
+                if g.all_grads_ready and g.steps_uniform:
+                    whole.append(g)
+                    views = [(c.used(tier)) for c in (master, g.grad, m, v)]
+                    steps.append(g.steps[0])
+                else:
+                    ready = [s for s in g.slots if g.grad_ready[s.index]]
+                    views = [[c.flat_view(s, tier) for s in ready] for c in (master, g.grad, m, v)]
+                    steps.extend(g.steps[s.index] for s in ready)
+                    g.steps_uniform = False
+                for out, got in zip((params, grads, exp_avgs, exp_avg_sqs), views):
+                    out.extend(got if isinstance(got, list) else [got])
+            grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
+            device = self._rt.storage.tier_device(tier)
+            if clip_coef is not None:
+                torch._foreach_mul_(grads, clip_coef.to(device))
+            grad_scale = None if loss_scale == 1.0 else torch.tensor(loss_scale, dtype=torch.float32, device=device)
+            beta1, beta2 = hp["betas"]
+            start = time.perf_counter()
+            with torch.profiler.record_function(f"gemini::adam_{tier.value}"):
+                adam_update(
+                    params, grads, exp_avgs, exp_avg_sqs, steps,
+                    lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"],
+                    weight_decay=hp["weight_decay"], decoupled_weight_decay=self.adamw_mode,
+                    grad_scale=grad_scale,
+                )
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            seconds[tier] += time.perf_counter() - start
+            for g in whole:
+                g.steps[1:].copy_(g.steps[:1].expand(len(g.slots) - 1))
+            for g in members:
+                if not g.steps_uniform:
+                    g.steps_uniform = bool((g.steps == g.steps[0]).all())
+        return seconds
+
+    def _finish_report(self, *, skipped: bool, grad_norm: float | None, seconds: dict[Tier, float], scale: float) -> None:
+        rt = self._rt
+        now = time.perf_counter()
+        storage = rt.storage
+        report = MemoryReport(
+            step=self.reports_made,
+            device_peak_bytes=rt.device_peak_bytes(),
+            device_model_bytes=storage.bytes_on(Tier.DEVICE),
+            device_non_model_peak_bytes=rt.device_non_model_peak_bytes(),
+            host_model_bytes=storage.bytes_on(Tier.HOST),
+            nvme_bytes=0,
+            h2d_bytes=storage.transfers.h2d_bytes,
+            d2h_bytes=storage.transfers.d2h_bytes,
+            nvme_read_bytes=0,
+            nvme_write_bytes=0,
+            chunks_on_device=sum(c.is_on(Tier.DEVICE) for c in rt.manager.chunks()),
+            os_chunks_on_device=sum(g.exp_avg.is_on(Tier.DEVICE) for g in rt.manager.trainable_groups),
+            step_seconds=now - self._step_started,
+            transfer_seconds=storage.transfers.seconds,
+            optimizer_cpu_seconds=seconds[Tier.HOST],
+            optimizer_device_seconds=seconds[Tier.DEVICE],
+            skipped=skipped,
+            loss_scale=scale,
+            device_model_peak_bytes=storage.stats[Tier.DEVICE].peak_bytes,
+            device_budget_bytes=rt.config.device_memory,
+            grad_norm=grad_norm,
+            host_rss_bytes=psutil.Process().memory_info().rss,
+        )
+        self.report = report
+        self.reports_made += 1
+        if rt.report_writer is not None:
+            rt.report_writer.write(report)
+        rt.start_new_step()
+        self._step_started = time.perf_counter()
+
+    # ------------------------------------------------------------------------ checkpoints
+    def _param_index(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(p for hp in self.param_groups for p in hp["params"])}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's format: per-parameter step / exp_avg / exp_avg_sq, on the CPU."""
+        index = self._param_index()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for g in self._rt.manager.trainable_groups:
+            steps = g.steps.cpu()
+            for slot, p in zip(g.slots, g.params):
+                if steps[slot.index] == 0:
+                    continue  # torch creates state at a parameter's first step
+                state[index[id(p)]] = {
+                    "step": steps[slot.index].clone(),
+                    "exp_avg": g.exp_avg.view(slot).detach().cpu().clone(),
+                    "exp_avg_sq": g.exp_avg_sq.view(slot).detach().cpu().clone(),
+                }
+        groups = []
+        for hp in self.param_groups:
+            entry = {k: v for k, v in hp.items() if k != "params"}
+            entry["params"] = [index[id(p)] for p in hp["params"]]
+            groups.append(entry)
+        extra = {"precision": self._rt.config.precision, "adamw_mode": self.adamw_mode}
+        if self.scaler is not None:
+            extra["loss_scaler"] = self.scaler.state_dict()
+        return {"state": state, "param_groups": groups, "gemini": extra}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}"
+            )
+        for i, (saved, hp) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(hp["params"]):
+                raise ValueError(
+                    f"param group {i}: the state has {len(saved['params'])} parameters, this optimizer {len(hp['params'])}"
+                )
+        saved_index = {}
+        for saved, hp in zip(saved_groups, self.param_groups):
+            for saved_i, p in zip(saved["params"], hp["params"]):
+                saved_index[id(p)] = saved_i
+        state = state_dict["state"]
+        with torch.no_grad():
+            for g in self._rt.manager.trainable_groups:
+                for slot, p in zip(g.slots, g.params):
+                    entry = state.get(saved_index[id(p)])
+                    if entry is None:
+                        g.steps[slot.index] = 0.0
+                        g.exp_avg.write(slot, torch.zeros(slot.shape))
+                        g.exp_avg_sq.write(slot, torch.zeros(slot.shape))
+                        continue
+                    if tuple(entry["exp_avg"].shape) != tuple(slot.shape):
+                        raise ValueError(
+                            f"state for {slot.name}: exp_avg shape {tuple(entry['exp_avg'].shape)} != parameter shape {tuple(slot.shape)}"
+                        )
+                    g.steps[slot.index] = float(entry["step"])
+                    g.exp_avg.write(slot, entry["exp_avg"])
+                    g.exp_avg_sq.write(slot, entry["exp_avg_sq"])
+                g.steps_uniform = bool((g.steps == g.steps[0]).all())
+        for saved, hp in zip(saved_groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    hp[k] = tuple(v) if k == "betas" else v
+        extra = state_dict.get("gemini", {})
+        if self.scaler is not None and "loss_scaler" in extra:
+            self.scaler.load_state_dict(extra["loss_scaler"])
