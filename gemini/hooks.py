@@ -33,10 +33,15 @@ class ModuleHooks:
         self._backward_queued = False
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
+        # Registered first, so the root's pre-hook runs before (and its post-hook before)
+        # the root's own chunk hooks.
+        self._handles.append(module.register_forward_pre_hook(lambda m, a: placement.begin_forward()))
+        self._handles.append(module.register_forward_hook(lambda m, a, o: placement.end_forward()))
         for sub in module.modules():
             groups = manager.groups_of(sub.parameters(recurse=False))
             if not groups:
                 continue
+            placement.count_uses(groups)
             self._handles.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
             self._handles.append(sub.register_forward_hook(functools.partial(self._post_forward, groups)))
         for group in manager.trainable_groups:

@@ -35,6 +35,15 @@ class PlacementPolicy:
         self.manager = manager
         self._compute_refs: dict[int, int] = {}
         self._fetched_for_backward: set[int] = set()
+        # Modules that use each chunk group in one forward pass, and (inside a forward pass
+        # of the root module) how many of them have yet to run. See [Note: one fetch per pass].
+        self._uses_per_forward: dict[int, int] = {}
+        self._uses_left: dict[int, int] | None = None
+
+    def count_uses(self, groups: Iterable[ChunkGroup]) -> None:
+        """Record that one module uses ``groups`` in each forward pass."""
+        for g in groups:
+            self._uses_per_forward[g.index] = self._uses_per_forward.get(g.index, 0) + 1
 
     # ------------------------------------------------------------------ decided per policy
     def initial_tier(self, kind: ChunkKind) -> Tier:
@@ -52,6 +61,21 @@ class PlacementPolicy:
         return self.optimizer_tier(group) is Tier.DEVICE
 
     # ------------------------------------------------------------------------ forward pass
+    # [Note: one fetch per pass]
+    # A chunk holds the parameters of several consecutive modules (and a tied weight is used
+    # by two). Dropping its device copy after each module would fetch it again for the next
+    # one; instead, inside a forward pass of the root module, a fetched chunk stays until the
+    # last module using it has run, so each param chunk crosses to the device once per pass.
+    def begin_forward(self) -> None:
+        self._uses_left = dict(self._uses_per_forward)
+
+    def end_forward(self) -> None:
+        """The root module's forward is over: drop what modules that did not run left behind."""
+        self._uses_left = None
+        for g in self.manager.groups:
+            if self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
+                self._maybe_drop_params(g)
+
     def before_compute(self, groups: Iterable[ChunkGroup]) -> None:
         for g in groups:
             self._compute_refs[g.index] = self._compute_refs.get(g.index, 0) + 1
@@ -62,6 +86,10 @@ class PlacementPolicy:
             refs = self._compute_refs[g.index] - 1
             assert refs >= 0, f"chunk group {g.index} released more often than accessed"
             self._compute_refs[g.index] = refs
+            if self._uses_left is not None:
+                self._uses_left[g.index] = self._uses_left.get(g.index, 0) - 1
+                if self._uses_left[g.index] > 0:
+                    continue
             if refs == 0 and g.index not in self._fetched_for_backward:
                 self._maybe_drop_params(g)
 

@@ -1,0 +1,129 @@
+"""Chunk state machine, byte accounting, layout, and the chunk-size search."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from chunks import Chunk, ChunkKind, ChunkManager, ChunkState, ChunkStorage, TensorSlot, Tier, plan_layout, search_chunk_size
+from chunks.search import default_search_range, waste_for
+
+
+def _chunk(storage, capacity=16, dtype=torch.float32):
+    slots = (TensorSlot(0, 0, 6, torch.Size([2, 3]), "a"), TensorSlot(1, 6, 4, torch.Size([4]), "b"))
+    return Chunk(index=0, kind=ChunkKind.PARAM, capacity=capacity, dtype=dtype, storage=storage, slots=slots)
+
+
+def test_moves_copy_real_bytes_and_count_them():
+    storage = ChunkStorage(torch.device("cpu"))
+    c = _chunk(storage)
+    assert c.state is ChunkState.RELEASED and storage.bytes_on(Tier.HOST) == 0
+    c.allocate(Tier.HOST)
+    c.payload(Tier.HOST)[:10] = torch.arange(10.0)
+    assert storage.bytes_on(Tier.HOST) == 64 and c.nbytes == 64
+    c.fetch(keep_host=True)
+    assert c.state is ChunkState.HOST_AND_DEVICE
+    host, dev = c.payload(Tier.HOST), c.payload(Tier.DEVICE)
+    assert host.data_ptr() != dev.data_ptr()  # a real second buffer, even on the CPU stand-in
+    assert torch.equal(host, dev)
+    assert storage.bytes_on(Tier.DEVICE) == 64 and storage.transfers.h2d_bytes == 64
+    c.drop_device_copy()  # clean copy: no bytes move back
+    assert c.state is ChunkState.HOST and storage.transfers.d2h_bytes == 0 and storage.bytes_on(Tier.DEVICE) == 0
+    c.move_to(Tier.DEVICE)
+    assert c.state is ChunkState.DEVICE and storage.bytes_on(Tier.HOST) == 0
+    c.payload(Tier.DEVICE)[0] = 42.0  # written on the device...
+    c.offload()  # ...so it must be copied back
+    assert c.state is ChunkState.HOST and storage.transfers.d2h_bytes == 64
+    assert c.view(c.slots[0])[0, 0].item() == 42.0
+    assert torch.equal(c.view(c.slots[1]), torch.arange(6.0, 10.0))
+    assert storage.stats[Tier.DEVICE].peak_bytes == 64 and storage.stats[Tier.HOST].peak_bytes == 64
+    c.release()
+    assert c.state is ChunkState.RELEASED and storage.bytes_on(Tier.HOST) == 0
+
+
+def test_invalid_transitions_raise_with_state():
+    storage = ChunkStorage(torch.device("cpu"))
+    c = _chunk(storage)
+    with pytest.raises(RuntimeError, match=r"is ChunkState.RELEASED, expected one of \['HOST'\]"):
+        c.fetch(keep_host=True)
+    c.allocate(Tier.HOST)
+    with pytest.raises(RuntimeError, match="expected one of"):
+        c.allocate(Tier.DEVICE)
+    with pytest.raises(RuntimeError, match="expected one of"):
+        c.drop_device_copy()
+    with pytest.raises(RuntimeError, match="no device copy"):
+        c.payload(Tier.DEVICE)
+
+
+def test_write_keeps_both_copies_identical():
+    storage = ChunkStorage(torch.device("cpu"))
+    c = _chunk(storage)
+    c.allocate(Tier.HOST)
+    c.fetch(keep_host=True)
+    c.write(c.slots[1], torch.full((4,), 7.0))
+    assert torch.equal(c.view(c.slots[1], Tier.HOST), c.view(c.slots[1], Tier.DEVICE))
+
+
+def test_manager_params_are_views_and_follow_moves():
+    storage = ChunkStorage(torch.device("cpu"))
+    lin = nn.Linear(3, 4)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    mgr = ChunkManager(storage, chunk_size=100)
+    mgr.register([[("weight", lin.weight), ("bias", lin.bias)]], [], initial_tier=lambda kind: Tier.HOST)
+    (group,) = mgr.groups
+    assert torch.equal(lin.weight, w0) and torch.equal(lin.bias, b0)
+    assert lin.weight.data_ptr() == group.param.payload(Tier.HOST).data_ptr()
+    group.param.fetch(keep_host=True)
+    assert lin.weight.data_ptr() == group.param.payload(Tier.DEVICE).data_ptr()
+    group.param.drop_device_copy()
+    assert lin.bias.data_ptr() == group.param.payload(Tier.HOST).data_ptr() + 12 * 4
+    # Each flavour of the chunk is counted once on its tier: param 100, m 100, v 100 floats.
+    assert storage.bytes_on(Tier.HOST) == 3 * 100 * 4
+    assert mgr.bytes_by_kind(Tier.HOST)[ChunkKind.PARAM] == 400
+
+
+def test_plan_layout_next_fit_and_oversized():
+    assert plan_layout([3, 3, 3, 10, 2, 5], 6) == [[0, 1], [2], [3], [4], [5]]
+    assert plan_layout([6, 6], 6) == [[0], [1]]
+    assert plan_layout([1, 2, 3], 6) == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="chunk_size"):
+        plan_layout([1], 0)
+
+
+def _real_waste(groups, size):
+    """Independent reference: build real chunks with a ChunkManager and count padding."""
+    storage = ChunkStorage(torch.device("cpu"))
+    mgr = ChunkManager(storage, chunk_size=size)
+    named = [[(f"g{gi}p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate(g)] for gi, g in enumerate(groups)]
+    mgr.register(named, [], initial_tier=lambda kind: Tier.HOST)
+    return sum(g.param.capacity - g.param.used_numel for g in mgr.groups)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_finds_the_brute_force_optimum(seed):
+    rng = random.Random(seed)
+    groups = [[rng.randint(1, 40) for _ in range(rng.randint(1, 7))] for _ in range(rng.randint(1, 3))]
+    lo, hi = max(max(g) for g in groups), max(max(g) for g in groups) + 60
+    brute = {size: _real_waste(groups, size) for size in range(lo, hi + 1)}
+    best = min(brute.values())
+    found = search_chunk_size(groups, min_size=lo, max_size=hi, step=1)
+    assert found.waste == best == brute[found.chunk_size]
+    assert found.chunk_size == min(s for s, w in brute.items() if w == best)  # ties: the smallest size
+    assert found.candidates == hi - lo + 1
+
+
+def test_waste_counts_oversized_tensors_as_exact():
+    assert waste_for([[10]], 4) == (0, 1)
+    assert waste_for([[3, 10, 3]], 4) == (2, 3)
+
+
+def test_default_range_sets_outliers_aside_and_keeps_several_chunks():
+    sizes = [[1000] * 64 + [10_000_000]]
+    lo, hi = default_search_range(sizes)
+    assert lo == 1024  # the 10M embedding is an outlier: it gets its own chunk
+    assert hi >= lo
+    found = search_chunk_size(sizes)
+    assert lo <= found.chunk_size <= hi
