@@ -1,0 +1,187 @@
+"""Period boundaries of a module tree: where one period of an iteration ends and the next begins.
+
+A new period begins
+
+- before each module's forward (its forward pre-hook), in the forward pass;
+- before each module's backward: when the first gradient of any of its outputs is ready
+  (a multi-grad hook, mode "any", put on the outputs by the module's forward hook);
+- before each module's forward when it runs again inside the autograd engine, which is
+  activation checkpointing's re-forward (``torch.utils.checkpoint``, non-reentrant).
+
+The runtime tracer measures these periods during warm-up; the engine can install the same
+hooks in later iterations to count periods in step with the trace.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Boundary", "PeriodHooks", "Phase", "in_autograd_engine"]
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"  # a forward re-run inside backward (activation checkpointing)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Boundary:
+    """The start of a period: which module's forward, backward or recompute begins."""
+
+    phase: Phase
+    module_name: str
+    module: nn.Module = field(compare=False, repr=False)
+
+
+def in_autograd_engine() -> bool:
+    """Whether this thread is running a graph task of the autograd engine (a backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(eq=False)
+class _GradHook:
+    """One multi-grad hook on a forward's outputs, announcing one or more backward periods."""
+
+    handle: RemovableHandle
+    outputs: tuple[weakref.ref, ...]
+    announces: tuple[tuple[str, nn.Module], ...]  # (module name, module), outermost first
+
+    def guards(self, outputs: list[torch.Tensor]) -> bool:
+        """Whether this hook sits on exactly these tensors (not on dead ones whose ids were reused)."""
+        return len(outputs) == len(self.outputs) and all(r() is t for r, t in zip(self.outputs, outputs))
+
+
+class PeriodHooks:
+    """Calls ``on_boundary(Boundary)`` at every period boundary of ``module`` and its children.
+
+    ``install()`` registers the hooks (before any hook already there, so that at a shared
+    boundary the period changes before other hooks of the same module act, such as an
+    engine making chunks resident); ``remove()`` takes every one of them off again. Also a
+    context manager. No forward method is replaced.
+    """
+
+    def __init__(self, module: nn.Module, on_boundary: Callable[[Boundary], None]) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not callable(on_boundary):
+            raise TypeError(f"on_boundary must be callable, got {type(on_boundary).__name__} {on_boundary!r}")
+        self._module = module
+        self._on_boundary = on_boundary
+        self._module_handles: list[RemovableHandle] = []
+        # Live multi-grad hooks by id(handle); see [Note: pruning grad hooks].
+        self._grad_hooks: dict[int, _GradHook] = {}
+        self._fired_ids: list[int] = []
+        # This forward's hooks by the ids of the outputs they sit on; see [Note: shared outputs].
+        self._by_outputs: dict[tuple[int, ...], int] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._module_handles)
+
+    def install(self) -> None:
+        if self.installed:
+            raise RuntimeError(f"PeriodHooks on {type(self._module).__name__} are already installed")
+        # named_modules() drops duplicates: a module reachable under two names is hooked
+        # once and reported under its first name.
+        for name, mod in self._module.named_modules():
+            self._module_handles.append(
+                mod.register_forward_pre_hook(functools.partial(self._forward_pre, name), prepend=True)
+            )
+            self._module_handles.append(
+                mod.register_forward_hook(functools.partial(self._forward_post, name), prepend=True)
+            )
+        logger.debug("period hooks on %d modules of %s", len(self._module_handles) // 2, type(self._module).__name__)
+
+    def remove(self) -> None:
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles.clear()
+        for hook in self._grad_hooks.values():
+            hook.handle.remove()
+        self._grad_hooks.clear()
+        self._fired_ids.clear()
+        self._by_outputs.clear()
+
+    def __enter__(self) -> PeriodHooks:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _forward_pre(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        phase = Phase.RECOMPUTE if in_autograd_engine() else Phase.FORWARD
+        if phase is Phase.FORWARD and module is self._module:
+            self._by_outputs.clear()  # a new forward: no output of the last one is shared
+        self._on_boundary(Boundary(phase=phase, module_name=name, module=module))
+
+    # [Note: shared outputs]
+    # A module that returns its child's output unchanged (a Sequential and its last layer,
+    # a model and its head, an attention block and its output projection) puts its hook on
+    # the very tensor its child hooked a moment earlier. Hooks on one tensor run in
+    # registration order, child first, so the parent's backward period would begin after
+    # the child's and swallow the child's backward: its chunks would look unused while
+    # they are being used. So the parent takes the child's hook over: the old one is
+    # removed and one hook announces the parent, then the child. Outputs that only partly
+    # overlap keep separate hooks (and the child-first order).
+
+    def _forward_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # A recomputed forward's outputs only feed the saved tensors of the original graph;
+        # their gradients are never computed, so there is no backward to announce.
+        if in_autograd_engine() or not torch.is_grad_enabled():
+            return
+        self._prune_fired()
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            return
+        key = tuple(id(t) for t in outputs)
+        announces: tuple[tuple[str, nn.Module], ...] = ((name, module),)
+        inner = self._grad_hooks.get(self._by_outputs.get(key, -1))
+        if inner is not None and inner.guards(outputs):
+            inner.handle.remove()
+            del self._grad_hooks[id(inner.handle)]
+            announces += inner.announces
+        box: list[int] = []
+        handle = torch.autograd.graph.register_multi_grad_hook(
+            outputs, functools.partial(self._backward_pre, box, announces), mode="any"
+        )
+        box.append(id(handle))
+        self._grad_hooks[id(handle)] = _GradHook(
+            handle=handle, outputs=tuple(weakref.ref(t) for t in outputs), announces=announces
+        )
+        self._by_outputs[key] = id(handle)
+
+    def _backward_pre(
+        self, box: list[int], announces: tuple[tuple[str, nn.Module], ...], grad: torch.Tensor
+    ) -> None:
+        self._fired_ids.append(box[0])
+        for name, module in announces:
+            self._on_boundary(Boundary(phase=Phase.BACKWARD, module_name=name, module=module))
+
+    # [Note: pruning grad hooks]
+    # Every forward puts a multi-grad hook on its outputs. Kept forever, their handles would
+    # pile up when the hooks stay installed across iterations; removed inside the hook, they
+    # would mutate the tensor's hook dict while autograd iterates over it. So a hook that
+    # has fired is removed at the next module forward outside backward. A retained graph
+    # backwarded again before that announces its backward boundaries again (a real
+    # backward); after it, it does not.
+    def _prune_fired(self) -> None:
+        for hid in self._fired_ids:
+            hook = self._grad_hooks.pop(hid, None)
+            if hook is not None:
+                hook.handle.remove()
+        self._fired_ids.clear()
