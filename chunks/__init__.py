@@ -3,7 +3,7 @@
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
 from chunks.manager import ChunkGroup, ChunkManager, plan_layout
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
-from chunks.storage import ChunkStorage, Tier
+from chunks.storage import ChunkStorage, HostObserver, Tier
 
 __all__ = [
     "Chunk",
@@ -13,6 +13,7 @@ __all__ = [
     "ChunkSizeSearch",
     "ChunkState",
     "ChunkStorage",
+    "HostObserver",
     "TensorSlot",
     "Tier",
     "default_search_range",

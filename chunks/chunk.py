@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,17 @@ class ChunkState(enum.Enum):
     HOST = "host"
     DEVICE = "device"
     HOST_AND_DEVICE = "host_and_device"
+
+
+def _move(method):
+    """Run a move inside the storage's move context (allocation, copy, free and re-point)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Chunk, *args, **kwargs):
+        with self._storage.move_context():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -149,12 +161,14 @@ class Chunk:
         if self.on_move is not None:
             self.on_move(self)
 
+    @_move
     def allocate(self, tier: Tier, *, zero: bool = True) -> None:
         """RELEASED -> HOST or DEVICE: a fresh (zeroed) payload."""
         self._expect(ChunkState.RELEASED)
         self._copies[tier] = self._storage.alloc(tier, self.capacity, self.dtype, zero=zero)
         self._set_state()
 
+    @_move
     def fetch(self, *, keep_host: bool) -> None:
         """HOST -> HOST_AND_DEVICE (``keep_host``) or DEVICE: copy to the device.
 
@@ -168,6 +182,7 @@ class Chunk:
             self._drop(Tier.HOST)
         self._set_state()
 
+    @_move
     def offload(self) -> None:
         """DEVICE -> HOST (copy back) or HOST_AND_DEVICE -> HOST (the host copy is current)."""
         self._expect(ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE)
@@ -178,12 +193,14 @@ class Chunk:
         self._drop(Tier.DEVICE)
         self._set_state()
 
+    @_move
     def drop_host_copy(self) -> None:
         """HOST_AND_DEVICE -> DEVICE: the device copy is about to be written."""
         self._expect(ChunkState.HOST_AND_DEVICE)
         self._drop(Tier.HOST)
         self._set_state()
 
+    @_move
     def drop_device_copy(self) -> None:
         """HOST_AND_DEVICE -> HOST: the host copy is about to be written, or the device needs room."""
         self._expect(ChunkState.HOST_AND_DEVICE)
@@ -205,6 +222,7 @@ class Chunk:
             else:
                 self._expect(ChunkState.HOST)
 
+    @_move
     def release(self) -> None:
         """Any state -> RELEASED: free every copy."""
         for tier in list(self._copies):

@@ -8,16 +8,19 @@ sums of what really happened, never estimates.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tier", "TierStats", "ChunkStorage"]
+__all__ = ["Tier", "TierStats", "ChunkStorage", "HostObserver"]
 
 
 class Tier(enum.Enum):
@@ -57,6 +60,18 @@ class TransferStats:
 
 
 @dataclass
+class HostObserver:
+    """Lets a device-memory monitor ignore host payloads when the CPU stands in for the device.
+
+    ``quiet()`` is entered around host allocations so the monitor never counts them, and
+    ``exclude(payload)`` tells it to ignore the new payload whenever operators touch it.
+    """
+
+    quiet: Callable[[], AbstractContextManager]
+    exclude: Callable[[torch.Tensor], None]
+
+
+@dataclass
 class ChunkStorage:
     """Allocator and ledger for chunk payloads on the device and host tiers.
 
@@ -69,6 +84,10 @@ class ChunkStorage:
     pin_host: bool = False
     stats: dict[Tier, TierStats] = field(default_factory=lambda: {t: TierStats() for t in Tier})
     transfers: TransferStats = field(default_factory=TransferStats)
+    host_observer: HostObserver | None = None
+    # Called around every move of chunk data onto or off the device (the warm-up tracer
+    # splits its measuring intervals there).
+    move_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -88,7 +107,12 @@ class ChunkStorage:
         """A new 1-D payload of ``numel`` elements on ``tier``, counted at once."""
         pin = self.pin_host and tier is Tier.HOST
         make = torch.zeros if zero else torch.empty
-        payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
+        if tier is Tier.HOST and self.host_observer is not None:
+            with self.host_observer.quiet():
+                payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
+            self.host_observer.exclude(payload)
+        else:
+            payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
         self.stats[tier].add(payload.numel() * payload.element_size())
         return payload
 
@@ -107,7 +131,7 @@ class ChunkStorage:
         """Copy ``payload`` into ``out`` across tiers, counting the bytes moved."""
         nbytes = payload.numel() * payload.element_size()
         start = time.perf_counter()
-        with torch.profiler.record_function("gemini::transfer"):
+        with torch.profiler.record_function("gemini::transfer"), self.move_context():
             if self._copy_stream is not None and dst is Tier.DEVICE and src is Tier.HOST:
                 # Host-to-device on the side stream; compute waits on it before using `out`.
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))

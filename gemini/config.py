@@ -47,6 +47,14 @@ class GeminiConfig:
     """Share of the margin (budget - peak non-model - peak working set) given to optimizer-state
     chunks updated on the device, in [0, 1]."""
 
+    static_param_device_fraction: float = 1.0
+    """placement="static": share of parameter chunk groups (the first ones) kept on the device
+    for good; the others visit it for compute, in [0, 1]."""
+
+    static_optimizer_offload_fraction: float = 0.0
+    """placement="static": share of optimizer-state chunk groups (the last ones) kept on the host
+    and updated by CPU Adam; the others live and update on the device, in [0, 1]."""
+
     cpu_memory: int | str | None = None
     """Host budget for optimizer-state chunks (bytes or "8GiB"); beyond it they go to NVMe."""
 
@@ -107,7 +115,8 @@ class GeminiConfig:
             if nbytes <= 0:
                 _fail(name, value, "a positive size")
             setattr(self, name, nbytes)
-        for name in ("gpu_margin_mem_ratio", "nvme_offload_fraction"):
+        for name in ("gpu_margin_mem_ratio", "nvme_offload_fraction", "static_param_device_fraction",
+                     "static_optimizer_offload_fraction"):
             self._check_fraction(name)
         if self.nvme_offload_fraction > 0 and self.nvme_dir is None:
             _fail("nvme_dir", None, "a folder when nvme_offload_fraction > 0")

@@ -8,14 +8,17 @@ the end of each backward pass.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup, ChunkManager
+from gemini.memory import DeviceBudgetError
 from gemini.placement import PlacementPolicy
 
 logger = logging.getLogger(__name__)
@@ -26,16 +29,25 @@ __all__ = ["ModuleHooks"]
 class ModuleHooks:
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
-    def __init__(self, module: nn.Module, manager: ChunkManager, placement: PlacementPolicy) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        manager: ChunkManager,
+        placement: PlacementPolicy,
+        *,
+        on_root_forward: Callable[[], None],
+        on_budget_error: Callable[[], None],
+    ) -> None:
         self.manager = manager
         self.placement = placement
+        self._on_budget_error = on_budget_error
         self._handles: list = []
         self._backward_queued = False
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
         # Registered first, so the root's pre-hook runs before (and its post-hook before)
         # the root's own chunk hooks.
-        self._handles.append(module.register_forward_pre_hook(lambda m, a: placement.begin_forward()))
+        self._handles.append(module.register_forward_pre_hook(lambda m, a: on_root_forward()))
         self._handles.append(module.register_forward_hook(lambda m, a, o: placement.end_forward()))
         for sub in module.modules():
             groups = manager.groups_of(sub.parameters(recurse=False))
@@ -54,9 +66,18 @@ class ModuleHooks:
             h.remove()
         self._handles.clear()
 
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        with torch.profiler.record_function(name):
+            try:
+                yield
+            except DeviceBudgetError:
+                self._on_budget_error()
+                raise
+
     # --------------------------------------------------------------------------- forward
     def _pre_forward(self, groups: list[ChunkGroup], module: nn.Module, args) -> None:
-        with torch.profiler.record_function("gemini::pre_forward"):
+        with self._phase("gemini::pre_forward"):
             self.placement.before_compute(groups)
 
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):
@@ -72,7 +93,7 @@ class ModuleHooks:
 
     # -------------------------------------------------------------------------- backward
     def _pre_backward(self, groups: list[ChunkGroup], grad) -> None:
-        with torch.profiler.record_function("gemini::pre_backward"):
+        with self._phase("gemini::pre_backward"):
             if not self._backward_queued:
                 self._backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -80,7 +101,7 @@ class ModuleHooks:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
-        with torch.profiler.record_function("gemini::grad_to_chunk"):
+        with self._phase("gemini::grad_to_chunk"):
             group, slot = self.manager.locate(param)
             grad = self.placement.grad_buffer(group)
             dst = grad.flat_view(slot)

@@ -13,9 +13,10 @@ from torch import nn
 from chunks import ChunkManager, ChunkStorage, plan_layout, search_chunk_size
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
+from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
 from gemini.optimizer import HybridAdam
-from gemini.placement import make_placement
+from gemini.placement import StaticPlacement, make_placement
 from gemini.report import ReportWriter
 from gemini.runtime import GeminiRuntime
 
@@ -67,14 +68,25 @@ def initialize(
                     found.chunk_size, found.n_chunks, found.waste, found.candidates)
     _check_device_budget(config, numels, chunk_size)
 
-    storage = ChunkStorage(device, pin_host=True)
+    # The device is measured on CUDA always (the allocator's counters cost nothing) and on
+    # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
+    memory = DeviceMemory(device, config.device_memory, measure=config.device_memory is not None)
+    fixed_bytes = _move_buffers(model, device, config.param_dtype)
+    storage = ChunkStorage(device, pin_host=True, host_observer=memory.host_observer())
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype)
-    placement = make_placement(config.placement, manager)
+    placement = make_placement(config, manager, memory=memory, fixed_bytes=fixed_bytes)
     manager.register(named_groups, frozen, initial_tier=placement.initial_tier)
-    _move_buffers(model, device, config.param_dtype)
-    hooks = ModuleHooks(model, manager, placement)
+    if isinstance(placement, StaticPlacement) and config.device_memory is not None:
+        _check_static_budget(placement, config.device_memory - fixed_bytes)
+    placement.setup()
     writer = ReportWriter(config.report_path) if config.report_path is not None else None
-    runtime = GeminiRuntime(config, device, storage, manager, placement, hooks, tuple(model.parameters()), writer)
+    runtime = GeminiRuntime(
+        config=config, device=device, storage=storage, manager=manager, placement=placement, memory=memory,
+        module=model, module_params=tuple(model.parameters()), fixed_bytes=fixed_bytes, report_writer=writer,
+    )
+    runtime.hooks = ModuleHooks(
+        model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window
+    )
     wrapped = GeminiModel(model, runtime)
     optimizer = HybridAdam(
         runtime, torch_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode
@@ -101,12 +113,15 @@ def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
 def _check_supported(config: GeminiConfig) -> None:
     """Fields of the contract whose machinery is not in this build fail loudly, never silently."""
     pending = {
-        "placement": (config.placement in ("auto", "static"), "'cuda' or 'cpu' (auto/static come with the runtime tracer)"),
         "cpu_memory": (config.cpu_memory is not None, "None (NVMe offload of optimizer states is not built yet)"),
         "nvme_dir": (config.nvme_dir is not None, "None (NVMe offload of optimizer states is not built yet)"),
-        "gpu_margin_mem_ratio": (config.gpu_margin_mem_ratio != 0.0, "0.0 (the margin needs placement='auto')"),
         "process_group": (config.process_group is not None, "None (ZeRO sharding across ranks is not built yet)"),
     }
+    if config.gpu_margin_mem_ratio != 0.0 and config.placement != "auto":
+        raise ValueError(
+            f"GeminiConfig.gpu_margin_mem_ratio={config.gpu_margin_mem_ratio} needs placement='auto' "
+            f"(placement={config.placement!r} has no margin); use 0.0 or placement='auto'"
+        )
     for name, (bad, accepted) in pending.items():
         if bad:
             raise NotImplementedError(
@@ -132,6 +147,18 @@ def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_si
             f"placement='cuda' needs {need} bytes of chunks on the device but "
             f"GeminiConfig.device_memory={config.device_memory}: {need - config.device_memory} bytes are missing; "
             f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size"
+        )
+
+
+def _check_static_budget(placement: StaticPlacement, budget_bytes: int) -> None:
+    pinned = placement.pinned_bytes()
+    if pinned > budget_bytes:
+        missing = pinned - budget_bytes
+        raise DeviceBudgetError(
+            f"placement='static' keeps {pinned} bytes of chunks on the device for good but GeminiConfig.device_memory "
+            f"leaves {budget_bytes} for them: {missing} bytes are missing; lower static_param_device_fraction, raise "
+            f"static_optimizer_offload_fraction or device_memory, or use placement='auto'",
+            missing_bytes=missing,
         )
 
 
@@ -190,11 +217,14 @@ def _validate_group_specs(param_groups, order, name_of) -> list[dict[str, Any]]:
     return specs
 
 
-def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Buffers are small and stay on the compute device, in the compute precision."""
+def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Buffers are small and stay on the compute device, in the compute precision; returns their bytes."""
+    total = 0
     for sub in model.modules():
         for name, buf in sub._buffers.items():
             if buf is None:
                 continue
             target = dtype if buf.is_floating_point() else buf.dtype
             sub._buffers[name] = buf.to(device=device, dtype=target)
+            total += sub._buffers[name].numel() * sub._buffers[name].element_size()
+    return total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -100,6 +101,11 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
+        if rt.tracing:
+            if rt.hooks.backward_passes == 0:
+                raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
+            rt.finish_warmup()  # may raise DeviceBudgetError: nothing has been updated yet
+        rt.check_first_step()
         self._check_fp16_backward()
         groups = [g for g in rt.manager.trainable_groups if g.any_grad_ready]
         scale = self.loss_scale
@@ -177,6 +183,8 @@ class HybridAdam(torch.optim.Optimizer):
             whole = []  # groups updated as one flat tensor: their step counts are re-synced
             for g in members:
                 master, m, v = g.optimizer_chunks
+                if g.steps.device != master.payload(tier).device:
+                    g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
                 if g.all_grads_ready and g.steps_uniform:
                     whole.append(g)
                     views = [(c.used(tier)) for c in (master, g.grad, m, v)]
@@ -188,20 +196,27 @@ class HybridAdam(torch.optim.Optimizer):
                     g.steps_uniform = False
                 for out, got in zip((params, grads, exp_avgs, exp_avg_sqs), views):
                     out.extend(got if isinstance(got, list) else [got])
-            grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
             device = self._rt.storage.tier_device(tier)
-            if clip_coef is not None:
-                torch._foreach_mul_(grads, clip_coef.to(device))
-            grad_scale = None if loss_scale == 1.0 else torch.tensor(loss_scale, dtype=torch.float32, device=device)
             beta1, beta2 = hp["betas"]
+            kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
+                          decoupled_weight_decay=self.adamw_mode)
+            # Host-tier work is host memory, even when the CPU stands in for the device.
+            quiet = self._rt.memory.quiet() if tier is Tier.HOST else contextlib.nullcontext()
             start = time.perf_counter()
-            with torch.profiler.record_function(f"gemini::adam_{tier.value}"):
-                adam_update(
-                    params, grads, exp_avgs, exp_avg_sqs, steps,
-                    lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"],
-                    weight_decay=hp["weight_decay"], decoupled_weight_decay=self.adamw_mode,
-                    grad_scale=grad_scale,
-                )
+            with torch.profiler.record_function(f"gemini::adam_{tier.value}"), quiet:
+                grad_scale = None if loss_scale == 1.0 else torch.tensor(loss_scale, dtype=torch.float32, device=device)
+                coef = None if clip_coef is None else clip_coef.to(device)
+                if all(g.dtype == torch.float32 for g in grads):
+                    calls = [(params, grads, exp_avgs, exp_avg_sqs, steps)]
+                else:
+                    # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds
+                    # at most one chunk of fp32 scratch (it may be on the device).
+                    calls = [([p], [g], [m], [v], [s]) for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps)]
+                for c_params, c_grads, c_m, c_v, c_steps in calls:
+                    c_grads = [g if g.dtype == torch.float32 else g.float() for g in c_grads]
+                    if coef is not None:
+                        torch._foreach_mul_(c_grads, coef)
+                    adam_update(c_params, c_grads, c_m, c_v, c_steps, grad_scale=grad_scale, **kwargs)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             seconds[tier] += time.perf_counter() - start

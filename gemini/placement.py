@@ -7,14 +7,19 @@ chunks only through :class:`chunks.Chunk`'s state-checked methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
+from gemini.memory import DeviceBudgetError, DeviceMemory
+from gemini.plan import MemoryPlan
+from tracer import Boundary, EvictionError, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "make_placement"]
+__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "AutoPlacement", "StaticPlacement", "make_placement"]
 
 
 class PlacementPolicy:
@@ -22,17 +27,19 @@ class PlacementPolicy:
 
     [Note: parameter chunks around compute]
     Before a module runs (forward, or backward via the pre-backward hook), the param chunks
-    holding its parameters get a device copy. A policy that keeps parameters on the host
-    fetches with ``keep_host=True``: the device copy is read-only during compute, so dropping
-    it afterwards costs no copy back. ``_compute_refs`` counts modules inside their forward
-    that use a chunk (nested modules and tied weights share chunks), so a chunk is never
-    dropped under a running module.
+    holding its parameters get a device copy. A group whose optimizer states live on the host
+    keeps its host copy (``keep_host=True``): the device copy is read-only during compute, so
+    dropping it later costs no copy back. ``_compute_refs`` counts modules inside their
+    forward that use a chunk (nested modules and tied weights share chunks), so a chunk is
+    never dropped under a running module.
     """
 
     name = "base"
 
-    def __init__(self, manager: ChunkManager) -> None:
+    def __init__(self, manager: ChunkManager, *, quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> None:
         self.manager = manager
+        # Host-side temporaries made inside it are not device memory (see DeviceMemory.quiet).
+        self.quiet = quiet
         self._compute_refs: dict[int, int] = {}
         self._fetched_for_backward: set[int] = set()
         # Modules that use each chunk group in one forward pass, and (inside a forward pass
@@ -44,6 +51,9 @@ class PlacementPolicy:
         """Record that one module uses ``groups`` in each forward pass."""
         for g in groups:
             self._uses_per_forward[g.index] = self._uses_per_forward.get(g.index, 0) + 1
+
+    def setup(self) -> None:
+        """Called once after registration: move chunks to where the policy keeps them."""
 
     # ------------------------------------------------------------------ decided per policy
     def initial_tier(self, kind: ChunkKind) -> Tier:
@@ -59,6 +69,12 @@ class PlacementPolicy:
 
     def keep_grads_on_device(self, group: ChunkGroup) -> bool:
         return self.optimizer_tier(group) is Tier.DEVICE
+
+    def _make_room(self, nbytes: int, keep: set[int]) -> None:
+        """Before ``nbytes`` more land on the device: evict what the policy may evict."""
+
+    def on_boundary(self, boundary: Boundary) -> None:
+        """A period boundary of a steady-state iteration (policies that plan by period)."""
 
     # ------------------------------------------------------------------------ forward pass
     # [Note: one fetch per pass]
@@ -76,10 +92,10 @@ class PlacementPolicy:
             if self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
                 self._maybe_drop_params(g)
 
-    def before_compute(self, groups: Iterable[ChunkGroup]) -> None:
+    def before_compute(self, groups: list[ChunkGroup]) -> None:
         for g in groups:
             self._compute_refs[g.index] = self._compute_refs.get(g.index, 0) + 1
-            self._make_resident(g)
+        self._make_resident(groups)
 
     def after_compute(self, groups: Iterable[ChunkGroup]) -> None:
         for g in groups:
@@ -94,10 +110,10 @@ class PlacementPolicy:
                 self._maybe_drop_params(g)
 
     # ----------------------------------------------------------------------- backward pass
-    def before_backward(self, groups: Iterable[ChunkGroup]) -> None:
+    def before_backward(self, groups: list[ChunkGroup]) -> None:
         for g in groups:
             self._fetched_for_backward.add(g.index)
-            self._make_resident(g)
+        self._make_resident(groups)
 
     def grad_buffer(self, group: ChunkGroup):
         """The gradient chunk, with a device copy to receive this backward's gradients."""
@@ -105,6 +121,8 @@ class PlacementPolicy:
         if grad.state is not ChunkState.RELEASED and not grad.is_on(Tier.DEVICE) and not group.any_grad_ready:
             # A stale host copy from before zero_grad: nothing in it to accumulate onto.
             grad.release()
+        if not grad.is_on(Tier.DEVICE):
+            self._make_room(grad.nbytes, keep={group.index})
         if grad.state is ChunkState.RELEASED:
             # Slots not marked ready are written with copy_ before they are ever read, so
             # the payload need not be zeroed.
@@ -145,17 +163,33 @@ class PlacementPolicy:
             else:
                 # Cast where the master lies, then move the half-size result.
                 src = master.tiers[0]
-                low = master.used(src).to(param.dtype)
+                with self.quiet() if src is Tier.HOST else contextlib.nullcontext():
+                    low = master.used(src).to(param.dtype)
                 self.manager.storage.copy_(param.used(tier), low, src=src, dst=tier)
 
     # ---------------------------------------------------------------------------- helpers
-    def _make_resident(self, g: ChunkGroup) -> None:
-        if g.param.state is ChunkState.HOST:
-            g.param.fetch(keep_host=not self.keep_params_on_device(g))
+    def _make_resident(self, groups: list[ChunkGroup]) -> None:
+        missing = [g for g in groups if g.param.state is ChunkState.HOST]
+        if not missing:
+            return
+        self._make_room(sum(g.param.nbytes for g in missing), keep={g.index for g in groups})
+        for g in missing:
+            g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True)
 
     def _maybe_drop_params(self, g: ChunkGroup) -> None:
         if g.param.state is ChunkState.HOST_AND_DEVICE and not self.keep_params_on_device(g):
             g.param.drop_device_copy()
+
+    def _pin_on_device(self, g: ChunkGroup) -> None:
+        """Keep every flavour of ``g`` on the device only (its optimizer states update there)."""
+        for chunk in g.chunks:
+            if chunk.state is not ChunkState.RELEASED:
+                chunk.move_to(Tier.DEVICE)
+
+    @staticmethod
+    def group_device_bytes(g: ChunkGroup) -> int:
+        """Bytes of every flavour of ``g`` (the cost of keeping the whole group on the device)."""
+        return sum(c.nbytes for c in g.chunks)
 
 
 class CudaPlacement(PlacementPolicy):
@@ -192,14 +226,252 @@ class CpuPlacement(PlacementPolicy):
         return False
 
 
-_POLICIES: dict[str, type[PlacementPolicy]] = {p.name: p for p in (CudaPlacement, CpuPlacement)}
+class StaticPlacement(PlacementPolicy):
+    """Fixed fractions, no warm-up heuristics.
+
+    The first ``param_device_fraction`` of the chunk groups keep their parameters on the
+    device for good; the last ``optimizer_offload_fraction`` of the trainable groups keep their
+    optimizer states on the host (CPU Adam) and the others keep theirs — and so the whole group
+    — on the device.
+    """
+
+    name = "static"
+
+    def __init__(self, manager: ChunkManager, *, param_device_fraction: float, optimizer_offload_fraction: float,
+                 **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self.param_device_fraction = param_device_fraction
+        self.optimizer_offload_fraction = optimizer_offload_fraction
+        self.params_on_device: set[int] = set()
+        self.os_on_device: set[int] = set()
+
+    def initial_tier(self, kind: ChunkKind) -> Tier:
+        return Tier.HOST
+
+    def setup(self) -> None:
+        groups = self.manager.groups
+        self.params_on_device = {g.index for g in groups[: round(self.param_device_fraction * len(groups))]}
+        trainable = self.manager.trainable_groups
+        n_offload = round(self.optimizer_offload_fraction * len(trainable))
+        self.os_on_device = {g.index for g in trainable[: len(trainable) - n_offload]}
+        for g in groups:
+            if g.index in self.os_on_device:
+                self._pin_on_device(g)
+            elif g.index in self.params_on_device:
+                g.param.fetch(keep_host=True)
+
+    def pinned_bytes(self) -> int:
+        """Chunk bytes this policy keeps on the device for good."""
+        total = 0
+        for g in self.manager.groups:
+            if g.index in self.os_on_device:
+                total += self.group_device_bytes(g)
+            elif g.index in self.params_on_device:
+                total += g.param.nbytes
+        return total
+
+    def optimizer_tier(self, group: ChunkGroup) -> Tier:
+        return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
+
+    def keep_params_on_device(self, group: ChunkGroup) -> bool:
+        return group.index in self.params_on_device or group.index in self.os_on_device
+
+    def after_step(self, group: ChunkGroup) -> None:
+        super().after_step(group)
+        # fp32 groups updated on the host dropped their (now stale) device copy: fetch the
+        # fresh parameters back if this group's parameters live on the device.
+        if group.index in self.params_on_device and group.param.state is ChunkState.HOST:
+            group.param.fetch(keep_host=True)
 
 
-def make_placement(name: str, manager: ChunkManager) -> PlacementPolicy:
-    try:
-        cls = _POLICIES[name]
-    except KeyError:
-        raise ValueError(
-            f"GeminiConfig.placement={name!r} has no policy in this build; available: {sorted(_POLICIES)}"
-        ) from None
-    return cls(manager)
+class AutoPlacement(PlacementPolicy):
+    """Traced, budgeted placement; see the module notes and [Note: auto placement].
+
+    [Note: auto placement]
+    - Warm-up (no plan yet): like "cpu" — chunks start on the host, are fetched for compute
+      and dropped after use — while the tracer measures each period's non-model peak and
+      records which chunk groups each period uses.
+    - Steady state: at each period boundary the device must hold the period's non-model peak
+      on top of the resident chunks, under ``budget - reserve``; when it cannot, the resident
+      chunk groups whose next use is furthest away are evicted (Belady, from the recorded
+      order). Fetched chunks stay until pressure evicts them, and the next period's chunks
+      are prefetched when they fit next to both periods' non-model peaks.
+    - Margin: ``budget - reserve - buffers - max non-model peak - warm-up working set``;
+      ``gpu_margin_mem_ratio`` of it holds whole chunk groups (params, grads, master, m, v)
+      on the device for good, updated there by the device Adam.
+    """
+
+    name = "auto"
+
+    def __init__(self, manager: ChunkManager, *, memory: DeviceMemory, margin_ratio: float, fixed_bytes: int) -> None:
+        super().__init__(manager, quiet=memory.quiet)
+        self.memory = memory
+        self.margin_ratio = margin_ratio
+        self.fixed_bytes = fixed_bytes
+        self.plan: MemoryPlan | None = None
+        self.os_on_device: set[int] = set()
+        self.period = -1
+        self._diverged = False
+        self.record_access = lambda group_index: None  # set by the runtime during warm-up
+        self.evictions = 0
+
+    def initial_tier(self, kind: ChunkKind) -> Tier:
+        return Tier.HOST
+
+    def optimizer_tier(self, group: ChunkGroup) -> Tier:
+        return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
+
+    def keep_params_on_device(self, group: ChunkGroup) -> bool:
+        return self.plan is not None
+
+    # -------------------------------------------------------------------------- planning
+    def adopt(self, plan: MemoryPlan) -> None:
+        """Take the warm-up's plan: choose the optimizer-state groups that live on the device."""
+        self.plan = plan
+        room = int(self.margin_ratio * max(0, plan.margin_bytes))
+        chosen = []
+        for g in self.manager.trainable_groups:
+            cost = self.group_device_bytes(g)
+            if cost <= room:
+                room -= cost
+                chosen.append(g)
+        self.os_on_device = {g.index for g in chosen}
+        for g in chosen:
+            self._pin_on_device(g)
+        logger.info(
+            "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
+            plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
+        )
+
+    def _non_model_now(self) -> int:
+        plan = self.plan
+        if plan is None:
+            return 0  # warm-up: unknown, and the conservative schedule keeps little resident
+        if self._diverged or not 0 <= self.period < len(plan.non_model_bytes):
+            return plan.max_non_model_bytes
+        return plan.non_model_bytes[self.period]
+
+    # ------------------------------------------------------------------------ hooks' side
+    def begin_forward(self) -> None:
+        super().begin_forward()
+        self.period = -1
+        self._diverged = False
+
+    def on_boundary(self, boundary: Boundary) -> None:
+        plan = self.plan
+        if plan is None or (boundary.module_name == "" and boundary.phase is Phase.FORWARD):
+            return
+        self.period += 1
+        if not self._diverged and (self.period >= len(plan.keys) or plan.keys[self.period] != (boundary.phase, boundary.module_name)):
+            self._diverged = True
+            logger.warning(
+                "auto placement: iteration diverged from the traced one at period %d (%s %r); "
+                "planning with the largest non-model peak until the next forward",
+                self.period, boundary.phase.value, boundary.module_name,
+            )
+        needed = set(plan.access[self.period]) if not self._diverged else set()
+        self._make_room(0, keep=needed)
+        self._prefetch()
+
+    def before_compute(self, groups: list[ChunkGroup]) -> None:
+        for g in groups:
+            self.record_access(g.index)
+        super().before_compute(groups)
+
+    def before_backward(self, groups: list[ChunkGroup]) -> None:
+        for g in groups:
+            self.record_access(g.index)
+        super().before_backward(groups)
+
+    # ------------------------------------------------------------------------- eviction
+    def _device_bytes(self) -> int:
+        return self.manager.storage.bytes_on(Tier.DEVICE) + self.fixed_bytes
+
+    def _room_limit(self, non_model: int) -> int:
+        reserve = self.plan.reserve_bytes if self.plan is not None else 0
+        return self.memory.budget_bytes - reserve - non_model
+
+    def _make_room(self, nbytes: int, keep: set[int]) -> None:
+        over = self._device_bytes() + nbytes - self._room_limit(self._non_model_now())
+        if over <= 0:
+            return
+        candidates = {
+            g.index: self._evictable_bytes(g)
+            for g in self.manager.groups
+            if g.index not in keep and g.index not in self.os_on_device and self._compute_refs.get(g.index, 0) == 0
+        }
+        candidates = {i: b for i, b in candidates.items() if b > 0}
+        try:
+            if self.plan is not None and not self._diverged:
+                victims = choose_victims(
+                    set(candidates), keep, self.plan.order, max(self.period, 0), over, candidates
+                )
+            else:
+                victims = self._any_victims(candidates, over)
+        except EvictionError as e:
+            short = over - sum(candidates.values())
+            raise DeviceBudgetError(
+                f"the device budget cannot hold this period: {short} bytes are missing even after evicting every "
+                f"chunk not in use ({e}). Raise GeminiConfig.device_memory, lower gpu_margin_mem_ratio, or use a "
+                f"smaller chunk_size or batch.",
+                missing_bytes=short,
+            ) from None
+        for i in victims:
+            self._evict(self.manager.groups[i])
+
+    @staticmethod
+    def _any_victims(candidates: dict[int, int], over: int) -> list[int]:
+        victims, freed = [], 0
+        for i, b in sorted(candidates.items(), key=lambda kv: -kv[1]):
+            if freed >= over:
+                break
+            victims.append(i)
+            freed += b
+        if freed < over:
+            raise EvictionError(f"only {freed} of {over} bytes can be freed")
+        return victims
+
+    @staticmethod
+    def _evictable_bytes(g: ChunkGroup) -> int:
+        total = g.param.nbytes if g.param.state is ChunkState.HOST_AND_DEVICE else 0
+        if g.grad is not None and g.grad.is_on(Tier.DEVICE):
+            total += g.grad.nbytes
+        return total
+
+    def _evict(self, g: ChunkGroup) -> None:
+        self.evictions += 1
+        if g.param.state is ChunkState.HOST_AND_DEVICE:
+            g.param.drop_device_copy()
+        if g.grad is not None and g.grad.is_on(Tier.DEVICE):
+            g.grad.move_to(Tier.HOST)
+
+    def _prefetch(self) -> None:
+        plan = self.plan
+        nxt = self.period + 1
+        if self._diverged or nxt >= len(plan.access):
+            return
+        groups = [self.manager.groups[i] for i in plan.access[nxt]]
+        missing = [g for g in groups if g.param.state is ChunkState.HOST]
+        need = sum(g.param.nbytes for g in missing)
+        non_model = max(plan.non_model_bytes[self.period], plan.non_model_bytes[nxt])
+        if missing and self._device_bytes() + need <= self._room_limit(non_model):
+            for g in missing:
+                g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True)
+
+
+def make_placement(config, manager: ChunkManager, *, memory: DeviceMemory, fixed_bytes: int) -> PlacementPolicy:
+    name = config.placement
+    if name == "cuda":
+        return CudaPlacement(manager, quiet=memory.quiet)
+    if name == "cpu":
+        return CpuPlacement(manager, quiet=memory.quiet)
+    if name == "static":
+        return StaticPlacement(
+            manager,
+            param_device_fraction=config.static_param_device_fraction,
+            optimizer_offload_fraction=config.static_optimizer_offload_fraction,
+            quiet=memory.quiet,
+        )
+    if name == "auto":
+        return AutoPlacement(manager, memory=memory, margin_ratio=config.gpu_margin_mem_ratio, fixed_bytes=fixed_bytes)
+    raise ValueError(f"GeminiConfig.placement={name!r} has no policy; expected cuda, cpu, static or auto")

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from chunks import ChunkManager, ChunkStorage, Tier
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
-from gemini.placement import PlacementPolicy
+from gemini.memory import DeviceMemory
+from gemini.placement import AutoPlacement, PlacementPolicy
+from gemini.plan import MemoryPlan
 from gemini.report import ReportWriter
+from gemini.warmup import Warmup, check_peak
+from tracer import PeriodHooks
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GeminiRuntime"]
 
@@ -22,24 +29,114 @@ class GeminiRuntime:
     storage: ChunkStorage
     manager: ChunkManager
     placement: PlacementPolicy
-    hooks: ModuleHooks
+    memory: DeviceMemory
+    module: torch.nn.Module
     module_params: tuple[torch.nn.Parameter, ...]  # the module's parameters, in its order
+    fixed_bytes: int  # buffers on the device
+    hooks: ModuleHooks | None = None
     report_writer: ReportWriter | None = None
+    warmup: Warmup | None = None
+    plan: MemoryPlan | None = None
+    _period_hooks: PeriodHooks | None = field(default=None, repr=False)
+    _first_step_checked: bool = False
+    # The tracer resets the monitor's peak at each of its cuts: the warm-up step's peak is
+    # the trace's largest period peak, carried here into that step's report.
+    _warmup_peak_bytes: int = 0
+
+    # -------------------------------------------------------------------- iteration events
+    def on_root_forward(self) -> None:
+        """The root module's forward begins (its first forward pre-hook)."""
+        self.begin_window()
+        if self.warmup is None and isinstance(self.placement, AutoPlacement):
+            self._begin_warmup()
+        elif self.warmup is not None and self.warmup.tracing and self.hooks.backward_passes > 0:
+            # Gradient accumulation: the traced iteration is the first forward + backward.
+            self.finish_warmup()
+        self.placement.begin_forward()
+
+    def _begin_warmup(self) -> None:
+        self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes)
+        self.placement.record_access = self.warmup.tracer.record_access
+        self.warmup.begin()
+
+    def finish_warmup(self) -> None:
+        """End the warm-up trace; the auto policy adopts the plan (may raise DeviceBudgetError)."""
+        warmup = self.warmup
+        assert warmup is not None and warmup.tracing, "no warm-up in progress"
+        self.placement.record_access = lambda group_index: None
+        try:
+            self.plan = warmup.end()
+        except Exception:
+            self.end_window()
+            raise
+        self._warmup_peak_bytes = self.plan.warmup_peak_bytes
+        self.placement.adopt(self.plan)
+        self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
+        self._period_hooks.install()
+
+    @property
+    def tracing(self) -> bool:
+        return self.warmup is not None and self.warmup.tracing
+
+    # ----------------------------------------------------------------------- measurement
+    def begin_window(self) -> None:
+        """Start measuring the device (if not already) for the iteration beginning now."""
+        if self.memory.monitor is not None and not self.memory.monitor.running:
+            self.memory.start(self.device_tensors())
+
+    def end_window(self) -> None:
+        if self.memory.monitor is not None and self.memory.monitor.running:
+            self.memory.monitor.stop()
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Model data on the device: buffers and chunk payloads (for the accounting monitor)."""
+        out = [b for b in self.module.buffers() if b.device.type == self.device.type]
+        out += [c.payload(Tier.DEVICE) for c in self.manager.chunks() if c.is_on(Tier.DEVICE)]
+        return out
 
     def device_peak_bytes(self) -> int:
         """The compute device's measured peak over the current step."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        # The CPU stand-in: the chunk ledger's device peak (non-model data is measured by the
-        # tracer's accounting monitor when it runs).
-        return self.storage.stats[Tier.DEVICE].peak_bytes
+        measured = self.memory.peak_bytes()
+        if measured is not None:
+            return max(measured, self._warmup_peak_bytes)
+        # Not measured (the CPU stand-in without a budget): the chunk ledger's peak.
+        return self.storage.stats[Tier.DEVICE].peak_bytes + self.fixed_bytes
 
     def device_non_model_peak_bytes(self) -> int | None:
+        if self.plan is not None:
+            return self.plan.max_non_model_bytes
         return None
+
+    def check_first_step(self) -> None:
+        """The budget promise for placements without a plan: the first iteration must fit."""
+        if self._first_step_checked:
+            return
+        self._first_step_checked = True
+        if self.config.device_memory is None or not self.memory.measuring or self.plan is not None:
+            return
+        peak = self.memory.peak_bytes()
+        try:
+            check_peak(peak, self.memory.budget_bytes, what="the first iteration")
+        except Exception:
+            self.end_window()
+            raise
 
     def start_new_step(self) -> None:
         """Reset the per-step peaks and transfer counters."""
+        self.end_window()
         self.storage.reset_peaks()
         self.storage.transfers.reset()
+        self.memory.reset_peak()
+        self._warmup_peak_bytes = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def close(self) -> None:
+        """Stop measuring and remove every hook (the model stays usable as a plain module)."""
+        if self.tracing:
+            self.warmup.abandon()
+        self.end_window()
+        if self._period_hooks is not None:
+            self._period_hooks.remove()
+        if self.hooks is not None:
+            self.hooks.remove()

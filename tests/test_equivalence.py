@@ -158,3 +158,34 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     opt.step()
     assert not opt.report.skipped
     assert not torch.equal(gmodel.state_dict()["wte.weight"], before["wte.weight"])
+
+
+class _MLPWithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_buffers_are_updated_like_torch(placement):
+    torch.manual_seed(0)
+    base = _MLPWithBatchNorm()
+    ref = copy.deepcopy(base)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=64),
+                                    lr=1e-2, weight_decay=0.01)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.backward(torch.nn.functional.mse_loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        ours, theirs = gmodel.state_dict(), ref.state_dict()
+        assert "net.1.running_mean" in ours and int(ours["net.1.num_batches_tracked"]) == int(theirs["net.1.num_batches_tracked"])
+        assert_params_close(ours, theirs)

@@ -1,0 +1,132 @@
+"""The device memory budget: how much there is, how it is measured, and the error when short."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+
+import psutil
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from chunks import HostObserver
+from tracer import CudaAllocatorMonitor, MemoryMonitor, TensorAccountingMonitor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeviceBudgetError", "DeviceMemory"]
+
+MiB = 2**20
+
+
+class DeviceBudgetError(MemoryError):
+    """The device memory budget cannot hold what the step needs.
+
+    Raised before any parameter or optimizer state is changed; ``missing_bytes`` says by how
+    much the budget falls short.
+    """
+
+    def __init__(self, message: str, *, missing_bytes: int) -> None:
+        super().__init__(message)
+        self.missing_bytes = missing_bytes
+
+
+class DeviceMemory:
+    """The compute device's budget and its measurement.
+
+    On CUDA the allocator's statistics measure the device, and a budget below the card's
+    memory is enforced with ``set_per_process_memory_fraction`` so that an overshoot is a real
+    out-of-memory error rather than a silent pass. On the CPU stand-in a tensor-accounting
+    monitor (a dispatch mode counting live storages) measures it, when ``measure`` is set:
+    host-tier payloads are CPU tensors too, so they are allocated with the monitor quiet and
+    excluded from it (see :class:`chunks.HostObserver`).
+    """
+
+    def __init__(self, device: torch.device, budget_bytes: int | None, *, measure: bool) -> None:
+        self.device = device
+        self.total_bytes = _device_total_bytes(device)
+        self.budget_bytes = budget_bytes if budget_bytes is not None else self.total_bytes
+        self.monitor: MemoryMonitor | None = None
+        self._accounting: TensorAccountingMonitor | None = None
+        if device.type == "cuda":
+            self.monitor = CudaAllocatorMonitor(device)
+        elif measure:
+            self._accounting = TensorAccountingMonitor(device)
+            self.monitor = self._accounting
+
+    # ---------------------------------------------------------------------------- set-up
+    def host_observer(self) -> HostObserver | None:
+        if self._accounting is None:
+            return None
+        return HostObserver(quiet=self.quiet, exclude=self._accounting.exclude)
+
+    def start(self, tracked: list[torch.Tensor]) -> None:
+        """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks)."""
+        if self.device.type == "cuda" and self.budget_bytes < self.total_bytes:
+            fraction = self.budget_bytes / self.total_bytes
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            logger.info("device budget %d bytes enforced as memory fraction %.4f", self.budget_bytes, fraction)
+        if self.monitor is not None:
+            if tracked and self._accounting is not None:
+                self._accounting.track(tracked)
+            self.monitor.start()
+
+    def exclude(self, tensors: list[torch.Tensor]) -> None:
+        if self._accounting is not None and tensors:
+            self._accounting.exclude(tensors)
+
+    @property
+    def measuring(self) -> bool:
+        return self.monitor is not None
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Work on host memory that the CPU stand-in's monitor must not count."""
+        if self._accounting is None or not self._accounting.running:
+            yield
+            return
+        with _disable_current_modes():
+            yield
+
+    # ---------------------------------------------------------------------------- readings
+    def peak_bytes(self) -> int | None:
+        return self.monitor.peak_bytes() if self.monitor is not None else None
+
+    def current_bytes(self) -> int | None:
+        return self.monitor.current_bytes() if self.monitor is not None else None
+
+    def reset_peak(self) -> None:
+        if self.monitor is not None:
+            self.monitor.reset_peak()
+
+    def allocator_slack_bytes(self) -> int:
+        """Bytes the CUDA caching allocator holds beyond live tensors (blocks, fragmentation)."""
+        if self.device.type != "cuda":
+            return 0
+        return max(0, torch.cuda.max_memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device))
+
+    def reserve_bytes(self, max_non_model_bytes: int) -> int:
+        """The safety reserve kept free under the budget.
+
+        [Note: the safety reserve]
+        The plan rests on warm-up measurements, so the reserve covers what they do not see:
+        - the CUDA caching allocator's slack (rounded blocks, fragmentation), measured during
+          warm-up as peak reserved minus peak allocated — the per-process fraction caps
+          *reserved* memory, so this is what stands between the plan and a real OOM;
+        - variation of non-model memory between iterations of the same shapes: none on the
+          CPU stand-in (the accounting monitor's per-period figures repeat exactly, see
+          tests/tracer), a little on CUDA (workspaces, algorithm choices): 5% of the largest
+          non-model peak;
+        - 1 MiB for scalars, norms and other small step-time tensors.
+        Peers used fixed shares (Colossal-AI: 20% in warm-up, 90% after) that were at once too
+        large for big devices and too small where fragmentation bit (see ANCHORS.md).
+        """
+        return self.allocator_slack_bytes() + math.ceil(0.05 * max_non_model_bytes) + MiB
+
+
+def _device_total_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total

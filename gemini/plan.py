@@ -1,0 +1,70 @@
+"""`MemoryPlan`: what the warm-up iteration measured, in the form placement decisions need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracer import AccessOrder, PeriodRecord, Phase
+
+__all__ = ["MemoryPlan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """Per-period non-model peaks and chunk-group access order of one traced iteration.
+
+    Period i of a later iteration is the i-th period boundary after the root module's own
+    forward pre-hook (the root's boundary itself is folded into the first period, see
+    :meth:`from_trace`).
+    """
+
+    keys: tuple[tuple[Phase, str], ...]  # (phase, module name) starting each period
+    non_model_bytes: tuple[int, ...]  # per period: peak device bytes besides model data
+    access: tuple[tuple[int, ...], ...]  # per period: chunk-group indices used
+    order: AccessOrder
+    warmup_peak_bytes: int  # the device's measured peak over the warm-up iteration
+    warmup_model_peak_bytes: int  # the most chunk bytes the conservative warm-up held at once
+    fixed_bytes: int  # device model data outside chunks (buffers)
+    reserve_bytes: int
+    budget_bytes: int
+
+    @classmethod
+    def from_trace(cls, periods: tuple[PeriodRecord, ...], **kwargs) -> MemoryPlan:
+        records = list(periods)
+        # [Note: the root's period] The root module's forward pre-hook runs before the
+        # engine can count boundaries in later iterations (a trace begun inside it misses
+        # it), so a root FORWARD period is merged into the next one: the later period then
+        # covers both, with the larger non-model peak and both chunk sets.
+        keys = [r.key for r in records]
+        non_model = [r.non_model_peak_bytes for r in records]
+        access = [tuple(r.chunk_ids) for r in records]
+        if len(records) > 1 and records[0].phase is Phase.FORWARD and records[0].module_name == "":
+            non_model[1] = max(non_model[0], non_model[1])
+            access[1] = tuple(dict.fromkeys(access[0] + access[1]))
+            keys, non_model, access = keys[1:], non_model[1:], access[1:]
+        return cls(
+            keys=tuple(keys),
+            non_model_bytes=tuple(non_model),
+            access=tuple(access),
+            order=AccessOrder([list(a) for a in access]),
+            **kwargs,
+        )
+
+    @property
+    def max_non_model_bytes(self) -> int:
+        return max(self.non_model_bytes, default=0)
+
+    @property
+    def margin_bytes(self) -> int:
+        """Budget left after the reserve, the largest non-model peak and the working set.
+
+        The largest non-model peak and the warm-up's chunk peak are added although they need
+        not coincide: an upper bound, so what the margin admits always fits.
+        """
+        return (
+            self.budget_bytes
+            - self.reserve_bytes
+            - self.fixed_bytes
+            - self.max_non_model_bytes
+            - self.warmup_model_peak_bytes
+        )

@@ -1,0 +1,112 @@
+"""The warm-up iteration: runs the tracer around the first forward and backward pass."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+
+import torch
+from torch import nn
+
+from chunks import ChunkStorage, Tier
+from gemini.memory import DeviceBudgetError, DeviceMemory
+from gemini.plan import MemoryPlan
+from tracer import RuntimeTracer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Warmup", "WarmupState"]
+
+
+class WarmupState(enum.Enum):
+    TRACING = "tracing"  # the tracer is measuring; placement runs conservatively
+    DONE = "done"  # a plan exists
+
+
+class Warmup:
+    """Owns the tracer of the warm-up iteration and turns its records into a :class:`MemoryPlan`.
+
+    The trace begins when :meth:`begin` is called (at ``initialize``, so that the root
+    module's first forward is a traced boundary) and ends at the first of: the next forward
+    of the root module after a backward pass (gradient accumulation), or ``optimizer.step()``.
+    Every chunk move in between is announced to the tracer through the storage's
+    ``move_context``, so model data is subtracted exactly where it changed.
+    """
+
+    def __init__(self, module: nn.Module, storage: ChunkStorage, memory: DeviceMemory, fixed_bytes: int) -> None:
+        if memory.monitor is None:
+            raise RuntimeError("warm-up tracing needs a device memory monitor")
+        self.storage = storage
+        self.memory = memory
+        self.fixed_bytes = fixed_bytes
+        self.tracer = RuntimeTracer(
+            module,
+            memory.monitor,
+            model_bytes_fn=lambda: storage.bytes_on(Tier.DEVICE) + fixed_bytes,
+            track_module_tensors=False,
+        )
+        self.state = WarmupState.DONE
+        self._trace: contextlib.AbstractContextManager | None = None
+
+    @property
+    def tracing(self) -> bool:
+        return self.state is WarmupState.TRACING
+
+    def begin(self) -> None:
+        assert self._trace is None, "warm-up already tracing"
+        self._trace = self.tracer.trace()
+        self._trace.__enter__()
+        self.storage.move_context = self.tracer.model_data_move
+        self.storage.stats[Tier.DEVICE].peak_bytes = self.storage.bytes_on(Tier.DEVICE)
+        self.state = WarmupState.TRACING
+        logger.info("warm-up: tracing the first iteration")
+
+    def abandon(self) -> None:
+        """Stop tracing without a plan (the run is being closed or failed)."""
+        if self._trace is None:
+            return
+        trace, self._trace = self._trace, None
+        self.storage.move_context = contextlib.nullcontext
+        self.state = WarmupState.DONE
+        error = RuntimeError("warm-up abandoned")
+        trace.__exit__(type(error), error, None)
+
+    def end(self) -> MemoryPlan:
+        """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget."""
+        assert self._trace is not None, "warm-up is not tracing"
+        trace, self._trace = self._trace, None
+        self.storage.move_context = contextlib.nullcontext
+        self.state = WarmupState.DONE
+        with torch.profiler.record_function("gemini::plan"):
+            trace.__exit__(None, None, None)
+            periods = self.tracer.periods
+            warmup_peak = max(p.peak_bytes for p in periods)
+            plan = MemoryPlan.from_trace(
+                periods,
+                warmup_peak_bytes=warmup_peak,
+                warmup_model_peak_bytes=self.storage.stats[Tier.DEVICE].peak_bytes,
+                fixed_bytes=self.fixed_bytes,
+                reserve_bytes=self.memory.reserve_bytes(max(p.non_model_peak_bytes for p in periods)),
+                budget_bytes=self.memory.budget_bytes,
+            )
+        logger.info(
+            "warm-up: %d periods, peak %d bytes (chunks %d, max non-model %d, reserve %d) of a %d-byte budget; margin %d",
+            len(plan.keys), plan.warmup_peak_bytes, plan.warmup_model_peak_bytes, plan.max_non_model_bytes,
+            plan.reserve_bytes, plan.budget_bytes, plan.margin_bytes,
+        )
+        check_peak(warmup_peak, self.memory.budget_bytes, what="the warm-up iteration")
+        return plan
+
+
+def check_peak(peak_bytes: int, budget_bytes: int, *, what: str) -> None:
+    """Raise DeviceBudgetError when a measured peak went over the budget."""
+    if peak_bytes > budget_bytes:
+        missing = peak_bytes - budget_bytes
+        raise DeviceBudgetError(
+            f"{what} needed {peak_bytes} bytes of device memory at its peak but GeminiConfig.device_memory is "
+            f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, use "
+            f"placement='auto' (chunks evicted under pressure) or 'cpu', a smaller chunk_size (smaller working set), "
+            f"a smaller batch or activation checkpointing (less non-model memory).",
+            missing_bytes=missing,
+        )
