@@ -95,6 +95,9 @@ class Chunk:
         self.state = ChunkState.RELEASED
         self._storage = storage
         self._copies: dict[Tier, torch.Tensor] = {}
+        # The device payload once freed: its storage grows back in place on the next move to
+        # the device (see [Note: device payloads are freed in place] in chunks/storage.py).
+        self._device_shell: torch.Tensor | None = None
         # Called after every state change (the manager re-points parameter views).
         self.on_move: Callable[[Chunk], None] | None = None
 
@@ -165,7 +168,8 @@ class Chunk:
     def allocate(self, tier: Tier, *, zero: bool = True) -> None:
         """RELEASED -> HOST or DEVICE: a fresh (zeroed) payload."""
         self._expect(ChunkState.RELEASED)
-        self._copies[tier] = self._storage.alloc(tier, self.capacity, self.dtype, zero=zero)
+        shell = self._device_shell if tier is Tier.DEVICE else None
+        self._copies[tier] = self._storage.alloc(tier, self.capacity, self.dtype, zero=zero, shell=shell)
         self._set_state()
 
     @_move
@@ -177,7 +181,7 @@ class Chunk:
         """
         self._expect(ChunkState.HOST)
         host = self._copies[Tier.HOST]
-        self._copies[Tier.DEVICE] = self._storage.transfer(host, Tier.HOST, Tier.DEVICE)
+        self._copies[Tier.DEVICE] = self._storage.transfer(host, Tier.HOST, Tier.DEVICE, shell=self._device_shell)
         if not keep_host:
             self._drop(Tier.HOST)
         self._set_state()
@@ -230,5 +234,8 @@ class Chunk:
         self._set_state()
 
     def _drop(self, tier: Tier) -> None:
-        self._storage.free(tier, self._copies.pop(tier))
+        payload = self._copies.pop(tier)
+        self._storage.free(tier, payload)
+        if tier is Tier.DEVICE:
+            self._device_shell = payload
 

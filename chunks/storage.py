@@ -69,6 +69,8 @@ class HostObserver:
 
     quiet: Callable[[], AbstractContextManager]
     exclude: Callable[[torch.Tensor], None]
+    # A device payload's storage was resized in place (resize_ bypasses the dispatcher).
+    resized: Callable[[torch.Tensor], None] = lambda payload: None
 
 
 @dataclass
@@ -103,27 +105,55 @@ class ChunkStorage:
     def tier_device(self, tier: Tier) -> torch.device:
         return self.device if tier is Tier.DEVICE else torch.device("cpu")
 
-    def alloc(self, tier: Tier, numel: int, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
-        """A new 1-D payload of ``numel`` elements on ``tier``, counted at once."""
-        pin = self.pin_host and tier is Tier.HOST
-        make = torch.zeros if zero else torch.empty
-        if tier is Tier.HOST and self.host_observer is not None:
-            with self.host_observer.quiet():
-                payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
-            self.host_observer.exclude(payload)
+    def alloc(
+        self, tier: Tier, numel: int, dtype: torch.dtype, *, zero: bool = False, shell: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A new 1-D payload of ``numel`` elements on ``tier``, counted at once.
+
+        ``shell`` is a device payload freed earlier by :meth:`free`: its storage grows back in
+        place, so views of it taken before (autograd's saved tensors) see the new data.
+        """
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if shell is not None:
+            assert tier is Tier.DEVICE and shell.untyped_storage().nbytes() == 0, "shell must be a freed device payload"
+            shell.untyped_storage().resize_(nbytes)
+            if zero:
+                shell.zero_()
+            payload = shell
+            if self.host_observer is not None:
+                self.host_observer.resized(payload)
         else:
-            payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
-        self.stats[tier].add(payload.numel() * payload.element_size())
+            pin = self.pin_host and tier is Tier.HOST
+            make = torch.zeros if zero else torch.empty
+            if tier is Tier.HOST and self.host_observer is not None:
+                with self.host_observer.quiet():
+                    payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
+                self.host_observer.exclude(payload)
+            else:
+                payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
+        self.stats[tier].add(nbytes)
         return payload
 
     def free(self, tier: Tier, payload: torch.Tensor) -> None:
-        """Forget a payload allocated by :meth:`alloc`; the caller drops its last reference."""
-        self.stats[tier].sub(payload.numel() * payload.element_size())
+        """Release a payload allocated by :meth:`alloc`.
 
-    def transfer(self, payload: torch.Tensor, src: Tier, dst: Tier) -> torch.Tensor:
+        [Note: device payloads are freed in place]
+        A device payload's storage is resized to zero rather than dropped: autograd may hold
+        views of it (``F.linear`` saves ``weight.t()``), which would otherwise keep the memory
+        alive after the chunk left the device and hand the backward pass the old copy. Freed
+        in place, the memory is really returned, the payload can grow back into the same
+        storage (``alloc(shell=...)``), and a view used while the chunk is away fails loudly.
+        """
+        self.stats[tier].sub(payload.numel() * payload.element_size())
+        if tier is Tier.DEVICE:
+            payload.untyped_storage().resize_(0)
+            if self.host_observer is not None:
+                self.host_observer.resized(payload)
+
+    def transfer(self, payload: torch.Tensor, src: Tier, dst: Tier, *, shell: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of ``payload`` (on ``src``) newly allocated on ``dst``; the source is kept."""
         assert src is not dst, f"transfer within {src}"
-        out = self.alloc(dst, payload.numel(), payload.dtype)
+        out = self.alloc(dst, payload.numel(), payload.dtype, shell=shell)
         self.copy_(out, payload, src=src, dst=dst)
         return out
 

@@ -18,8 +18,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceBudgetError", "DeviceMemory"]
 
-MiB = 2**20
-
 
 class DeviceBudgetError(MemoryError):
     """The device memory budget cannot hold what the step needs.
@@ -60,7 +58,7 @@ class DeviceMemory:
     def host_observer(self) -> HostObserver | None:
         if self._accounting is None:
             return None
-        return HostObserver(quiet=self.quiet, exclude=self._accounting.exclude)
+        return HostObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.track)
 
     def start(self, tracked: list[torch.Tensor]) -> None:
         """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks)."""
@@ -72,6 +70,7 @@ class DeviceMemory:
             if tracked and self._accounting is not None:
                 self._accounting.track(tracked)
             self.monitor.start()
+            self.monitor.reset_peak()  # a new window's peak starts at what lives now
 
     def exclude(self, tensors: list[torch.Tensor]) -> None:
         if self._accounting is not None and tensors:
@@ -98,7 +97,8 @@ class DeviceMemory:
         return self.monitor.current_bytes() if self.monitor is not None else None
 
     def reset_peak(self) -> None:
-        if self.monitor is not None:
+        """Restart the peak (a stopped monitor restarts it when its next window begins)."""
+        if self.monitor is not None and self.monitor.running:
             self.monitor.reset_peak()
 
     def allocator_slack_bytes(self) -> int:
@@ -119,11 +119,13 @@ class DeviceMemory:
           CPU stand-in (the accounting monitor's per-period figures repeat exactly, see
           tests/tracer), a little on CUDA (workspaces, algorithm choices): 5% of the largest
           non-model peak;
-        - 1 MiB for scalars, norms and other small step-time tensors.
+        - 64 KiB for scalars, per-parameter norms and other small step-time tensors (the one
+          large step-time temporary, an fp32 copy of a bf16/fp16 gradient chunk updated on
+          the device, is charged by the auto policy when it puts optimizer states there).
         Peers used fixed shares (Colossal-AI: 20% in warm-up, 90% after) that were at once too
         large for big devices and too small where fragmentation bit (see ANCHORS.md).
         """
-        return self.allocator_slack_bytes() + math.ceil(0.05 * max_non_model_bytes) + MiB
+        return self.allocator_slack_bytes() + math.ceil(0.05 * max_non_model_bytes) + 64 * 1024
 
 
 def _device_total_bytes(device: torch.device) -> int:

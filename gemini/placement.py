@@ -12,6 +12,8 @@ import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
+import torch
+
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.plan import MemoryPlan
@@ -248,13 +250,16 @@ class StaticPlacement(PlacementPolicy):
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST
 
-    def setup(self) -> None:
+    def _choose(self) -> None:
         groups = self.manager.groups
         self.params_on_device = {g.index for g in groups[: round(self.param_device_fraction * len(groups))]}
         trainable = self.manager.trainable_groups
         n_offload = round(self.optimizer_offload_fraction * len(trainable))
         self.os_on_device = {g.index for g in trainable[: len(trainable) - n_offload]}
-        for g in groups:
+
+    def setup(self) -> None:
+        self._choose()
+        for g in self.manager.groups:
             if g.index in self.os_on_device:
                 self._pin_on_device(g)
             elif g.index in self.params_on_device:
@@ -262,6 +267,7 @@ class StaticPlacement(PlacementPolicy):
 
     def pinned_bytes(self) -> int:
         """Chunk bytes this policy keeps on the device for good."""
+        self._choose()
         total = 0
         for g in self.manager.groups:
             if g.index in self.os_on_device:
@@ -329,6 +335,9 @@ class AutoPlacement(PlacementPolicy):
         """Take the warm-up's plan: choose the optimizer-state groups that live on the device."""
         self.plan = plan
         room = int(self.margin_ratio * max(0, plan.margin_bytes))
+        if self.manager.param_dtype != torch.float32:
+            # Device Adam converts one bf16/fp16 gradient chunk at a time to fp32.
+            room -= max((g.param.capacity * 4 for g in self.manager.trainable_groups), default=0)
         chosen = []
         for g in self.manager.trainable_groups:
             cost = self.group_device_bytes(g)
@@ -395,10 +404,15 @@ class AutoPlacement(PlacementPolicy):
         over = self._device_bytes() + nbytes - self._room_limit(self._non_model_now())
         if over <= 0:
             return
+        # In use, so never evicted: groups under a running forward, and groups fetched for a
+        # backward whose gradients are not all in (their module's backward may not have run:
+        # autograd reads the parameters through saved views). The warm-up kept them too, so
+        # the plan has room for them.
+        busy = keep | self.os_on_device | self._fetched_for_backward
         candidates = {
             g.index: self._evictable_bytes(g)
             for g in self.manager.groups
-            if g.index not in keep and g.index not in self.os_on_device and self._compute_refs.get(g.index, 0) == 0
+            if g.index not in busy and self._compute_refs.get(g.index, 0) == 0
         }
         candidates = {i: b for i, b in candidates.items() if b > 0}
         try:

@@ -1,0 +1,130 @@
+"""auto and static placement: the device budget is a promise, and results equal plain AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemini
+from gemini.gpt import GPT, GPTConfig
+from gemini.memory import DeviceBudgetError
+from helpers import assert_params_close, batches, clone_pair, train_gemini, train_reference
+
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
+CHUNK = 8192
+
+
+def _model_data_bytes(cfg: GPTConfig = CFG) -> int:
+    """Parameters, gradients and Adam's m and v in fp32: 16 bytes a parameter."""
+    return 16 * cfg.num_params()
+
+
+def _run_auto(budget: int, *, ratio: float = 0.0, steps: int = 6, cfg: GPTConfig = CFG, precision="fp32"):
+    base, ref = clone_pair(cfg)
+    data = batches(cfg, steps, batch=2, seq=16)
+    want_losses, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=budget,
+                               gpu_margin_mem_ratio=ratio, precision=precision)
+    reports = []
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+    got = []
+    for x, y in data:
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+        got.append(gmodel.state_dict())
+    return got, want, reports, opt
+
+
+def test_model_data_2_5x_the_budget_trains_under_budget_and_equals_adamw():
+    budget = int(_model_data_bytes() / 2.5)
+    got, want, reports, opt = _run_auto(budget)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, step=step)
+    for r in reports:
+        assert r.device_peak_bytes <= budget, f"step {r.step}: peak {r.device_peak_bytes} > budget {budget}"
+        assert r.device_budget_bytes == budget
+    # Parameters and gradients alone exceed the budget, so chunks really were evicted.
+    assert 8 * CFG.num_params() > budget
+    assert opt._rt.placement.evictions > 0
+    assert reports[-1].h2d_bytes > 0 and reports[-1].os_chunks_on_device == 0
+    assert opt._rt.plan is not None and opt._rt.plan.max_non_model_bytes > 0
+
+
+def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
+    base, _ = clone_pair(CFG)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory="200KiB")
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2)
+    before = gmodel.state_dict()
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    with pytest.raises(DeviceBudgetError, match=r"\d+ bytes are missing") as err:
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+    assert err.value.missing_bytes > 0
+    assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
+    assert opt.state_dict()["state"] == {}
+
+
+def test_margin_ratio_puts_more_optimizer_states_on_the_device_and_changes_no_result():
+    budget = int(1.5 * _model_data_bytes())
+    counts = []
+    for ratio in (0.0, 0.5, 1.0):
+        got, want, reports, _ = _run_auto(budget, ratio=ratio, steps=4)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert_params_close(g, w, step=step)
+        assert all(r.device_peak_bytes <= budget for r in reports)
+        counts.append(reports[-1].os_chunks_on_device)
+        if ratio > 0:
+            assert reports[-1].optimizer_device_seconds > 0
+    assert counts[0] == 0
+    assert counts == sorted(counts) and counts[-1] > 0
+
+
+def test_activation_checkpointing_under_auto():
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64, activation_checkpointing=True)
+    budget = int(_model_data_bytes(cfg) / 2.5)
+    got, want, reports, opt = _run_auto(budget, cfg=cfg, steps=4)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, step=step)
+    assert all(r.device_peak_bytes <= budget for r in reports)
+    phases = {k[0].value for k in opt._rt.plan.keys}
+    assert "recompute" in phases
+
+
+def test_bf16_under_auto_stays_under_budget():
+    budget = int(_model_data_bytes() / 2.5)
+    base, _ = clone_pair(CFG)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=budget,
+                               precision="bf16", gpu_margin_mem_ratio=1.0)
+    data = batches(CFG, 1, batch=2, seq=16) * 5
+    losses, _, _, opt = train_gemini(base, data, gcfg, lr=3e-3)
+    assert losses[-1] < losses[0]
+    assert opt.report.device_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("param_frac,offload_frac", [(1.0, 0.0), (0.5, 1.0), (0.0, 0.5)])
+def test_static_fractions_equal_adamw(param_frac, offload_frac):
+    base, ref = clone_pair(CFG)
+    data = batches(CFG, 4)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="static", chunk_size=CHUNK,
+                               static_param_device_fraction=param_frac, static_optimizer_offload_fraction=offload_frac)
+    _, got, _, opt = train_gemini(base, data, gcfg, lr=1e-2, weight_decay=0.1)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, step=step)
+    placement = opt._rt.placement
+    n_trainable = len(opt._rt.manager.trainable_groups)
+    assert len(placement.os_on_device) == n_trainable - round(offload_frac * n_trainable)
+    assert opt.report.os_chunks_on_device == len(placement.os_on_device)
+
+
+def test_static_budget_too_small_fails_at_initialize():
+    with pytest.raises(DeviceBudgetError, match="bytes are missing"):
+        gemini.initialize(clone_pair(CFG)[0], gemini.GeminiConfig(
+            device="cpu", placement="static", chunk_size=CHUNK, device_memory="100KiB"))
+
+
+def test_margin_ratio_needs_auto():
+    with pytest.raises(ValueError, match="gpu_margin_mem_ratio"):
+        gemini.initialize(clone_pair(CFG)[0], gemini.GeminiConfig(device="cpu", placement="cpu", gpu_margin_mem_ratio=0.5))
