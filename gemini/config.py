@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from offload.budgets import parse_size
+from offload import parse_size
 
 __all__ = ["GeminiConfig", "PLACEMENTS", "PRECISIONS"]
 
