@@ -453,7 +453,7 @@ class NvmeStore:
     written tensor unchanged and a read's ``out`` untouched until the future is done. The
     store never modifies a tensor it writes; after a failed read ``out`` holds unspecified
     bytes. Requests on the same key run in the order they were made; requests on different
-    keys overlap. Use as a context manager, or call ``close()``; files are also removed when
+    keys overlap. Cancelling a future stops the wait, not the I/O (see [Note: cancellation]). Use as a context manager, or call ``close()``; files are also removed when
     the store is garbage-collected and at interpreter exit.
     """
 
@@ -511,8 +511,7 @@ class NvmeStore:
         self._writes = 0
         self._bytes_stored = 0
         self._bytes_on_disk = 0
-        # Any thread.
-        self._pending: set[concurrent.futures.Future] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._state = StoreState.OPEN
         logger.info("NvmeStore in %s: %s I/O, %s pieces, %d in flight, checksums %s",
                     self._folder, self._io_mode.value, format_size(self._piece_bytes),
@@ -607,7 +606,7 @@ class NvmeStore:
             raise RuntimeError("NvmeStore.close() was called from the store's own I/O thread (a"
                                " future's done-callback?); call it from another thread")
         self._state = StoreState.CLOSED
-        concurrent.futures.wait(list(self._pending))
+        self._io.submit(self._drain()).result()
         if self._budgets is not None and self._bytes_on_disk:
             self._budgets.release(Tier.NVME, self._bytes_on_disk)
         self._bytes_on_disk = 0
@@ -650,10 +649,7 @@ class NvmeStore:
             raise RuntimeError(f"NvmeStore in {self._folder} is closed")
 
     def _submit(self, coro) -> concurrent.futures.Future:
-        future = self._io.submit(coro)
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
-        return future
+        return self._io.submit(self._run_to_completion(coro))
 
     def _entry(self, key: Hashable) -> _Entry:
         try:
@@ -662,6 +658,28 @@ class NvmeStore:
             raise KeyError(f"no tensor stored under key {key!r} in {self._folder}") from None
 
     # -- requests (loop thread) ------------------------------------------------------
+
+    # [Note: cancellation]
+    # A blocking pwritev/preadv on a worker thread cannot be interrupted. If cancelling a
+    # future cancelled its request, the request would close its file descriptor while a
+    # worker still wrote through it, and the descriptor number, reused by the next open,
+    # would send those bytes into another key's file. So a cancelled future only stops the
+    # caller's wait: the request runs to completion (a write lands, a read fills ``out``),
+    # shielded, and close() waits for it like for any other.
+
+    async def _run_to_completion(self, coro):
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
+
+    async def _drain(self) -> None:
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
 
     def _enter_key(self, key: Hashable) -> tuple[asyncio.Future | None, asyncio.Future]:
         # Runs before the request's first await, i.e. in submission order: chaining each
