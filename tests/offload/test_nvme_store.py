@@ -1,3 +1,4 @@
+import ctypes
 import errno
 import gc
 import json
