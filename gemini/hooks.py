@@ -35,7 +35,7 @@ class ModuleHooks:
         manager: ChunkManager,
         placement: PlacementPolicy,
         *,
-        on_root_forward: Callable[[], None],
+        on_root_forward: Callable[[tuple, dict], None],
         on_budget_error: Callable[[], None],
     ) -> None:
         self.manager = manager
@@ -47,7 +47,9 @@ class ModuleHooks:
         self.backward_passes = 0
         # Registered first, so the root's pre-hook runs before (and its post-hook before)
         # the root's own chunk hooks.
-        self._handles.append(module.register_forward_pre_hook(lambda m, a: on_root_forward()))
+        self._handles.append(
+            module.register_forward_pre_hook(lambda m, args, kwargs: on_root_forward(args, kwargs), with_kwargs=True)
+        )
         self._handles.append(module.register_forward_hook(lambda m, a, o: placement.end_forward()))
         for sub in module.modules():
             groups = manager.groups_of(sub.parameters(recurse=False))

@@ -102,7 +102,7 @@ class HybridAdam(torch.optim.Optimizer):
                 loss = closure()
         rt = self._rt
         if rt.tracing:
-            if rt.hooks.backward_passes == 0:
+            if rt.hooks.backward_passes == rt._backward_passes_at_trace:
                 raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
             rt.finish_warmup()  # may raise DeviceBudgetError: nothing has been updated yet
         rt.check_first_step()

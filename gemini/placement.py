@@ -352,6 +352,18 @@ class AutoPlacement(PlacementPolicy):
             plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
         )
 
+    def abandon_plan(self) -> None:
+        """Back to warm-up behaviour: optimizer states to the host, nothing kept resident."""
+        self.plan = None
+        for i in sorted(self.os_on_device):
+            for chunk in self.manager.groups[i].chunks:
+                if chunk.state is not ChunkState.RELEASED:
+                    chunk.move_to(Tier.HOST)
+        self.os_on_device = set()
+        for g in self.manager.groups:
+            if self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
+                self._maybe_drop_params(g)
+
     def _non_model_now(self) -> int:
         plan = self.plan
         if plan is None:

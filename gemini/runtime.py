@@ -15,7 +15,7 @@ from gemini.placement import AutoPlacement, PlacementPolicy
 from gemini.plan import MemoryPlan
 from gemini.report import ReportWriter
 from gemini.warmup import Warmup, check_peak
-from tracer import PeriodHooks
+from tracer import InputSignature, PeriodHooks, input_signature
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +42,27 @@ class GeminiRuntime:
     # The tracer resets the monitor's peak at each of its cuts: the warm-up step's peak is
     # the trace's largest period peak, carried here into that step's report.
     _warmup_peak_bytes: int = 0
+    _signature: InputSignature | None = None  # the traced iteration's inputs
+    _backward_passes_at_trace: int = 0
 
     # -------------------------------------------------------------------- iteration events
-    def on_root_forward(self) -> None:
+    def on_root_forward(self, args: tuple, kwargs: dict) -> None:
         """The root module's forward begins (its first forward pre-hook)."""
         self.begin_window()
-        if self.warmup is None and isinstance(self.placement, AutoPlacement):
-            self._begin_warmup()
-        elif self.warmup is not None and self.warmup.tracing and self.hooks.backward_passes > 0:
-            # Gradient accumulation: the traced iteration is the first forward + backward.
-            self.finish_warmup()
+        if isinstance(self.placement, AutoPlacement):
+            if self.warmup is None:
+                self._begin_warmup(args, kwargs)
+            elif self.warmup.tracing and self.hooks.backward_passes > self._backward_passes_at_trace:
+                # Gradient accumulation: the traced iteration is the first forward + backward.
+                self.finish_warmup()
+            elif not self.warmup.tracing and torch.is_grad_enabled() and input_signature(args, kwargs) != self._signature:
+                logger.info("auto placement: input shapes changed; tracing this iteration again")
+                self._retrace(args, kwargs)
         self.placement.begin_forward()
 
-    def _begin_warmup(self) -> None:
+    def _begin_warmup(self, args: tuple, kwargs: dict) -> None:
+        self._signature = input_signature(args, kwargs)
+        self._backward_passes_at_trace = self.hooks.backward_passes
         self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes)
         self.placement.record_access = self.warmup.tracer.record_access
         self.warmup.begin()
@@ -73,6 +81,15 @@ class GeminiRuntime:
         self.placement.adopt(self.plan)
         self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
         self._period_hooks.install()
+
+    def _retrace(self, args: tuple, kwargs: dict) -> None:
+        """New shapes: drop the plan, warm up again (conservatively) and plan anew at the step."""
+        if self._period_hooks is not None:
+            self._period_hooks.remove()
+            self._period_hooks = None
+        self.placement.abandon_plan()
+        self.plan = None
+        self._begin_warmup(args, kwargs)
 
     @property
     def tracing(self) -> bool:

@@ -128,3 +128,25 @@ def test_static_budget_too_small_fails_at_initialize():
 def test_margin_ratio_needs_auto():
     with pytest.raises(ValueError, match="gpu_margin_mem_ratio"):
         gemini.initialize(clone_pair(CFG)[0], gemini.GeminiConfig(device="cpu", placement="cpu", gpu_margin_mem_ratio=0.5))
+
+
+def test_new_batch_shape_is_traced_again_and_results_still_equal_adamw():
+    base, ref = clone_pair(CFG)
+    short, long = batches(CFG, 2, batch=2, seq=16), batches(CFG, 3, batch=2, seq=32, seed=5)
+    data = short + long
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    budget = int(_model_data_bytes() / 1.5)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=budget,
+                               gpu_margin_mem_ratio=1.0)
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+    plans = []
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(gmodel.state_dict(), want[step], step=step)
+        assert opt.report.device_peak_bytes <= budget
+        plans.append(opt._rt.plan)
+    assert plans[0] is plans[1]  # same shapes: one trace
+    assert plans[2] is not plans[1] and plans[3] is plans[2]  # new shapes: traced once more
+    assert plans[2].max_non_model_bytes > plans[1].max_non_model_bytes  # twice the tokens

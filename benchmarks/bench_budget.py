@@ -1,0 +1,163 @@
+"""Step time against the device budget, and against gpu_margin_mem_ratio, under placement "auto".
+
+    python benchmarks/bench_budget.py                  # the CPU standing in for the device
+    python benchmarks/bench_budget.py --device cuda    # on a GPU
+
+1. The budget falls from 120% to 30% of the model data (fp32 parameters, gradients and Adam
+   states: 16 bytes a parameter); each run reports the median step time after warm-up, the
+   measured device peak, evictions and bytes moved.
+2. With a budget that fits everything (120%), "auto" at margin ratio 1 against "cuda".
+   Both run with the same budget, so both are measured by the same monitor.
+3. At a fixed budget, step time at each gpu_margin_mem_ratio, with the number of
+   optimizer-state chunk groups it put on the device.
+
+Writes benchmarks/results/budget_<device>.json, .md and, when matplotlib is installed, .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gemini  # noqa: E402
+from bench_step import RESULTS, machine_info  # noqa: E402
+from gemini.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+
+def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0) -> dict:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    gcfg = gemini.GeminiConfig(device=args.device, placement=placement, device_memory=budget,
+                               gpu_margin_mem_ratio=ratio, chunk_size=args.chunk_size)
+    gmodel, opt = gemini.initialize(model, gcfg, lr=1e-4)
+    x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1), device=args.device)
+    times, reports = [], []
+    for i in range(args.steps + 1):  # the first is the warm-up
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        if i > 0:
+            times.append(time.perf_counter() - start)
+            reports.append(opt.report)
+    r = reports[-1]
+    evictions = getattr(opt._rt.placement, "evictions", 0)
+    return {
+        "placement": placement,
+        "budget_bytes": budget,
+        "ratio": ratio,
+        "median_step_s": statistics.median(times),
+        "device_peak_bytes": max(rep.device_peak_bytes for rep in reports),
+        "under_budget": all(rep.device_peak_bytes <= budget for rep in reports),
+        "h2d_bytes": r.h2d_bytes,
+        "d2h_bytes": r.d2h_bytes,
+        "os_chunks_on_device": r.os_chunks_on_device,
+        "chunk_groups": len(opt._rt.manager.trainable_groups),
+        "evictions_total": evictions,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--chunk-size", type=int, default=1 << 17)
+    p.add_argument("--fractions", default="1.2,1.0,0.8,0.6,0.45,0.3")
+    p.add_argument("--ratios", default="0,0.25,0.5,0.75,1")
+    args = p.parse_args()
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
+    model_data = 16 * cfg.num_params()
+    print(f"GPT {cfg.num_params() / 1e6:.2f}M parameters, model data {model_data / 2**20:.1f} MiB", flush=True)
+
+    sweep = []
+    for frac in (float(f) for f in args.fractions.split(",")):
+        try:
+            row = run(cfg, args, placement="auto", budget=int(frac * model_data))
+        except gemini.memory.DeviceBudgetError as e:
+            row = {"placement": "auto", "budget_bytes": int(frac * model_data), "error": str(e)[:160]}
+        row["fraction_of_model_data"] = frac
+        sweep.append(row)
+        print(row, flush=True)
+
+    fits = int(1.2 * model_data)
+    cuda_row = run(cfg, args, placement="cuda", budget=fits)
+    auto_row = run(cfg, args, placement="auto", budget=fits, ratio=1.0)
+    ratio_budget = int(0.8 * model_data)
+    ratios = [run(cfg, args, placement="auto", budget=ratio_budget, ratio=float(r)) for r in args.ratios.split(",")]
+
+    result = {"machine": machine_info(args.device), "model": {"params": cfg.num_params(), **cfg.__dict__},
+              "model_data_bytes": model_data, "budget_sweep": sweep,
+              "fits_everything": {"cuda": cuda_row, "auto_ratio_1": auto_row,
+                                  "ratio_auto_to_cuda": auto_row["median_step_s"] / cuda_row["median_step_s"]},
+              "margin_ratio_sweep": {"budget_bytes": ratio_budget, "rows": ratios}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"budget_{args.device}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    m = result["machine"]
+    md = [f"# Step time against the device budget (placement auto, device {args.device})", "",
+          f"{m['date']} on {m['cpu']} ({m['cores']} cores, torch {m['torch']}). GPT {cfg.num_params() / 1e6:.2f}M "
+          f"parameters, model data {model_data / 2**20:.1f} MiB, batch {args.batch}x{args.seq}, "
+          f"chunk {args.chunk_size} elements; median of {args.steps} steps after warm-up.", "",
+          f"Command: `python benchmarks/bench_budget.py{' --device cuda' if args.device == 'cuda' else ''}`", "",
+          "## Budget sweep", "", "| budget (% of model data) | step s | device peak MiB | under budget | h2d MiB/step | evictions |",
+          "|---|---|---|---|---|---|"]
+    for row in sweep:
+        if "error" in row:
+            md.append(f"| {row['fraction_of_model_data']:.0%} | — | — | error: {row['error'][:80]}… | | |")
+        else:
+            md.append(f"| {row['fraction_of_model_data']:.0%} | {row['median_step_s']:.3f} | {row['device_peak_bytes'] / 2**20:.1f} | "
+                      f"{row['under_budget']} | {row['h2d_bytes'] / 2**20:.1f} | {row['evictions_total']} |")
+    md += ["", "## A budget that fits everything (120%)", "", "| placement | step s | device peak MiB |", "|---|---|---|",
+           f"| cuda | {cuda_row['median_step_s']:.3f} | {cuda_row['device_peak_bytes'] / 2**20:.1f} |",
+           f"| auto, ratio 1 | {auto_row['median_step_s']:.3f} | {auto_row['device_peak_bytes'] / 2**20:.1f} |",
+           "", f"auto / cuda = {result['fits_everything']['ratio_auto_to_cuda']:.3f}", "",
+           f"## Margin ratio at {ratio_budget / 2**20:.1f} MiB (80%)", "",
+           "| gpu_margin_mem_ratio | optimizer-state groups on device | step s | device peak MiB | h2d MiB/step |", "|---|---|---|---|---|"]
+    for row in ratios:
+        md.append(f"| {row['ratio']} | {row['os_chunks_on_device']}/{row['chunk_groups']} | {row['median_step_s']:.3f} | "
+                  f"{row['device_peak_bytes'] / 2**20:.1f} | {row['h2d_bytes'] / 2**20:.1f} |")
+    (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ok = [r for r in sweep if "error" not in r]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        a.plot([100 * r["fraction_of_model_data"] for r in ok], [r["median_step_s"] for r in ok], "o-")
+        a.set_xlabel("device budget, % of model data")
+        a.set_ylabel("step time, s")
+        a.invert_xaxis()
+        a.set_title("auto placement: step time vs budget")
+        b.plot([r["ratio"] for r in ratios], [r["median_step_s"] for r in ratios], "o-")
+        b.set_xlabel("gpu_margin_mem_ratio")
+        b.set_ylabel("step time, s")
+        b.set_title(f"budget {ratio_budget / 2**20:.0f} MiB")
+        fig.tight_layout()
+        fig.savefig(RESULTS / f"{stem}.png", dpi=100)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
