@@ -39,6 +39,8 @@ _MIN_CLASS_BYTES = HOST_ALIGNMENT_BYTES
 # waste of the scarcest host resource, while 1 MiB classes waste under 1 MiB per buffer. The
 # chunks of one model all have the same size, so they all land in one class and reuse each
 # other's buffers exactly as power-of-two classes would.
+# Unpinned buffers of 2 MiB or more live on transparent huge pages, which doubled direct-I/O
+# read speed on the development VM (see [Note: huge pages for I/O buffers] in aligned.py).
 
 
 def size_class_bytes(nbytes: int) -> int:

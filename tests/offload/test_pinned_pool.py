@@ -91,3 +91,26 @@ def test_threads_never_share_a_buffer():
     for t in threads:
         t.join()
     assert not errors and pool.bytes_in_use == 0 and pool.stats().buffers_total <= 4
+
+
+def test_large_buffers_are_huge_page_aligned_and_small_ones_page_aligned():
+    from offload.aligned import HUGE_PAGE_BYTES, aligned_empty
+
+    small = aligned_empty(10_000)
+    assert small.numel() == 10_000 and small.data_ptr() % 4096 == 0
+    large = aligned_empty(3 * HUGE_PAGE_BYTES + 5)
+    assert large.numel() == 3 * HUGE_PAGE_BYTES + 5 and large.data_ptr() % 4096 == 0
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert large.data_ptr() % HUGE_PAGE_BYTES == 0
+    large.fill_(7)  # the memory is usable end to end
+    assert int(large[-1]) == 7 and int(large[0]) == 7
+
+
+@pytest.mark.cuda
+def test_cuda_pool_pins_once_and_reuses():
+    pool = PinnedHostPool()
+    a = pool.acquire(1 << 20, torch.float16)
+    assert pool.pinned and a.is_pinned()
+    ptr = a.data_ptr()
+    pool.release(a)
+    assert pool.acquire(1 << 20, torch.float16).data_ptr() == ptr
