@@ -78,7 +78,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--chunk-size", type=int, default=1 << 17)
+    p.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
     p.add_argument("--fractions", default="1.2,1.0,0.8,0.6,0.45,0.3")
     p.add_argument("--ratios", default="0,0.25,0.5,0.75,1")
     args = p.parse_args()
@@ -114,7 +114,7 @@ def main() -> int:
     md = [f"# Step time against the device budget (placement auto, device {args.device})", "",
           f"{m['date']} on {m['cpu']} ({m['cores']} cores, torch {m['torch']}). GPT {cfg.num_params() / 1e6:.2f}M "
           f"parameters, model data {model_data / 2**20:.1f} MiB, batch {args.batch}x{args.seq}, "
-          f"chunk {args.chunk_size} elements; median of {args.steps} steps after warm-up.", "",
+          f"chunk size {args.chunk_size or 'searched'}; median of {args.steps} steps after warm-up.", "",
           f"Command: `python benchmarks/bench_budget.py{' --device cuda' if args.device == 'cuda' else ''}`", "",
           "## Budget sweep", "", "| budget (% of model data) | step s | device peak MiB | under budget | h2d MiB/step | evictions |",
           "|---|---|---|---|---|---|"]

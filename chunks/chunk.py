@@ -98,6 +98,8 @@ class Chunk:
         # The device payload once freed: its storage grows back in place on the next move to
         # the device (see [Note: device payloads are freed in place] in chunks/storage.py).
         self._device_shell: torch.Tensor | None = None
+        # Bumped on every state change: lets callers cache views of the payloads.
+        self.version = 0
         # Called after every state change (the manager re-points parameter views).
         self.on_move: Callable[[Chunk], None] | None = None
 
@@ -161,6 +163,7 @@ class Chunk:
             (False, True): ChunkState.DEVICE,
             (True, True): ChunkState.HOST_AND_DEVICE,
         }[(host, dev)]
+        self.version += 1
         if self.on_move is not None:
             self.on_move(self)
 

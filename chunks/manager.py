@@ -69,9 +69,20 @@ class ChunkGroup:
     # Slots whose gradient arrived in the backward pass now running.
     grads_this_backward: int = 0
 
+    # Flat views of (master, grad, m, v) on one tier, and the chunk versions they were cut at.
+    _step_views: tuple | None = field(default=None, repr=False)
+
     @property
     def trainable(self) -> bool:
         return self.param_group >= 0
+
+    def step_views(self, tier: Tier) -> tuple[torch.Tensor, ...]:
+        """The used parts of (master, grad, m, v) on ``tier``, cut once per move of any of them."""
+        chunks = (self.master_chunk, self.grad, self.exp_avg, self.exp_avg_sq)
+        key = (tier, *(c.version for c in chunks))
+        if self._step_views is None or self._step_views[0] != key:
+            self._step_views = (key, tuple(c.used(tier) for c in chunks))
+        return self._step_views[1]
 
     @property
     def master_chunk(self) -> Chunk:

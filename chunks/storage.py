@@ -29,6 +29,10 @@ class Tier(enum.Enum):
     DEVICE = "device"  # the compute device; counted against `device_memory`
     HOST = "host"  # host memory (pinned when the device is CUDA)
 
+    # Members are singletons compared by identity: hash them by identity too, in C, since
+    # payload lookups by tier sit on the optimizer step's hot path.
+    __hash__ = object.__hash__
+
 
 @dataclass
 class TierStats:
@@ -36,14 +40,17 @@ class TierStats:
 
     current_bytes: int = 0
     peak_bytes: int = 0
+    payloads: int = 0  # live payloads on the tier
 
     def add(self, nbytes: int) -> None:
         self.current_bytes += nbytes
+        self.payloads += 1
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
     def sub(self, nbytes: int) -> None:
         self.current_bytes -= nbytes
-        assert self.current_bytes >= 0, f"{self.current_bytes=} went negative"
+        self.payloads -= 1
+        assert self.current_bytes >= 0 and self.payloads >= 0, f"{self.current_bytes=} {self.payloads=} went negative"
 
 
 @dataclass

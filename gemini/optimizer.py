@@ -71,6 +71,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._scaled_backwards = 0
         self._backward_passes_at_step = 0
         self._step_started = time.perf_counter()
+        self._process = psutil.Process()
         # Position of each parameter in the module (clipping visits them in this order).
         self._param_order = {id(p): i for i, p in enumerate(runtime.module_params)}
 
@@ -187,7 +188,7 @@ class HybridAdam(torch.optim.Optimizer):
                     g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
                 if g.all_grads_ready and g.steps_uniform:
                     whole.append(g)
-                    views = [(c.used(tier)) for c in (master, g.grad, m, v)]
+                    views = g.step_views(tier)
                     steps.append(g.steps[0])
                 else:
                     ready = [s for s in g.slots if g.grad_ready[s.index]]
@@ -195,7 +196,10 @@ class HybridAdam(torch.optim.Optimizer):
                     steps.extend(g.steps[s.index] for s in ready)
                     g.steps_uniform = False
                 for out, got in zip((params, grads, exp_avgs, exp_avg_sqs), views):
-                    out.extend(got if isinstance(got, list) else [got])
+                    if isinstance(got, list):
+                        out.extend(got)
+                    else:
+                        out.append(got)
             device = self._rt.storage.tier_device(tier)
             beta1, beta2 = hp["betas"]
             kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
@@ -242,7 +246,7 @@ class HybridAdam(torch.optim.Optimizer):
             d2h_bytes=storage.transfers.d2h_bytes,
             nvme_read_bytes=0,
             nvme_write_bytes=0,
-            chunks_on_device=sum(c.is_on(Tier.DEVICE) for c in rt.manager.chunks()),
+            chunks_on_device=storage.stats[Tier.DEVICE].payloads,
             os_chunks_on_device=sum(g.exp_avg.is_on(Tier.DEVICE) for g in rt.manager.trainable_groups),
             step_seconds=now - self._step_started,
             transfer_seconds=storage.transfers.seconds,
@@ -253,7 +257,7 @@ class HybridAdam(torch.optim.Optimizer):
             device_model_peak_bytes=storage.stats[Tier.DEVICE].peak_bytes,
             device_budget_bytes=rt.config.device_memory,
             grad_norm=grad_norm,
-            host_rss_bytes=psutil.Process().memory_info().rss,
+            host_rss_bytes=self._process.memory_info().rss,
         )
         self.report = report
         self.reports_made += 1
