@@ -320,6 +320,7 @@ class AutoPlacement(PlacementPolicy):
         self._diverged = False
         self.record_access = lambda group_index: None  # set by the runtime during warm-up
         self.evictions = 0
+        self.track_periods = True  # decided by adopt()
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST
@@ -347,6 +348,15 @@ class AutoPlacement(PlacementPolicy):
         self.os_on_device = {g.index for g in chosen}
         for g in chosen:
             self._pin_on_device(g)
+        # If every chunk that can be on the device fits there at once next to the largest
+        # non-model peak, nothing will ever be evicted: periods need not be followed, and
+        # the iteration runs without per-module boundary hooks (as fast as "cuda").
+        most = sum(
+            self.group_device_bytes(g) if g.index in self.os_on_device
+            else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0)
+            for g in self.manager.groups
+        )
+        self.track_periods = most + self.fixed_bytes + plan.max_non_model_bytes + plan.reserve_bytes > plan.budget_bytes
         logger.info(
             "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
             plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),

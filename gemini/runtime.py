@@ -79,8 +79,9 @@ class GeminiRuntime:
             raise
         self._warmup_peak_bytes = self.plan.warmup_peak_bytes
         self.placement.adopt(self.plan)
-        self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
-        self._period_hooks.install()
+        if self.placement.track_periods:
+            self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
+            self._period_hooks.install()
 
     def _retrace(self, args: tuple, kwargs: dict) -> None:
         """New shapes: drop the plan, warm up again (conservatively) and plan anew at the step."""

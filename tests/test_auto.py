@@ -150,3 +150,18 @@ def test_new_batch_shape_is_traced_again_and_results_still_equal_adamw():
     assert plans[0] is plans[1]  # same shapes: one trace
     assert plans[2] is not plans[1] and plans[3] is plans[2]  # new shapes: traced once more
     assert plans[2].max_non_model_bytes > plans[1].max_non_model_bytes  # twice the tokens
+
+
+def test_a_budget_that_fits_everything_needs_no_period_tracking():
+    got, want, reports, opt = _run_auto(4 * _model_data_bytes(), ratio=1.0, steps=3)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, step=step)
+    placement = opt._rt.placement
+    assert not placement.track_periods and opt._rt._period_hooks is None
+    assert reports[-1].os_chunks_on_device == len(opt._rt.manager.trainable_groups)
+    assert reports[-1].h2d_bytes == reports[-1].d2h_bytes == 0
+
+
+def test_a_tight_budget_follows_periods():
+    _, _, _, opt = _run_auto(int(_model_data_bytes() / 2.5), steps=2)
+    assert opt._rt.placement.track_periods and opt._rt._period_hooks is not None
