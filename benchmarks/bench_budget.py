@@ -32,6 +32,19 @@ from bench_step import RESULTS, machine_info  # noqa: E402
 from gemini.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
+def timed_step(gmodel, opt, x, y, device: str) -> float:
+    """One training step (forward, backward, step, zero_grad), in seconds."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    opt.backward(GPT.loss(gmodel(x), y))
+    opt.step()
+    opt.zero_grad()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -41,16 +54,9 @@ def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0
     x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1), device=args.device)
     times, reports = [], []
     for i in range(args.steps + 1):  # the first is the warm-up
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        opt.backward(GPT.loss(gmodel(x), y))
-        opt.step()
-        opt.zero_grad()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
+        seconds = timed_step(gmodel, opt, x, y, args.device)
         if i > 0:
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
             reports.append(opt.report)
     r = reports[-1]
     evictions = getattr(opt._rt.placement, "evictions", 0)
@@ -82,16 +88,9 @@ def interleaved(cfg: GPTConfig, args, *, budget: int, rounds: int = 9) -> tuple[
     peaks = {name: 0 for name in contenders}
     for i in range(rounds + 2):  # the first two are warm-up
         for name, (gmodel, opt) in contenders.items():
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            opt.backward(GPT.loss(gmodel(x), y))
-            opt.step()
-            opt.zero_grad()
-            if args.device == "cuda":
-                torch.cuda.synchronize()
+            seconds = timed_step(gmodel, opt, x, y, args.device)
             if i >= 2:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
                 peaks[name] = max(peaks[name], opt.report.device_peak_bytes)
     rows = []
     for name, (_, opt) in contenders.items():
