@@ -3,7 +3,7 @@
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
 from chunks.manager import ChunkGroup, ChunkManager, plan_layout
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
-from chunks.storage import ChunkStorage, HostObserver, Tier
+from chunks.storage import ChunkStorage, StorageObserver, Tier
 
 __all__ = [
     "Chunk",
@@ -13,7 +13,7 @@ __all__ = [
     "ChunkSizeSearch",
     "ChunkState",
     "ChunkStorage",
-    "HostObserver",
+    "StorageObserver",
     "TensorSlot",
     "Tier",
     "default_search_range",

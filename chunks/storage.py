@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tier", "TierStats", "ChunkStorage", "HostObserver"]
+__all__ = ["Tier", "TierStats", "ChunkStorage", "StorageObserver"]
 
 
 class Tier(enum.Enum):
@@ -67,8 +67,8 @@ class TransferStats:
 
 
 @dataclass
-class HostObserver:
-    """Lets a device-memory monitor ignore host payloads when the CPU stands in for the device.
+class StorageObserver:
+    """Keeps a device-memory monitor right about chunk payloads when the CPU stands in for the device.
 
     ``quiet()`` is entered around host allocations so the monitor never counts them, and
     ``exclude(payload)`` tells it to ignore the new payload whenever operators touch it.
@@ -93,7 +93,7 @@ class ChunkStorage:
     pin_host: bool = False
     stats: dict[Tier, TierStats] = field(default_factory=lambda: {t: TierStats() for t in Tier})
     transfers: TransferStats = field(default_factory=TransferStats)
-    host_observer: HostObserver | None = None
+    observer: StorageObserver | None = None
     # Called around every move of chunk data onto or off the device (the warm-up tracer
     # splits its measuring intervals there).
     move_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
@@ -127,15 +127,15 @@ class ChunkStorage:
             if zero:
                 shell.zero_()
             payload = shell
-            if self.host_observer is not None:
-                self.host_observer.resized(payload)
+            if self.observer is not None:
+                self.observer.resized(payload)
         else:
             pin = self.pin_host and tier is Tier.HOST
             make = torch.zeros if zero else torch.empty
-            if tier is Tier.HOST and self.host_observer is not None:
-                with self.host_observer.quiet():
+            if tier is Tier.HOST and self.observer is not None:
+                with self.observer.quiet():
                     payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
-                self.host_observer.exclude(payload)
+                self.observer.exclude(payload)
             else:
                 payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
         self.stats[tier].add(nbytes)
@@ -154,8 +154,8 @@ class ChunkStorage:
         self.stats[tier].sub(payload.numel() * payload.element_size())
         if tier is Tier.DEVICE:
             payload.untyped_storage().resize_(0)
-            if self.host_observer is not None:
-                self.host_observer.resized(payload)
+            if self.observer is not None:
+                self.observer.resized(payload)
 
     def transfer(self, payload: torch.Tensor, src: Tier, dst: Tier, *, shell: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of ``payload`` (on ``src``) newly allocated on ``dst``; the source is kept."""

@@ -72,7 +72,7 @@ def initialize(
     # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
     memory = DeviceMemory(device, config.device_memory, measure=config.device_memory is not None)
     fixed_bytes = _move_buffers(model, device, config.param_dtype)
-    storage = ChunkStorage(device, pin_host=True, host_observer=memory.host_observer())
+    storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype)
     placement = make_placement(config, manager, memory=memory, fixed_bytes=fixed_bytes)
     manager.register(named_groups, frozen, initial_tier=placement.initial_tier)

@@ -11,7 +11,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from chunks import HostObserver
+from chunks import StorageObserver
 from tracer import CudaAllocatorMonitor, MemoryMonitor, TensorAccountingMonitor
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class DeviceMemory:
     out-of-memory error rather than a silent pass. On the CPU stand-in a tensor-accounting
     monitor (a dispatch mode counting live storages) measures it, when ``measure`` is set:
     host-tier payloads are CPU tensors too, so they are allocated with the monitor quiet and
-    excluded from it (see :class:`chunks.HostObserver`).
+    excluded from it (see :class:`chunks.StorageObserver`).
     """
 
     def __init__(self, device: torch.device, budget_bytes: int | None, *, measure: bool) -> None:
@@ -55,10 +55,10 @@ class DeviceMemory:
             self.monitor = self._accounting
 
     # ---------------------------------------------------------------------------- set-up
-    def host_observer(self) -> HostObserver | None:
+    def observer(self) -> StorageObserver | None:
         if self._accounting is None:
             return None
-        return HostObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.track)
+        return StorageObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.track)
 
     def start(self, tracked: list[torch.Tensor]) -> None:
         """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks)."""
@@ -71,10 +71,6 @@ class DeviceMemory:
                 self._accounting.track(tracked)
             self.monitor.start()
             self.monitor.reset_peak()  # a new window's peak starts at what lives now
-
-    def exclude(self, tensors: list[torch.Tensor]) -> None:
-        if self._accounting is not None and tensors:
-            self._accounting.exclude(tensors)
 
     @property
     def measuring(self) -> bool:
@@ -92,9 +88,6 @@ class DeviceMemory:
     # ---------------------------------------------------------------------------- readings
     def peak_bytes(self) -> int | None:
         return self.monitor.peak_bytes() if self.monitor is not None else None
-
-    def current_bytes(self) -> int | None:
-        return self.monitor.current_bytes() if self.monitor is not None else None
 
     def reset_peak(self) -> None:
         """Restart the peak (a stopped monitor restarts it when its next window begins)."""

@@ -148,13 +148,3 @@ class GeminiRuntime:
         self._warmup_peak_bytes = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-
-    def close(self) -> None:
-        """Stop measuring and remove every hook (the model stays usable as a plain module)."""
-        if self.tracing:
-            self.warmup.abandon()
-        self.end_window()
-        if self._period_hooks is not None:
-            self._period_hooks.remove()
-        if self.hooks is not None:
-            self.hooks.remove()

@@ -62,16 +62,6 @@ class Warmup:
         self.state = WarmupState.TRACING
         logger.info("warm-up: tracing the first iteration")
 
-    def abandon(self) -> None:
-        """Stop tracing without a plan (the run is being closed or failed)."""
-        if self._trace is None:
-            return
-        trace, self._trace = self._trace, None
-        self.storage.move_context = contextlib.nullcontext
-        self.state = WarmupState.DONE
-        error = RuntimeError("warm-up abandoned")
-        trace.__exit__(type(error), error, None)
-
     def end(self) -> MemoryPlan:
         """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget."""
         assert self._trace is not None, "warm-up is not tracing"
