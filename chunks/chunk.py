@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +33,39 @@ class ChunkState(enum.Enum):
     - ``DEVICE``: one copy on the compute device.
     - ``HOST_AND_DEVICE``: a device copy identical to the host copy, both counted; the device
       copy can be dropped without a device-to-host copy (parameters fetched for compute).
+    - ``NVME``: one copy, in a file of the NVMe store; uses no memory, only disk.
+    - ``HOST_AND_NVME``: a host copy identical to the file (just read, or just written and
+      kept); the host copy can be dropped without writing it again.
+
+    A chunk with a read or write in flight stays in the state it had before the request (see
+    [Note: NVMe moves are two-phase]).
     """
 
     RELEASED = "released"
     HOST = "host"
     DEVICE = "device"
     HOST_AND_DEVICE = "host_and_device"
+    NVME = "nvme"
+    HOST_AND_NVME = "host_and_nvme"
+
+
+# (host copy, device copy, current file) -> state. A file next to a device copy never exists:
+# only host copies are written to or read from NVMe.
+_STATE_OF = {
+    (False, False, False): ChunkState.RELEASED,
+    (True, False, False): ChunkState.HOST,
+    (False, True, False): ChunkState.DEVICE,
+    (True, True, False): ChunkState.HOST_AND_DEVICE,
+    (False, False, True): ChunkState.NVME,
+    (True, False, True): ChunkState.HOST_AND_NVME,
+}
+
+
+@dataclass
+class _PendingIo:
+    future: Future
+    write: bool
+    buffer: torch.Tensor  # the host payload being written, or being read into
 
 
 def _move(method):
@@ -102,6 +130,9 @@ class Chunk:
         self.version = 0
         # Called after every state change (the manager re-points parameter views).
         self.on_move: Callable[[Chunk], None] | None = None
+        # The NVMe store holds this chunk's current bytes (its file is up to date).
+        self._in_file = False
+        self._pending: _PendingIo | None = None
 
     def __repr__(self) -> str:
         return (
@@ -118,6 +149,20 @@ class Chunk:
     @property
     def tiers(self) -> tuple[Tier, ...]:
         return tuple(self._copies)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The chunk's name in the NVMe store."""
+        return (self.kind.value, self.index)
+
+    @property
+    def in_file(self) -> bool:
+        """The NVMe file holds this chunk's current bytes (NVME or HOST_AND_NVME)."""
+        return self._in_file
+
+    @property
+    def io_pending(self) -> bool:
+        return self._pending is not None
 
     def is_on(self, tier: Tier) -> bool:
         return tier in self._copies
@@ -154,15 +199,14 @@ class Chunk:
                 f"chunk {self.kind.value} {self.index=} is {self.state}, expected one of "
                 f"{[s.name for s in allowed]}"
             )
+        if self._pending is not None:
+            raise RuntimeError(
+                f"chunk {self.kind.value} {self.index=} has an NVMe "
+                f"{'write' if self._pending.write else 'read'} in flight; finish it first"
+            )
 
     def _set_state(self) -> None:
-        host, dev = Tier.HOST in self._copies, Tier.DEVICE in self._copies
-        self.state = {
-            (False, False): ChunkState.RELEASED,
-            (True, False): ChunkState.HOST,
-            (False, True): ChunkState.DEVICE,
-            (True, True): ChunkState.HOST_AND_DEVICE,
-        }[(host, dev)]
+        self.state = _STATE_OF[(Tier.HOST in self._copies, Tier.DEVICE in self._copies, self._in_file)]
         self.version += 1
         if self.on_move is not None:
             self.on_move(self)
@@ -202,10 +246,89 @@ class Chunk:
 
     @_move
     def drop_host_copy(self) -> None:
-        """HOST_AND_DEVICE -> DEVICE: the device copy is about to be written."""
-        self._expect(ChunkState.HOST_AND_DEVICE)
+        """HOST_AND_DEVICE -> DEVICE (the device copy is about to be written), or
+        HOST_AND_NVME -> NVME (the file holds the same bytes: nothing to write)."""
+        self._expect(ChunkState.HOST_AND_DEVICE, ChunkState.HOST_AND_NVME)
         self._drop(Tier.HOST)
         self._set_state()
+
+    # [Note: NVMe moves are two-phase]
+    # A read or write of a chunk's file is started by one call and finished by another, so
+    # that a pipeline can keep several in flight while it computes. The state changes only
+    # when the request is confirmed: a chunk being written stays HOST (its host copy is still
+    # the only sure copy, and must not change), and a chunk being read stays NVME (the buffer
+    # it is read into is counted in host memory but is not a copy yet). A failed request
+    # leaves the chunk as it was, so a full disk or a corrupted file loses nothing.
+    def start_spill(self) -> None:
+        """HOST: start writing the host copy to the chunk's file (finish with ``finish_spill``)."""
+        self._expect(ChunkState.HOST)
+        buffer = self._copies[Tier.HOST]
+        self._pending = _PendingIo(self._storage.nvme_write(self.key, buffer), write=True, buffer=buffer)
+
+    @_move
+    def finish_spill(self, *, keep_host: bool = False) -> None:
+        """Wait for ``start_spill``'s write: -> NVME, or HOST_AND_NVME with ``keep_host``.
+
+        If the write failed, its error is raised and the chunk stays HOST, its data intact.
+        """
+        pending = self._take_pending(write=True)
+        self._storage.nvme_wait(pending.future, key=self.key, nbytes=self.nbytes, write=True)
+        self._in_file = True
+        if not keep_host:
+            self._drop(Tier.HOST)
+        self._set_state()
+
+    def start_load(self) -> None:
+        """NVME: allocate a host payload and start reading the file into it."""
+        self._expect(ChunkState.NVME)
+        with self._storage.move_context():
+            buffer = self._storage.alloc(Tier.HOST, self.capacity, self.dtype)
+        try:
+            future = self._storage.nvme_read(self.key, buffer)
+        except BaseException:
+            self._storage.free(Tier.HOST, buffer)
+            raise
+        self._pending = _PendingIo(future, write=False, buffer=buffer)
+
+    @_move
+    def finish_load(self) -> None:
+        """Wait for ``start_load``'s read: -> HOST_AND_NVME.
+
+        If the read failed (an I/O error, a checksum mismatch), its error is raised, the
+        buffer is freed and the chunk stays NVME.
+        """
+        pending = self._take_pending(write=False)
+        try:
+            self._storage.nvme_wait(pending.future, key=self.key, nbytes=self.nbytes, write=False)
+        except BaseException:
+            self._storage.free(Tier.HOST, pending.buffer)
+            raise
+        self._copies[Tier.HOST] = pending.buffer
+        self._set_state()
+
+    @_move
+    def drop_nvme_copy(self) -> None:
+        """HOST_AND_NVME -> HOST: the host copy is about to be written, so the file goes stale."""
+        self._expect(ChunkState.HOST_AND_NVME)
+        self._in_file = False
+        self._set_state()
+
+    def finish_io(self) -> None:
+        """Finish whichever NVMe request is in flight (nothing if none)."""
+        if self._pending is not None:
+            if self._pending.write:
+                self.finish_spill()
+            else:
+                self.finish_load()
+
+    def _take_pending(self, *, write: bool) -> _PendingIo:
+        pending = self._pending
+        if pending is None or pending.write != write:
+            raise RuntimeError(
+                f"chunk {self.kind.value} {self.index=} has no NVMe {'write' if write else 'read'} in flight"
+            )
+        self._pending = None
+        return pending
 
     @_move
     def drop_device_copy(self) -> None:
@@ -231,9 +354,12 @@ class Chunk:
 
     @_move
     def release(self) -> None:
-        """Any state -> RELEASED: free every copy."""
+        """Any state -> RELEASED: free every copy and delete the file."""
+        self._expect(*ChunkState)
         for tier in list(self._copies):
             self._drop(tier)
+        self._storage.nvme_delete(self.key)  # a stale file too
+        self._in_file = False
         self._set_state()
 
     def _drop(self, tier: Tier) -> None:

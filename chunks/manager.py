@@ -137,18 +137,27 @@ class ChunkManager:
         frozen: NamedParams,
         *,
         initial_tier: Callable[[ChunkKind], Tier],
+        on_group: Callable[[ChunkGroup], None] = lambda group: None,
     ) -> None:
         """Pack each param group (and the frozen parameters) into chunk groups.
 
         Tensors keep the order given (the order the model uses them); groups never share a
         chunk because each has its own learning rate and weight decay. Frozen parameters get
-        param chunks only: no gradients, no optimizer states.
+        param chunks only: no gradients, no optimizer states. ``on_group`` sees each chunk
+        group as soon as it is built (the NVMe tier spills it then, so that a model's states
+        never need to fit in host memory all at once).
         """
         if self.groups:
             raise RuntimeError("register() was already called")
-        for pg_index, named in enumerate(param_groups):
-            self._register_group(named, pg_index, initial_tier)
-        self._register_group(frozen, -1, initial_tier)
+        for members, pg_index, capacity in self.layout(param_groups, frozen):
+            named = param_groups[pg_index] if pg_index >= 0 else frozen
+            slots, offset = [], 0
+            for i in members:
+                name, p = named[i]
+                slots.append(TensorSlot(len(slots), offset, p.numel(), p.shape, name))
+                offset += p.numel()
+            self._build_group(tuple(slots), tuple(named[i][1] for i in members), capacity, pg_index, initial_tier)
+            on_group(self.groups[-1])
         logger.info(
             "registered %d chunk groups of %d elements (%d trainable); host %d B, device %d B",
             len(self.groups),
@@ -158,16 +167,15 @@ class ChunkManager:
             self.storage.bytes_on(Tier.DEVICE),
         )
 
-    def _register_group(self, named: NamedParams, pg_index: int, initial_tier) -> None:
-        numels = [p.numel() for _, p in named]
-        for members in plan_layout(numels, self.chunk_size):
-            slots, offset = [], 0
-            for i in members:
-                name, p = named[i]
-                slots.append(TensorSlot(len(slots), offset, p.numel(), p.shape, name))
-                offset += p.numel()
-            capacity = max(self.chunk_size, offset)
-            self._build_group(tuple(slots), tuple(named[i][1] for i in members), capacity, pg_index, initial_tier)
+    def layout(self, param_groups: Sequence[NamedParams], frozen: NamedParams) -> list[tuple[list[int], int, int]]:
+        """The chunk groups ``register`` will build, in order: (tensor indices, param group
+        index or -1 for frozen, capacity in elements). Known before any memory is allocated."""
+        out = []
+        for pg_index, named in [*enumerate(param_groups), (-1, frozen)]:
+            numels = [p.numel() for _, p in named]
+            for members in plan_layout(numels, self.chunk_size):
+                out.append((members, pg_index, max(self.chunk_size, sum(numels[i] for i in members))))
+        return out
 
     def _build_group(self, slots, params, capacity, pg_index, initial_tier) -> None:
         index = len(self.groups)

@@ -1,37 +1,30 @@
 """The one place that allocates and frees chunk storage and counts every byte.
 
 Every chunk payload is created by :meth:`ChunkStorage.alloc`, freed by :meth:`ChunkStorage.free`
-and moved between tiers by :meth:`ChunkStorage.transfer`; each of them updates the per-tier
-byte counts and the transfer counters in the same call, so the figures in a memory report are
-sums of what really happened, never estimates.
+and moved between tiers by :meth:`ChunkStorage.transfer`; files on NVMe are written and read
+through :meth:`ChunkStorage.nvme_write` / :meth:`ChunkStorage.nvme_read` and counted when their
+I/O is confirmed. Each of them updates the per-tier byte counts and the transfer counters in
+the same call, so the figures in a memory report are sums of what really happened, never
+estimates.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
+from offload import NvmeStore, PinnedHostPool, Tier
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Tier", "TierStats", "ChunkStorage", "StorageObserver"]
-
-
-class Tier(enum.Enum):
-    """Where a chunk payload lives."""
-
-    DEVICE = "device"  # the compute device; counted against `device_memory`
-    HOST = "host"  # host memory (pinned when the device is CUDA)
-
-    # Members are singletons compared by identity: hash them by identity too, in C, since
-    # payload lookups by tier sit on the optimizer step's hot path.
-    __hash__ = object.__hash__
 
 
 @dataclass
@@ -60,10 +53,14 @@ class TransferStats:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     seconds: float = 0.0
+    nvme_read_bytes: int = 0  # confirmed (and verified) reads from NVMe files
+    nvme_write_bytes: int = 0  # confirmed writes to NVMe files
+    nvme_wait_seconds: float = 0.0  # time the caller waited for NVMe I/O to finish
 
     def reset(self) -> None:
         self.h2d_bytes = self.d2h_bytes = 0
-        self.seconds = 0.0
+        self.nvme_read_bytes = self.nvme_write_bytes = 0
+        self.seconds = self.nvme_wait_seconds = 0.0
 
 
 @dataclass
@@ -82,11 +79,14 @@ class StorageObserver:
 
 @dataclass
 class ChunkStorage:
-    """Allocator and ledger for chunk payloads on the device and host tiers.
+    """Allocator and ledger for chunk payloads on the device and host tiers, and files on NVMe.
 
     With ``device=cpu`` both tiers are CPU memory, and moves are still real copies into
     separate buffers: the CPU stands in for the accelerator, so every policy and report can be
-    exercised without a GPU.
+    exercised without a GPU. Host payloads come from a :class:`PinnedHostPool` (page-locked on
+    CUDA, 4 KiB-aligned so the NVMe store reads and writes them directly): a freed host payload
+    goes back to the pool and serves the next one of its size, so nothing is pinned per step.
+    ``nvme`` is the store for chunks offloaded to files (None: no NVMe tier).
     """
 
     device: torch.device
@@ -97,6 +97,7 @@ class ChunkStorage:
     # Called around every move of chunk data onto or off the device (the warm-up tracer
     # splits its measuring intervals there).
     move_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    nvme: NvmeStore | None = None
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -108,6 +109,8 @@ class ChunkStorage:
         self._copy_stream = (
             torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         )
+        self.pool = PinnedHostPool(pin_memory=self.pin_host)
+        self._nvme_files: dict[Hashable, int] = {}  # key -> bytes, for files whose write was confirmed
 
     def tier_device(self, tier: Tier) -> torch.device:
         return self.device if tier is Tier.DEVICE else torch.device("cpu")
@@ -129,15 +132,17 @@ class ChunkStorage:
             payload = shell
             if self.observer is not None:
                 self.observer.resized(payload)
-        else:
-            pin = self.pin_host and tier is Tier.HOST
-            make = torch.zeros if zero else torch.empty
-            if tier is Tier.HOST and self.observer is not None:
-                with self.observer.quiet():
-                    payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
+        elif tier is Tier.HOST:
+            with self.observer.quiet() if self.observer is not None else contextlib.nullcontext():
+                payload = self.pool.acquire(numel, dtype)
+                if zero:
+                    payload.zero_()
+            if self.observer is not None:
                 self.observer.exclude(payload)
-            else:
-                payload = make(numel, dtype=dtype, device=self.tier_device(tier), pin_memory=pin)
+        else:
+            assert tier is Tier.DEVICE, f"no payloads in memory on {tier}"
+            make = torch.zeros if zero else torch.empty
+            payload = make(numel, dtype=dtype, device=self.device)
         self.stats[tier].add(nbytes)
         return payload
 
@@ -156,6 +161,8 @@ class ChunkStorage:
             payload.untyped_storage().resize_(0)
             if self.observer is not None:
                 self.observer.resized(payload)
+        else:
+            self.pool.release(payload)
 
     def transfer(self, payload: torch.Tensor, src: Tier, dst: Tier, *, shell: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of ``payload`` (on ``src``) newly allocated on ``dst``; the source is kept."""
@@ -185,6 +192,55 @@ class ChunkStorage:
             self.transfers.h2d_bytes += nbytes
         elif src is Tier.DEVICE and dst is Tier.HOST:
             self.transfers.d2h_bytes += nbytes
+
+    # ------------------------------------------------------------------------------ NVMe
+    def _store(self) -> NvmeStore:
+        if self.nvme is None:
+            raise RuntimeError("this ChunkStorage has no NVMe store (GeminiConfig.nvme_dir is None)")
+        return self.nvme
+
+    def nvme_write(self, key: Hashable, payload: torch.Tensor) -> concurrent.futures.Future:
+        """Start writing a host payload to the file of ``key``; the payload must stay unchanged
+        until :meth:`nvme_wait` on the future returns."""
+        return self._store().write(key, payload)
+
+    def nvme_read(self, key: Hashable, out: torch.Tensor) -> concurrent.futures.Future:
+        """Start reading the file of ``key`` into the host payload ``out``."""
+        return self._store().read(key, out)
+
+    def nvme_wait(self, future: concurrent.futures.Future, *, key: Hashable, nbytes: int, write: bool) -> None:
+        """Wait for a read or write started above; count its bytes once it is confirmed.
+
+        A failed request raises its error (``NvmeStoreError`` / ``NvmeCorruptionError``, which
+        name the file and offset) and counts nothing.
+        """
+        start = time.perf_counter()
+        try:
+            with torch.profiler.record_function("gemini::nvme_wait"):
+                future.result()
+        finally:
+            self.transfers.nvme_wait_seconds += time.perf_counter() - start
+        if write:
+            self.transfers.nvme_write_bytes += nbytes
+            if key not in self._nvme_files:
+                self._nvme_files[key] = nbytes
+                self.stats[Tier.NVME].add(nbytes)
+        else:
+            self.transfers.nvme_read_bytes += nbytes
+
+    def nvme_delete(self, key: Hashable) -> None:
+        """Remove the file of ``key``, if there is one (a chunk released for good)."""
+        if key in self._nvme_files:
+            self._store().delete(key).result()
+            self.stats[Tier.NVME].sub(self._nvme_files.pop(key))
+
+    def close_nvme(self) -> None:
+        """Delete every file and stop the store's I/O threads."""
+        if self.nvme is not None:
+            self.nvme.close()
+            for nbytes in self._nvme_files.values():
+                self.stats[Tier.NVME].sub(nbytes)
+            self._nvme_files.clear()
 
     def bytes_on(self, tier: Tier) -> int:
         return self.stats[tier].current_bytes

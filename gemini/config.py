@@ -64,6 +64,10 @@ class GeminiConfig:
     nvme_offload_fraction: float = 0.0
     """Share of optimizer-state chunks always kept on NVMe, in [0, 1]; needs ``nvme_dir``."""
 
+    nvme_pipeline_depth: int = 2
+    """Chunk groups whose NVMe-resident states are read ahead of (and written behind) the one
+    being updated, an int >= 1; the pipeline holds ``2 * depth + 1`` groups in host memory."""
+
     clip_grad_norm: float = 0.0
     """Max global L2 norm of the gradients over all chunks (and ranks); 0 turns clipping off."""
 
@@ -122,6 +126,12 @@ class GeminiConfig:
             _fail("nvme_dir", None, "a folder when nvme_offload_fraction > 0")
         if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
             _fail("nvme_dir", self.nvme_dir, "None or a path")
+        if self.placement == "cuda" and (self.nvme_dir is not None or self.cpu_memory is not None):
+            _fail("placement", self.placement, "'cpu', 'auto' or 'static' when cpu_memory or nvme_dir is set "
+                  "(under 'cuda' every optimizer state lives on the device)")
+        depth = self.nvme_pipeline_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 64:
+            _fail("nvme_pipeline_depth", depth, "an int in [1, 64]")
         if not _is_real(self.clip_grad_norm) or self.clip_grad_norm < 0 or not math.isfinite(self.clip_grad_norm):
             _fail("clip_grad_norm", self.clip_grad_norm, "a finite number >= 0 (0 = off)")
         self._check_scaler()

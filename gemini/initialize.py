@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from chunks import ChunkManager, ChunkStorage, plan_layout, search_chunk_size
+from offload import NvmeStore
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
+from gemini.nvme_tier import NvmeTier
 from gemini.optimizer import HybridAdam
 from gemini.placement import StaticPlacement, make_placement
 from gemini.report import ReportWriter
@@ -75,14 +77,25 @@ def initialize(
     storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype)
     placement = make_placement(config, manager, memory=memory, fixed_bytes=fixed_bytes)
-    manager.register(named_groups, frozen, initial_tier=placement.initial_tier)
-    if isinstance(placement, StaticPlacement) and config.device_memory is not None:
-        _check_static_budget(placement, config.device_memory - fixed_bytes)
-    placement.setup()
+    nvme = _make_nvme_tier(config, manager, named_groups, frozen)
+    placement.nvme = nvme
+    try:
+        manager.register(named_groups, frozen, initial_tier=placement.initial_tier,
+                         on_group=nvme.admit if nvme is not None else lambda group: None)
+        if nvme is not None:
+            nvme.finish_registration()
+        if isinstance(placement, StaticPlacement) and config.device_memory is not None:
+            _check_static_budget(placement, config.device_memory - fixed_bytes)
+        placement.setup()
+        placement.rebalance_nvme()
+    except BaseException:
+        storage.close_nvme()  # no files left behind by a failed initialize
+        raise
     writer = ReportWriter(config.report_path) if config.report_path is not None else None
     runtime = GeminiRuntime(
         config=config, device=device, storage=storage, manager=manager, placement=placement, memory=memory,
         module=model, module_params=tuple(model.parameters()), fixed_bytes=fixed_bytes, report_writer=writer,
+        nvme=nvme,
     )
     runtime.hooks = ModuleHooks(
         model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window
@@ -113,8 +126,6 @@ def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
 def _check_supported(config: GeminiConfig) -> None:
     """Fields of the contract whose machinery is not in this build fail loudly, never silently."""
     pending = {
-        "cpu_memory": (config.cpu_memory is not None, "None (NVMe offload of optimizer states is not built yet)"),
-        "nvme_dir": (config.nvme_dir is not None, "None (NVMe offload of optimizer states is not built yet)"),
         "process_group": (config.process_group is not None, "None (ZeRO sharding across ranks is not built yet)"),
     }
     if config.gpu_margin_mem_ratio != 0.0 and config.placement != "auto":
@@ -127,6 +138,22 @@ def _check_supported(config: GeminiConfig) -> None:
             raise NotImplementedError(
                 f"GeminiConfig.{name}={getattr(config, name)!r} is not supported by this version: use {accepted}"
             )
+
+
+def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, named_groups, frozen) -> NvmeTier | None:
+    """The NVMe tier when a host budget or an NVMe folder is set; its store opens here."""
+    if config.cpu_memory is None and config.nvme_dir is None:
+        return None
+    if config.nvme_dir is not None:
+        manager.storage.nvme = NvmeStore(config.nvme_dir)
+    nvme = NvmeTier(manager, cpu_memory=config.cpu_memory, fraction=config.nvme_offload_fraction,
+                    depth=config.nvme_pipeline_depth)
+    try:
+        nvme.plan_registration(manager.layout(named_groups, frozen))
+    except BaseException:
+        manager.storage.close_nvme()
+        raise
+    return nvme
 
 
 def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_size: int) -> None:

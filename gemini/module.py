@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -43,13 +44,23 @@ class GeminiModel(nn.Module):
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
         manager = self._runtime.manager
         out = OrderedDict() if destination is None else destination
-        copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
-        for key, t in self.module.state_dict(keep_vars=True).items():
+        own = self.module.state_dict(keep_vars=True)
+        # Group by chunk group, so masters on NVMe are read once each (fp32 reads no file:
+        # the param chunk is the master).
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for t in own.values():
             if isinstance(t, nn.Parameter):
-                if id(t) not in copies:
-                    group, slot = manager.locate(t)
-                    src = group.master if group.master is not None else group.param
-                    copies[id(t)] = src.view(slot).detach().to("cpu", torch.float32, copy=True)
+                by_group.setdefault(manager.locate(t)[0].index, []).append(t)
+        copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
+        for index in sorted(by_group):
+            group = manager.groups[index]
+            src = group.master if group.master is not None else group.param
+            with self._runtime.resident(group, modify=False) if group.master is not None else contextlib.nullcontext():
+                for t in by_group[index]:
+                    if id(t) not in copies:
+                        copies[id(t)] = src.view(manager.locate(t)[1]).detach().to("cpu", torch.float32, copy=True)
+        for key, t in own.items():
+            if isinstance(t, nn.Parameter):
                 out[prefix + key] = copies[id(t)]
             else:
                 out[prefix + key] = t.detach().to("cpu", copy=True)
@@ -73,9 +84,10 @@ class GeminiModel(nn.Module):
                     raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tuple(t.shape)}")
                 if isinstance(t, nn.Parameter):
                     group, slot = manager.locate(t)
-                    for chunk in (group.param, group.master):
-                        if chunk is not None:
-                            chunk.write(slot, value)
+                    with self._runtime.resident(group, modify=True):
+                        for chunk in (group.param, group.master):
+                            if chunk is not None:
+                                chunk.write(slot, value)
                 else:
                     t.copy_(value)
         return _IncompatibleKeys(missing, unexpected)

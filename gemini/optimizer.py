@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,9 @@ class HybridAdam(torch.optim.Optimizer):
         self._process = psutil.Process()
         # Position of each parameter in the module (clipping visits them in this order).
         self._param_order = {id(p): i for i, p in enumerate(runtime.module_params)}
+        # The module's hooks keep the runtime alive as long as the module lives; the NVMe files
+        # belong to the optimizer's states, so they go when the optimizer does.
+        self._finalizer = weakref.finalize(self, runtime.close)
 
     # ------------------------------------------------------------------------------- API
     @property
@@ -109,6 +113,10 @@ class HybridAdam(torch.optim.Optimizer):
         rt.check_first_step()
         self._check_fp16_backward()
         groups = [g for g in rt.manager.trainable_groups if g.any_grad_ready]
+        nvme = rt.nvme
+        streamed = [g for g in groups if nvme is not None and nvme.holds(g)]
+        if streamed:
+            nvme.prefetch(streamed)  # the first reads overlap the norm and the resident update
         scale = self.loss_scale
         with torch.profiler.record_function("gemini::gather_for_step"):
             tiers = {g.index: rt.placement.before_step(g) for g in groups}
@@ -122,6 +130,8 @@ class HybridAdam(torch.optim.Optimizer):
         seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
         if overflow:
             logger.info("fp16 overflow at step %d: step skipped, loss scale now %s", self.reports_made, self.loss_scale)
+            if streamed:
+                nvme.settle(streamed)  # the prefetched states are unchanged: their files stay current
         else:
             clip_coef = None
             clip = rt.config.clip_grad_norm
@@ -130,9 +140,16 @@ class HybridAdam(torch.optim.Optimizer):
                 clip_coef = torch.clamp(clip / (norm + _CLIP_EPS), max=1.0)
                 if clip_coef.item() == 1.0:
                     clip_coef = None
-            seconds = self._update(groups, tiers, scale, clip_coef)
+            streamed_set = set(streamed)
+            resident = [g for g in groups if g not in streamed_set]
+            seconds = self._update(resident, tiers, scale, clip_coef)
             with torch.profiler.record_function("gemini::params_from_masters"):
-                for g in groups:
+                for g in resident:
+                    rt.placement.after_step(g)
+            if streamed:
+                for g in nvme.stream(streamed):
+                    for tier, s in self._update([g], tiers, scale, clip_coef).items():
+                        seconds[tier] += s
                     rt.placement.after_step(g)
         self._finish_report(skipped=overflow, grad_norm=None if norm is None else norm.item(), seconds=seconds, scale=scale)
         return loss
@@ -231,6 +248,30 @@ class HybridAdam(torch.optim.Optimizer):
                     g.steps_uniform = bool((g.steps == g.steps[0]).all())
         return seconds
 
+    def _load_group_state(self, g: ChunkGroup, state: dict, saved_index: dict[int, int]) -> None:
+        for slot, p in zip(g.slots, g.params):
+            entry = state.get(saved_index[id(p)])
+            if entry is None:
+                g.steps[slot.index] = 0.0
+                g.exp_avg.write(slot, torch.zeros(slot.shape))
+                g.exp_avg_sq.write(slot, torch.zeros(slot.shape))
+                continue
+            if tuple(entry["exp_avg"].shape) != tuple(slot.shape):
+                raise ValueError(
+                    f"state for {slot.name}: exp_avg shape {tuple(entry['exp_avg'].shape)} != parameter shape {tuple(slot.shape)}"
+                )
+            g.steps[slot.index] = float(entry["step"])
+            g.exp_avg.write(slot, entry["exp_avg"])
+            g.exp_avg_sq.write(slot, entry["exp_avg_sq"])
+        g.steps_uniform = bool((g.steps == g.steps[0]).all())
+
+    def close(self) -> None:
+        """Delete the NVMe files (states that lived only there are gone) and stop the I/O threads.
+
+        Also done when the optimizer is garbage-collected and at interpreter exit.
+        """
+        self._finalizer()
+
     def _finish_report(self, *, skipped: bool, grad_norm: float | None, seconds: dict[Tier, float], scale: float) -> None:
         rt = self._rt
         now = time.perf_counter()
@@ -241,11 +282,11 @@ class HybridAdam(torch.optim.Optimizer):
             device_model_bytes=storage.bytes_on(Tier.DEVICE),
             device_non_model_peak_bytes=rt.device_non_model_peak_bytes(),
             host_model_bytes=storage.bytes_on(Tier.HOST),
-            nvme_bytes=0,
+            nvme_bytes=storage.bytes_on(Tier.NVME),
             h2d_bytes=storage.transfers.h2d_bytes,
             d2h_bytes=storage.transfers.d2h_bytes,
-            nvme_read_bytes=0,
-            nvme_write_bytes=0,
+            nvme_read_bytes=storage.transfers.nvme_read_bytes,
+            nvme_write_bytes=storage.transfers.nvme_write_bytes,
             chunks_on_device=storage.stats[Tier.DEVICE].payloads,
             os_chunks_on_device=sum(g.exp_avg.is_on(Tier.DEVICE) for g in rt.manager.trainable_groups),
             step_seconds=now - self._step_started,
@@ -258,6 +299,8 @@ class HybridAdam(torch.optim.Optimizer):
             device_budget_bytes=rt.config.device_memory,
             grad_norm=grad_norm,
             host_rss_bytes=self._process.memory_info().rss,
+            nvme_wait_seconds=storage.transfers.nvme_wait_seconds,
+            host_pool_bytes=storage.pool.bytes_reserved,
         )
         self.report = report
         self.reports_made += 1
@@ -276,14 +319,17 @@ class HybridAdam(torch.optim.Optimizer):
         state: dict[int, dict[str, torch.Tensor]] = {}
         for g in self._rt.manager.trainable_groups:
             steps = g.steps.cpu()
-            for slot, p in zip(g.slots, g.params):
-                if steps[slot.index] == 0:
-                    continue  # torch creates state at a parameter's first step
-                state[index[id(p)]] = {
-                    "step": steps[slot.index].clone(),
-                    "exp_avg": g.exp_avg.view(slot).detach().cpu().clone(),
-                    "exp_avg_sq": g.exp_avg_sq.view(slot).detach().cpu().clone(),
-                }
+            if not bool((steps > 0).any()):
+                continue  # torch creates state at a parameter's first step
+            with self._rt.resident(g, modify=False):
+                for slot, p in zip(g.slots, g.params):
+                    if steps[slot.index] == 0:
+                        continue
+                    state[index[id(p)]] = {
+                        "step": steps[slot.index].clone(),
+                        "exp_avg": g.exp_avg.view(slot).detach().cpu().clone(),
+                        "exp_avg_sq": g.exp_avg_sq.view(slot).detach().cpu().clone(),
+                    }
         groups = []
         for hp in self.param_groups:
             entry = {k: v for k, v in hp.items() if k != "params"}
@@ -312,21 +358,8 @@ class HybridAdam(torch.optim.Optimizer):
         state = state_dict["state"]
         with torch.no_grad():
             for g in self._rt.manager.trainable_groups:
-                for slot, p in zip(g.slots, g.params):
-                    entry = state.get(saved_index[id(p)])
-                    if entry is None:
-                        g.steps[slot.index] = 0.0
-                        g.exp_avg.write(slot, torch.zeros(slot.shape))
-                        g.exp_avg_sq.write(slot, torch.zeros(slot.shape))
-                        continue
-                    if tuple(entry["exp_avg"].shape) != tuple(slot.shape):
-                        raise ValueError(
-                            f"state for {slot.name}: exp_avg shape {tuple(entry['exp_avg'].shape)} != parameter shape {tuple(slot.shape)}"
-                        )
-                    g.steps[slot.index] = float(entry["step"])
-                    g.exp_avg.write(slot, entry["exp_avg"])
-                    g.exp_avg_sq.write(slot, entry["exp_avg_sq"])
-                g.steps_uniform = bool((g.steps == g.steps[0]).all())
+                with self._rt.resident(g, modify=True):
+                    self._load_group_state(g, state, saved_index)
         for saved, hp in zip(saved_groups, self.param_groups):
             for k, v in saved.items():
                 if k != "params":

@@ -16,6 +16,7 @@ import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
 from gemini.memory import DeviceBudgetError, DeviceMemory
+from gemini.nvme_tier import NvmeTier
 from gemini.plan import MemoryPlan
 from tracer import Boundary, EvictionError, Phase, choose_victims
 
@@ -48,6 +49,14 @@ class PlacementPolicy:
         # of the root module) how many of them have yet to run. See [Note: one fetch per pass].
         self._uses_per_forward: dict[int, int] = {}
         self._uses_left: dict[int, int] | None = None
+        # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
+        self.nvme: NvmeTier | None = None
+
+    def rebalance_nvme(self) -> None:
+        """After the device's share of optimizer states changed: let the NVMe tier choose again
+        among the groups whose states are on the host tier."""
+        if self.nvme is not None:
+            self.nvme.rebalance([g for g in self.manager.trainable_groups if self.optimizer_tier(g) is Tier.HOST])
 
     def count_uses(self, groups: Iterable[ChunkGroup]) -> None:
         """Record that one module uses ``groups`` in each forward pass."""
@@ -149,6 +158,10 @@ class PlacementPolicy:
         """Put the gradient and optimizer states of ``group`` together; return that tier."""
         tier = self.optimizer_tier(group)
         for chunk in group.optimizer_chunks:
+            if chunk.in_file or chunk.io_pending:
+                # On NVMe: the NVMe tier streams it into host memory (see gemini/nvme_tier.py).
+                assert tier is Tier.HOST, f"{chunk} is on NVMe but its group updates on {tier}"
+                continue
             chunk.move_to(tier)
         if group.grad.state is not ChunkState.RELEASED:
             group.grad.move_to(tier)
@@ -184,6 +197,8 @@ class PlacementPolicy:
 
     def _pin_on_device(self, g: ChunkGroup) -> None:
         """Keep every flavour of ``g`` on the device only (its optimizer states update there)."""
+        if self.nvme is not None:
+            self.nvme.bring_back(g)
         for chunk in g.chunks:
             if chunk.state is not ChunkState.RELEASED:
                 chunk.move_to(Tier.DEVICE)

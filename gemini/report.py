@@ -43,6 +43,8 @@ class MemoryReport:
     device_budget_bytes: int | None = None
     grad_norm: float | None = None  # global norm before clipping (unscaled), when computed
     host_rss_bytes: int | None = None  # the process's resident memory (psutil)
+    nvme_wait_seconds: float = 0.0  # time the step waited for NVMe reads and writes
+    host_pool_bytes: int = 0  # host buffers held by the pinned pool (in use or idle)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

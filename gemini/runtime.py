@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from chunks import ChunkManager, ChunkStorage, Tier
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceMemory
+from gemini.nvme_tier import NvmeTier
 from gemini.placement import AutoPlacement, PlacementPolicy
 from gemini.plan import MemoryPlan
 from gemini.report import ReportWriter
@@ -33,6 +35,7 @@ class GeminiRuntime:
     module: torch.nn.Module
     module_params: tuple[torch.nn.Parameter, ...]  # the module's parameters, in its order
     fixed_bytes: int  # buffers on the device
+    nvme: NvmeTier | None = None
     hooks: ModuleHooks | None = None
     report_writer: ReportWriter | None = None
     warmup: Warmup | None = None
@@ -79,6 +82,7 @@ class GeminiRuntime:
             raise
         self._warmup_peak_bytes = self.plan.warmup_peak_bytes
         self.placement.adopt(self.plan)
+        self.placement.rebalance_nvme()
         if self.placement.track_periods:
             self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
             self._period_hooks.install()
@@ -89,12 +93,24 @@ class GeminiRuntime:
             self._period_hooks.remove()
             self._period_hooks = None
         self.placement.abandon_plan()
+        self.placement.rebalance_nvme()
         self.plan = None
         self._begin_warmup(args, kwargs)
 
     @property
     def tracing(self) -> bool:
         return self.warmup is not None and self.warmup.tracing
+
+    # ------------------------------------------------------------------------------ NVMe
+    def resident(self, group, *, modify: bool):
+        """A context in which ``group``'s optimizer states are in host memory (checkpoints)."""
+        if self.nvme is None:
+            return contextlib.nullcontext()
+        return self.nvme.resident(group, modify=modify)
+
+    def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
 
     # ----------------------------------------------------------------------- measurement
     def begin_window(self) -> None:

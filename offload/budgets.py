@@ -24,6 +24,10 @@ class Tier(enum.Enum):
     HOST = "host"
     NVME = "nvme"
 
+    # Members are singletons compared by identity: hash them by identity too, in C, since
+    # payload lookups by tier sit on the optimizer step's hot path.
+    __hash__ = object.__hash__
+
     @classmethod
     def coerce(cls, value: "Tier | str") -> "Tier":
         """Accept a Tier or its name ("device", "host", "nvme"; case-insensitive)."""

@@ -1,0 +1,310 @@
+"""`NvmeTier`: which optimizer-state chunk groups live in NVMe files, and the step's pipeline over them.
+
+[Note: what goes to NVMe]
+The chunks of a group that only the optimizer reads go to NVMe: Adam's ``exp_avg`` and
+``exp_avg_sq``, and the fp32 master under bf16/fp16. Under fp32 the param chunk is the
+master, and forward and backward need it every iteration, so it stays in memory: NVMe then
+holds 8 of the 16 bytes per parameter, under bf16/fp16 12 of 16.
+
+[Note: the NVMe step pipeline]
+For the groups on NVMe, the step is a pipeline over groups i = 0, 1, ...: the reads of groups
+i+1 .. i+depth are in flight while group i is updated by CPU Adam, and the writes of groups
+i-depth .. i-1 drain behind it. The first reads start when ``step()`` begins, so they overlap
+the gradient norm and the update of the groups resident in memory. Host memory in use by the
+pipeline is at most ``2 * depth + 1`` groups' offloaded chunks; ``cpu_memory`` budgets it.
+A failed write leaves its chunk in host memory, updated and intact; the next step streams it
+from there and tries the write again (see [Note: NVMe moves are two-phase] in chunks/chunk.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
+from offload import format_size
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NvmeLayout", "NvmeTier", "choose_nvme_groups", "offloaded_bytes_per_element"]
+
+
+def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
+    """Bytes per element of a group's chunks that can live on NVMe (see [Note: what goes to NVMe])."""
+    return 8 if param_dtype == torch.float32 else 12
+
+
+@dataclass(frozen=True)
+class NvmeLayout:
+    """Where the host-tier optimizer states go: which groups to NVMe, and the bytes of each side."""
+
+    nvme_groups: frozenset[int]
+    host_bytes: int  # offloadable chunks kept in host memory
+    nvme_bytes: int  # offloadable chunks in NVMe files
+    staging_bytes: int  # host memory the pipeline uses at most while streaming
+
+
+def choose_nvme_groups(
+    os_bytes: Sequence[tuple[int, int]],
+    *,
+    cpu_memory: int | None,
+    fraction: float,
+    depth: int,
+    nvme_available: bool,
+) -> NvmeLayout:
+    """Choose the groups whose optimizer states live on NVMe.
+
+    ``os_bytes``: (group index, bytes of its offloadable chunks) of the trainable groups whose
+    optimizer states are on the host tier, in model order. The last ``round(fraction * n)``
+    go to NVMe always; of the others, the first ones stay in host memory while they fit in
+    ``cpu_memory`` next to the pipeline's staging, and the rest go to NVMe too.
+    """
+    n_forced = round(fraction * len(os_bytes))
+    forced = os_bytes[len(os_bytes) - n_forced:] if n_forced else []
+    candidates = os_bytes[: len(os_bytes) - n_forced]
+    total = sum(b for _, b in candidates)
+    if cpu_memory is None or (total <= cpu_memory and not forced):
+        chosen = {i for i, _ in forced}
+        staging = 0
+    else:
+        # The pipeline needs room for 2 * depth + 1 groups as soon as anything streams.
+        staging = (2 * depth + 1) * max(b for _, b in os_bytes)
+        if staging > cpu_memory and nvme_available:
+            raise ValueError(
+                f"GeminiConfig.cpu_memory={cpu_memory} ({format_size(cpu_memory)}) is too small: streaming optimizer "
+                f"states from NVMe holds {2 * depth + 1} chunk groups' states in host memory at once "
+                f"({staging} bytes, {format_size(staging)}); raise cpu_memory, or lower nvme_pipeline_depth or "
+                f"chunk_size"
+            )
+        room = cpu_memory - staging if (forced or total > cpu_memory) else cpu_memory
+        chosen = {i for i, _ in forced}
+        for i, b in candidates:
+            if b <= room:
+                room -= b
+            else:
+                chosen.add(i)
+    if chosen and not nvme_available:
+        need = total + sum(b for _, b in forced)
+        raise ValueError(
+            f"GeminiConfig.cpu_memory={cpu_memory} ({format_size(cpu_memory or 0)}) cannot hold the optimizer states "
+            f"kept on the host ({need} bytes, {format_size(need)}) and GeminiConfig.nvme_dir is None; set nvme_dir "
+            f"to a folder on a fast drive, or raise cpu_memory"
+        )
+    host = sum(b for i, b in os_bytes if i not in chosen)
+    return NvmeLayout(frozenset(chosen), host, sum(b for i, b in os_bytes if i in chosen), staging if chosen else 0)
+
+
+class NvmeTier:
+    """Keeps the chosen groups' offloadable chunks in NVMe files and streams them through the step."""
+
+    def __init__(self, manager: ChunkManager, *, cpu_memory: int | None, fraction: float, depth: int) -> None:
+        self.manager = manager
+        self.storage = manager.storage
+        self.cpu_memory = cpu_memory
+        self.fraction = fraction
+        self.depth = depth
+        self.layout = NvmeLayout(frozenset(), 0, 0, 0)
+        self.groups: set[int] = set()  # groups whose offloadable chunks live in files
+        self._planned: frozenset[int] = frozenset()  # admitted to NVMe while being registered
+        self._spilling: deque[Chunk] = deque()
+        self._closed = False
+
+    @property
+    def available(self) -> bool:
+        return self.storage.nvme is not None
+
+    def _per_element(self) -> int:
+        return offloaded_bytes_per_element(self.manager.param_dtype)
+
+    @staticmethod
+    def chunks_of(group: ChunkGroup) -> tuple[Chunk, ...]:
+        """The chunks of ``group`` that live on NVMe (see [Note: what goes to NVMe])."""
+        return tuple(c for c in (group.master, group.exp_avg, group.exp_avg_sq) if c is not None)
+
+    def holds(self, group: ChunkGroup) -> bool:
+        return group.index in self.groups
+
+    # --------------------------------------------------------------------------- choosing
+    def plan(self, os_bytes: Sequence[tuple[int, int]]) -> NvmeLayout:
+        return choose_nvme_groups(os_bytes, cpu_memory=self.cpu_memory, fraction=self.fraction, depth=self.depth,
+                                  nvme_available=self.available)
+
+    def plan_registration(self, layout: Iterable[tuple[list[int], int, int]]) -> None:
+        """Before registration (every trainable group on the host tier): choose from the layout."""
+        os_bytes = [(i, capacity * self._per_element())
+                    for i, (_, pg, capacity) in enumerate(layout) if pg >= 0]
+        self.layout = self.plan(os_bytes)
+        self._planned = self.layout.nvme_groups
+        self._log()
+
+    def admit(self, group: ChunkGroup) -> None:
+        """A group was just built: start writing it out if it was planned for NVMe.
+
+        Writes run behind registration, at most ``3 * depth`` chunks at once, so host memory
+        holds a few groups' states at a time however large the model.
+        """
+        if group.index not in self._planned:
+            return
+        for chunk in self.chunks_of(group):
+            chunk.start_spill()
+            self._spilling.append(chunk)
+        self.groups.add(group.index)
+        while len(self._spilling) > 3 * self.depth:
+            self._spilling.popleft().finish_spill()
+
+    def finish_registration(self) -> None:
+        while self._spilling:
+            self._spilling.popleft().finish_spill()
+        self.storage.pool.trim()  # the spilled groups' buffers go back to the system
+
+    def rebalance(self, host_groups: Sequence[ChunkGroup]) -> None:
+        """Choose again for the groups whose optimizer states are on the host tier now (after the
+        auto policy's margin or the static policy took some onto the device), and move groups
+        between host memory and NVMe to match."""
+        if self._closed:
+            return
+        layout = self.plan([(g.index, sum(c.nbytes for c in self.chunks_of(g))) for g in host_groups])
+        self.layout = layout
+        for g in self.manager.trainable_groups:
+            if g.index in self.groups and g.index not in layout.nvme_groups:
+                self.bring_back(g)
+        for g in host_groups:
+            if g.index in layout.nvme_groups and g.index not in self.groups:
+                self._send_out(g)
+        self.storage.pool.trim()
+        self._log()
+
+    def bring_back(self, group: ChunkGroup) -> None:
+        """Read ``group``'s chunks back into host memory for good (it leaves the NVMe tier)."""
+        if group.index not in self.groups:
+            return
+        self._load(group)
+        for c in self.chunks_of(group):
+            if c.state is ChunkState.HOST_AND_NVME:
+                c.drop_nvme_copy()
+            self.storage.nvme_delete(c.key)
+        self.groups.discard(group.index)
+
+    def _send_out(self, group: ChunkGroup) -> None:
+        for c in self.chunks_of(group):
+            c.move_to(Tier.HOST)
+            c.start_spill()
+        for c in self.chunks_of(group):
+            c.finish_spill()
+        self.groups.add(group.index)
+
+    def _log(self) -> None:
+        if self.layout.nvme_groups:
+            logger.info(
+                "NVMe tier: %d chunk groups' optimizer states in files (%s), %s kept in host memory, pipeline "
+                "staging up to %s", len(self.layout.nvme_groups), format_size(self.layout.nvme_bytes),
+                format_size(self.layout.host_bytes), format_size(self.layout.staging_bytes),
+            )
+
+    # -------------------------------------------------------------------------- streaming
+    def _start_load(self, group: ChunkGroup) -> None:
+        for c in self.chunks_of(group):
+            if c.state is ChunkState.NVME and not c.io_pending:
+                c.start_load()
+
+    def _load(self, group: ChunkGroup) -> None:
+        """Every chunk of ``group`` in host memory (HOST, or HOST_AND_NVME if it was in its file)."""
+        self._start_load(group)
+        for c in self.chunks_of(group):
+            c.finish_io()
+
+    def prefetch(self, groups: Sequence[ChunkGroup]) -> None:
+        """Start reading the first ``depth`` of ``groups`` (the step calls this first thing)."""
+        self._check_open()
+        for g in groups[: self.depth]:
+            self._start_load(g)
+
+    def stream(self, groups: Sequence[ChunkGroup]) -> Iterator[ChunkGroup]:
+        """Yield each of ``groups`` with its states in host memory, free to be modified; write
+        each back after the caller is done with it. See [Note: the NVMe step pipeline]."""
+        self._check_open()
+        groups = list(groups)
+        writing: deque[ChunkGroup] = deque()
+        try:
+            for k, g in enumerate(groups):
+                for ahead in groups[k: k + self.depth + 1]:
+                    self._start_load(ahead)
+                self._load(g)
+                for c in self.chunks_of(g):
+                    if c.state is ChunkState.HOST_AND_NVME:
+                        c.drop_nvme_copy()  # about to be updated: the file goes stale
+                with torch.profiler.record_function("gemini::nvme_update"):
+                    yield g
+                for c in self.chunks_of(g):
+                    c.start_spill()
+                writing.append(g)
+                while len(writing) > self.depth:
+                    self._finish_writes(writing.popleft())
+            while writing:
+                self._finish_writes(writing.popleft())
+        finally:
+            # Stopped by an error: let every request in flight end, keeping what it leaves.
+            self._settle(writing, groups)
+
+    def _finish_writes(self, group: ChunkGroup) -> None:
+        for c in self.chunks_of(group):
+            c.finish_io()
+
+    def settle(self, groups: Sequence[ChunkGroup] = ()) -> None:
+        """End every request in flight on ``groups``: reads are finished and their host copies
+        dropped (the files are current), writes are waited for. Errors are logged, not raised:
+        a chunk whose write failed stays in host memory."""
+        self._settle((), groups)
+
+    def _settle(self, writing: Iterable[ChunkGroup], groups: Iterable[ChunkGroup]) -> None:
+        for g in [*writing, *groups]:
+            for c in self.chunks_of(g):
+                try:
+                    c.finish_io()
+                except Exception as e:  # a failed write keeps its host copy, a failed read its file
+                    logger.error("NVMe I/O of %s failed; it keeps its last good copy: %s", c, e)
+                if c.state is ChunkState.HOST_AND_NVME:
+                    c.drop_host_copy()
+
+    @contextlib.contextmanager
+    def resident(self, group: ChunkGroup, *, modify: bool) -> Iterator[None]:
+        """``group``'s states in host memory for the block (checkpoints); written back after it
+        if ``modify``, else just dropped (the files are current)."""
+        if group.index not in self.groups:
+            yield
+            return
+        self._check_open()
+        self._load(group)
+        if modify:
+            for c in self.chunks_of(group):
+                if c.state is ChunkState.HOST_AND_NVME:
+                    c.drop_nvme_copy()
+        try:
+            yield
+        finally:
+            for c in self.chunks_of(group):
+                if c.state is ChunkState.HOST:
+                    c.start_spill()
+            for c in self.chunks_of(group):
+                if c.io_pending:
+                    c.finish_spill()
+                elif c.state is ChunkState.HOST_AND_NVME:
+                    c.drop_host_copy()
+
+    # ---------------------------------------------------------------------------- closing
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the optimizer was closed: its NVMe files are deleted")
+
+    def close(self) -> None:
+        """Delete every file. States that lived only on NVMe are gone after this."""
+        if self._closed:
+            return
+        self._closed = True
+        self.settle([self.manager.groups[i] for i in sorted(self.groups)])
+        self.storage.close_nvme()
