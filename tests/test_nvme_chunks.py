@@ -1,0 +1,125 @@
+"""Chunks on NVMe: the two-phase state machine, bytes read back from disk, the host pool, and the
+choice of which groups go to NVMe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunks import Chunk, ChunkKind, ChunkState, ChunkStorage, Tier
+from gemini.nvme_tier import choose_nvme_groups
+from offload import NvmeCorruptionError, NvmeStore
+
+
+@pytest.fixture
+def storage(tmp_path):
+    s = ChunkStorage(torch.device("cpu"))
+    s.nvme = NvmeStore(tmp_path)
+    yield s
+    s.close_nvme()
+
+
+def _chunk(storage, capacity=5000, dtype=torch.float32, index=0) -> Chunk:
+    return Chunk(index=index, kind=ChunkKind.EXP_AVG, capacity=capacity, dtype=dtype, storage=storage)
+
+
+@pytest.mark.parametrize("capacity,dtype", [(1, torch.float32), (1023, torch.bfloat16), (300_001, torch.float32)])
+def test_spill_and_load_round_trip_counts_every_byte(storage, capacity, dtype):
+    c = _chunk(storage, capacity, dtype)
+    c.allocate(Tier.HOST)
+    want = torch.randn(capacity).to(dtype)
+    c.payload(Tier.HOST).copy_(want)
+    c.start_spill()
+    assert c.state is ChunkState.HOST and c.io_pending  # unchanged until the write is confirmed
+    c.finish_spill()
+    assert c.state is ChunkState.NVME and storage.bytes_on(Tier.HOST) == 0
+    assert storage.bytes_on(Tier.NVME) == c.nbytes and storage.transfers.nvme_write_bytes == c.nbytes
+    # The file holds the bytes: read them back from disk independently of the store.
+    with open(storage.nvme.path_of(c.key), "rb") as f:
+        raw = f.read(c.nbytes)
+    assert raw == want.view(torch.uint8).numpy().tobytes()
+    c.start_load()
+    assert c.state is ChunkState.NVME
+    c.finish_load()
+    assert c.state is ChunkState.HOST_AND_NVME and torch.equal(c.payload(Tier.HOST), want)
+    assert storage.transfers.nvme_read_bytes == c.nbytes
+    c.drop_host_copy()  # the file is current: nothing is written
+    assert c.state is ChunkState.NVME and storage.transfers.nvme_write_bytes == c.nbytes
+    c.release()
+    assert c.state is ChunkState.RELEASED and storage.bytes_on(Tier.NVME) == 0 and len(storage.nvme) == 0
+
+
+def test_invalid_moves_raise_with_the_state(storage):
+    c = _chunk(storage)
+    c.allocate(Tier.HOST)
+    with pytest.raises(RuntimeError, match="expected one of"):
+        c.start_load()  # nothing on NVMe yet
+    c.start_spill()
+    with pytest.raises(RuntimeError, match="write in flight"):
+        c.fetch(keep_host=False)
+    with pytest.raises(RuntimeError, match="no NVMe read in flight"):
+        c.finish_load()
+    c.finish_spill(keep_host=True)
+    assert c.state is ChunkState.HOST_AND_NVME
+    with pytest.raises(RuntimeError, match="expected one of"):
+        c.fetch(keep_host=False)  # only host copies of chunks without a current file go to the device
+    c.drop_nvme_copy()
+    assert c.state is ChunkState.HOST
+
+
+def test_a_corrupted_file_is_an_error_and_the_chunk_stays_in_its_file(storage):
+    c = _chunk(storage, 300_000)
+    c.allocate(Tier.HOST)
+    c.payload(Tier.HOST).copy_(torch.arange(300_000, dtype=torch.float32))
+    c.start_spill()
+    c.finish_spill()
+    path = storage.nvme.path_of(c.key)
+    with open(path, "r+b") as f:
+        f.seek(1_100_000)
+        byte = f.read(1)
+        f.seek(1_100_000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    c.start_load()
+    with pytest.raises(NvmeCorruptionError, match="checksum") as err:
+        c.finish_load()
+    assert path in str(err.value) and "offset" in str(err.value)
+    assert c.state is ChunkState.NVME and storage.bytes_on(Tier.HOST) == 0  # the buffer was freed
+
+
+def test_host_payloads_come_from_the_pool_and_are_reused(storage):
+    a = _chunk(storage, 300_000, index=0)
+    b = _chunk(storage, 300_000, index=1)
+    a.allocate(Tier.HOST)
+    first = a.payload(Tier.HOST).data_ptr()
+    assert first % 4096 == 0  # aligned: the store does direct I/O on it without staging
+    a.release()
+    b.allocate(Tier.HOST, zero=True)
+    assert b.payload(Tier.HOST).data_ptr() == first and not b.payload(Tier.HOST).any()
+    assert storage.pool.stats().reuses == 1
+
+
+def _sizes(*bytes_per_group):
+    return [(i, b) for i, b in enumerate(bytes_per_group)]
+
+
+def test_choice_keeps_the_first_groups_in_memory_and_budgets_the_pipeline():
+    groups = _sizes(100, 100, 100, 100, 100)
+    # Everything fits: nothing streams, no staging.
+    fit = choose_nvme_groups(groups, cpu_memory=500, fraction=0.0, depth=1, nvme_available=True)
+    assert fit.nvme_groups == frozenset() and fit.host_bytes == 500 and fit.staging_bytes == 0
+    # 450 bytes: 3 groups of staging (depth 1) leave room for one group in memory.
+    tight = choose_nvme_groups(groups, cpu_memory=450, fraction=0.0, depth=1, nvme_available=True)
+    assert tight.nvme_groups == {1, 2, 3, 4} and tight.staging_bytes == 300 and tight.host_bytes == 100
+    # The fraction always takes the last groups; the budget then decides the others.
+    forced = choose_nvme_groups(groups, cpu_memory=None, fraction=0.4, depth=1, nvme_available=True)
+    assert forced.nvme_groups == {3, 4}
+    both = choose_nvme_groups(groups, cpu_memory=500, fraction=0.2, depth=1, nvme_available=True)
+    assert both.nvme_groups == {2, 3, 4}
+
+
+def test_choice_errors_name_the_field():
+    groups = _sizes(100, 100)
+    with pytest.raises(ValueError, match=r"cpu_memory=150 .*nvme_dir is None"):
+        choose_nvme_groups(groups, cpu_memory=150, fraction=0.0, depth=1, nvme_available=False)
+    with pytest.raises(ValueError, match=r"cpu_memory=150 .*too small.*nvme_pipeline_depth"):
+        choose_nvme_groups(groups, cpu_memory=150, fraction=0.0, depth=1, nvme_available=True)
