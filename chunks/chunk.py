@@ -133,6 +133,10 @@ class Chunk:
         # The NVMe store holds this chunk's current bytes (its file is up to date).
         self._in_file = False
         self._pending: _PendingIo | None = None
+        # An asynchronous copy to or from the host copy still running on CUDA (see [Note:
+        # asynchronous copies on CUDA] in chunks/storage.py): waited for before the host copy
+        # is touched again.
+        self._host_event: torch.cuda.Event | None = None
 
     def __repr__(self) -> str:
         return (
@@ -173,7 +177,14 @@ class Chunk:
             tier = Tier.DEVICE if Tier.DEVICE in self._copies else Tier.HOST
         if tier not in self._copies:
             raise RuntimeError(f"{self.index=} ({self.kind.value}) is {self.state}, no {tier.value} copy")
+        if tier is Tier.HOST and self._host_event is not None:
+            self._wait_host()
         return self._copies[tier]
+
+    def _wait_host(self) -> None:
+        if self._host_event is not None:
+            self._host_event.synchronize()
+            self._host_event = None
 
     def used(self, tier: Tier | None = None) -> torch.Tensor:
         """The part of the buffer that holds tensors (the padding tail excluded)."""
@@ -194,6 +205,7 @@ class Chunk:
 
     # ------------------------------------------------------------------------------ moves
     def _expect(self, *allowed: ChunkState) -> None:
+        self._wait_host()
         if self.state not in allowed:
             raise RuntimeError(
                 f"chunk {self.kind.value} {self.index=} is {self.state}, expected one of "
@@ -228,7 +240,9 @@ class Chunk:
         """
         self._expect(ChunkState.HOST)
         host = self._copies[Tier.HOST]
-        self._copies[Tier.DEVICE] = self._storage.transfer(host, Tier.HOST, Tier.DEVICE, shell=self._device_shell)
+        self._copies[Tier.DEVICE], self._host_event = self._storage.transfer(
+            host, Tier.HOST, Tier.DEVICE, shell=self._device_shell
+        )
         if not keep_host:
             self._drop(Tier.HOST)
         self._set_state()
@@ -238,7 +252,7 @@ class Chunk:
         """DEVICE -> HOST (copy back) or HOST_AND_DEVICE -> HOST (the host copy is current)."""
         self._expect(ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE)
         if self.state is ChunkState.DEVICE:
-            self._copies[Tier.HOST] = self._storage.transfer(
+            self._copies[Tier.HOST], self._host_event = self._storage.transfer(
                 self._copies[Tier.DEVICE], Tier.DEVICE, Tier.HOST
             )
         self._drop(Tier.DEVICE)
@@ -363,6 +377,8 @@ class Chunk:
         self._set_state()
 
     def _drop(self, tier: Tier) -> None:
+        if tier is Tier.HOST:
+            self._wait_host()  # a DMA may still read it; the pool would hand it out again
         payload = self._copies.pop(tier)
         self._storage.free(tier, payload)
         if tier is Tier.DEVICE:

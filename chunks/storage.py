@@ -164,34 +164,59 @@ class ChunkStorage:
         else:
             self.pool.release(payload)
 
-    def transfer(self, payload: torch.Tensor, src: Tier, dst: Tier, *, shell: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of ``payload`` (on ``src``) newly allocated on ``dst``; the source is kept."""
+    def transfer(
+        self, payload: torch.Tensor, src: Tier, dst: Tier, *, shell: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A copy of ``payload`` (on ``src``) newly allocated on ``dst``; the source is kept.
+
+        Returns the copy and, for an asynchronous copy on CUDA, the event that marks its end
+        (see :meth:`copy_`).
+        """
         assert src is not dst, f"transfer within {src}"
         out = self.alloc(dst, payload.numel(), payload.dtype, shell=shell)
-        self.copy_(out, payload, src=src, dst=dst)
-        return out
+        return out, self.copy_(out, payload, src=src, dst=dst)
 
-    def copy_(self, out: torch.Tensor, payload: torch.Tensor, *, src: Tier, dst: Tier) -> None:
-        """Copy ``payload`` into ``out`` across tiers, counting the bytes moved."""
+    def copy_(self, out: torch.Tensor, payload: torch.Tensor, *, src: Tier, dst: Tier) -> torch.cuda.Event | None:
+        """Copy ``payload`` into ``out`` across tiers, counting the bytes moved.
+
+        [Note: asynchronous copies on CUDA]
+        Between the device and pinned host memory the copy runs on a side stream and the host
+        does not wait for it: the copy overlaps whatever the host does next (the CPU Adam of
+        another chunk group, the rest of the backward pass). Device-side order is kept by
+        stream waits: the side stream first waits for the compute stream (the data to copy
+        was produced there), and for host-to-device copies the compute stream then waits for
+        the side stream, and ``record_stream`` keeps the allocator from reusing the device
+        memory early. Host-side order is the returned event's job: the host copy must not be
+        read (device-to-host) or written (host-to-device) before it completes, so the chunk
+        keeps the event and synchronizes on it before its host copy is next touched. Copies
+        from pageable memory (temporaries) and every copy on the CPU stand-in are synchronous
+        and return None.
+        """
         nbytes = payload.numel() * payload.element_size()
         start = time.perf_counter()
+        event = None
+        host = payload if src is Tier.HOST else out
         with torch.profiler.record_function("gemini::transfer"), self.move_context():
-            if self._copy_stream is not None and dst is Tier.DEVICE and src is Tier.HOST:
-                # Host-to-device on the side stream; compute waits on it before using `out`.
-                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            if self._copy_stream is not None and src is not dst and host.is_pinned():
+                current = torch.cuda.current_stream(self.device)
+                self._copy_stream.wait_stream(current)
                 with torch.cuda.stream(self._copy_stream):
-                    out.copy_(payload, non_blocking=self.pin_host)
-                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-                out.record_stream(torch.cuda.current_stream(self.device))
+                    out.copy_(payload, non_blocking=True)
+                if dst is Tier.DEVICE:
+                    current.wait_stream(self._copy_stream)
+                    out.record_stream(current)
+                else:
+                    payload.record_stream(self._copy_stream)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
             else:
-                # Device-to-host is synchronous: the host side (CPU Adam, checkpoints) reads
-                # it right after, and a pinned buffer is not safe to read before the copy ends.
                 out.copy_(payload)
         self.transfers.seconds += time.perf_counter() - start
         if src is Tier.HOST and dst is Tier.DEVICE:
             self.transfers.h2d_bytes += nbytes
         elif src is Tier.DEVICE and dst is Tier.HOST:
             self.transfers.d2h_bytes += nbytes
+        return event
 
     # ------------------------------------------------------------------------------ NVMe
     def _store(self) -> NvmeStore:

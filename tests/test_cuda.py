@@ -67,3 +67,32 @@ def test_low_precision_on_cuda_tracks_fp32(precision):
         opt.step()
         opt.zero_grad()
         assert got.item() == pytest.approx(want.item(), rel=0.02)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("placement", ["cpu", "static"])
+def test_async_copies_and_nvme_states_on_cuda_equal_adamw(tmp_path, placement):
+    """Gradients leave the device asynchronously (events, not a sync per chunk), updated params
+    return asynchronously (static keeps params on the device), Adam states stream from NVMe:
+    the result is still plain AdamW's."""
+    base, ref = clone_pair()
+    ref = ref.cuda()
+    data = _cuda_batches(6)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    cfg = gemini.GeminiConfig(device="cuda", placement=placement, chunk_size=2000, nvme_dir=str(tmp_path),
+                              nvme_offload_fraction=0.5, static_optimizer_offload_fraction=1.0)
+    gmodel, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1)
+    asynchronous = 0
+    for step, (x, y) in enumerate(data):
+        GPT.loss(ref(x), y).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.backward(GPT.loss(gmodel(x), y))
+        asynchronous += sum(g.grad._host_event is not None for g in opt._rt.manager.trainable_groups)
+        opt.step()
+        opt.zero_grad()
+        want = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
+        assert_params_close(gmodel.state_dict(), want, step=step)
+    assert asynchronous > 0, "no gradient chunk was copied to the host asynchronously"
+    assert opt.report.nvme_read_bytes > 0
+    opt.close()
