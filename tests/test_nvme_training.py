@@ -220,3 +220,20 @@ def test_a_write_failure_raises_and_keeps_the_state_in_memory(tmp_path):
     assert out["steps"] == [2, 3]  # the step stopped part-way: some groups updated, some not
     assert out["worst_rel_err"] < 1e-6
     assert os.listdir(tmp_path) == []
+
+
+def test_margin_takes_groups_back_from_nvme_and_training_stays_exact(tmp_path):
+    """auto: after the warm-up the margin holds every group's states on the device; the NVMe
+    tier hands those groups back (files deleted) and the result is still AdamW's."""
+    base, ref = clone_pair()
+    data = batches(TINY, STEPS)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    cfg = _cfg(tmp_path, placement="auto", device_memory="256MiB", gpu_margin_mem_ratio=1.0,
+               nvme_offload_fraction=1.0)
+    _, got, _, opt = train_gemini(base, data, cfg, lr=1e-2, weight_decay=0.1)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, step=step)
+    assert opt.report.os_chunks_on_device == len(opt._rt.manager.trainable_groups)
+    assert opt._rt.nvme.groups == set() and opt.report.nvme_bytes == 0
+    assert [f for f in os.listdir(opt._rt.storage.nvme.folder) if f.endswith(".bin")] == []
+    opt.close()
