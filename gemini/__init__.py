@@ -5,13 +5,30 @@ from gemini.initialize import initialize
 from gemini.loss_scaler import DynamicLossScaler
 from gemini.module import GeminiModel
 from gemini.optimizer import HybridAdam
-from gemini.report import MemoryReport
+from gemini.planner import PlacementPlan, plan_placement
+from gemini.plots import plot_memory, plot_timeline
+from gemini.report import MemoryReport, TimelinePeriod, WarmupTimeline, read_reports
+from gemini.summary import run_summary, summary_line
+from gemini.tune import MarginTrial, MarginTuning, Measurement, tune_margin
 
 __all__ = [
     "DynamicLossScaler",
     "GeminiConfig",
     "GeminiModel",
     "HybridAdam",
+    "MarginTrial",
+    "MarginTuning",
+    "Measurement",
     "MemoryReport",
+    "PlacementPlan",
+    "TimelinePeriod",
+    "WarmupTimeline",
     "initialize",
+    "plan_placement",
+    "plot_memory",
+    "plot_timeline",
+    "read_reports",
+    "run_summary",
+    "summary_line",
+    "tune_margin",
 ]

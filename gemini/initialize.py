@@ -24,7 +24,7 @@ from gemini.runtime import GeminiRuntime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "resolve_chunk_size", "split_param_groups"]
 
 _GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
 
@@ -59,15 +59,9 @@ def initialize(
     _check_supported(config)
 
     device = config.resolved_device()
-    torch_groups, named_groups, frozen = _split_param_groups(model, param_groups)
+    torch_groups, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
-    if config.chunk_size is not None:
-        chunk_size = config.chunk_size
-    else:
-        found = search_chunk_size([n for n in numels if n])
-        chunk_size = found.chunk_size
-        logger.info("chunk size %d elements: %d chunks, %d elements of padding (%d sizes scored)",
-                    found.chunk_size, found.n_chunks, found.waste, found.candidates)
+    chunk_size = resolve_chunk_size(config, numels)
     _check_device_budget(config, numels, chunk_size)
 
     # The device is measured on CUDA always (the allocator's counters cost nothing) and on
@@ -106,6 +100,17 @@ def initialize(
     )
     runtime.start_new_step()
     return wrapped, optimizer
+
+
+def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]]) -> int:
+    """``config.chunk_size``, or the searched size with the least padding for these tensors
+    (element counts per param group, frozen last)."""
+    if config.chunk_size is not None:
+        return config.chunk_size
+    found = search_chunk_size([n for n in numels if n])
+    logger.info("chunk size %d elements: %d chunks, %d elements of padding (%d sizes scored)",
+                found.chunk_size, found.n_chunks, found.waste, found.candidates)
+    return found.chunk_size
 
 
 def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
@@ -189,7 +194,7 @@ def _check_static_budget(placement: StaticPlacement, budget_bytes: int) -> None:
         )
 
 
-def _split_param_groups(model: nn.Module, param_groups):
+def split_param_groups(model: nn.Module, param_groups):
     """(torch-style groups, named trainable params per group in model order, frozen params)."""
     named = list(model.named_parameters())  # tied parameters appear once, under their first name
     order = {p: i for i, (_, p) in enumerate(named)}

@@ -10,13 +10,12 @@ import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
 from chunks import ChunkGroup, Tier
 from gemini.adam import adam_update
 from gemini.loss_scaler import DynamicLossScaler
-from gemini.report import MemoryReport
+from gemini.report import MemoryReport, WarmupTimeline
 
 if TYPE_CHECKING:
     from gemini.runtime import GeminiRuntime
@@ -72,7 +71,6 @@ class HybridAdam(torch.optim.Optimizer):
         self._scaled_backwards = 0
         self._backward_passes_at_step = 0
         self._step_started = time.perf_counter()
-        self._process = psutil.Process()
         # Position of each parameter in the module (clipping visits them in this order).
         self._param_order = {id(p): i for i, p in enumerate(runtime.module_params)}
         # The module's hooks keep the runtime alive as long as the module lives; the NVMe files
@@ -83,6 +81,14 @@ class HybridAdam(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def timeline(self) -> WarmupTimeline | None:
+        """The warm-up's per-period timeline in force (placement="auto", after the first step):
+        each period's non-model peak and chunk groups, against the budget and reserve. The
+        report of the step that ended the warm-up carries the same in ``report.timeline``."""
+        plan = self._rt.plan
+        return plan.timeline() if plan is not None else None
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, with the loss scaled under fp16."""
@@ -298,9 +304,14 @@ class HybridAdam(torch.optim.Optimizer):
             device_model_peak_bytes=storage.stats[Tier.DEVICE].peak_bytes,
             device_budget_bytes=rt.config.device_memory,
             grad_norm=grad_norm,
-            host_rss_bytes=self._process.memory_info().rss,
+            host_rss_bytes=rt.system.host_rss_bytes(),
             nvme_wait_seconds=storage.transfers.nvme_wait_seconds,
             host_pool_bytes=storage.pool.bytes_reserved,
+            os_chunks_total=len(rt.manager.trainable_groups),
+            model_bytes_by_tier=rt.model_bytes_by_tier(),
+            host_available_bytes=rt.system.host_available_bytes(),
+            device_used_peak_bytes=rt.system.device_used_peak_bytes(),
+            timeline=rt.take_timeline(),
         )
         self.report = report
         self.reports_made += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -22,7 +22,8 @@ from tracer import Boundary, EvictionError, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "AutoPlacement", "StaticPlacement", "make_placement"]
+__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "AutoPlacement", "StaticPlacement", "make_placement",
+           "static_choice"]
 
 
 class PlacementPolicy:
@@ -243,6 +244,18 @@ class CpuPlacement(PlacementPolicy):
         return False
 
 
+def static_choice(
+    groups: Sequence[int], trainable: Sequence[int], *, param_device_fraction: float, optimizer_offload_fraction: float
+) -> tuple[set[int], set[int]]:
+    """placement="static"'s rule, on chunk-group indices in model order: (groups whose
+    parameters stay on the device, trainable groups whose optimizer states do). The first
+    groups stay, the last ones are offloaded. A pure function, so the planner applies the same
+    rule before any chunk exists."""
+    params_on_device = set(groups[: round(param_device_fraction * len(groups))])
+    n_offload = round(optimizer_offload_fraction * len(trainable))
+    return params_on_device, set(trainable[: len(trainable) - n_offload])
+
+
 class StaticPlacement(PlacementPolicy):
     """Fixed fractions, no warm-up heuristics.
 
@@ -266,11 +279,11 @@ class StaticPlacement(PlacementPolicy):
         return Tier.HOST
 
     def _choose(self) -> None:
-        groups = self.manager.groups
-        self.params_on_device = {g.index for g in groups[: round(self.param_device_fraction * len(groups))]}
-        trainable = self.manager.trainable_groups
-        n_offload = round(self.optimizer_offload_fraction * len(trainable))
-        self.os_on_device = {g.index for g in trainable[: len(trainable) - n_offload]}
+        self.params_on_device, self.os_on_device = static_choice(
+            [g.index for g in self.manager.groups], [g.index for g in self.manager.trainable_groups],
+            param_device_fraction=self.param_device_fraction,
+            optimizer_offload_fraction=self.optimizer_offload_fraction,
+        )
 
     def setup(self) -> None:
         self._choose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gemini.report import TimelinePeriod, WarmupTimeline
 from tracer import AccessOrder, PeriodRecord, Phase
 
 __all__ = ["MemoryPlan"]
@@ -67,4 +68,20 @@ class MemoryPlan:
             - self.fixed_bytes
             - self.max_non_model_bytes
             - self.warmup_model_peak_bytes
+        )
+
+    def timeline(self) -> WarmupTimeline:
+        """The plan as a report shows it: per period, its non-model peak and chunk groups."""
+        periods = [
+            TimelinePeriod(phase=phase.value, module=module, non_model_bytes=nbytes, chunk_groups=list(groups))
+            for (phase, module), nbytes, groups in zip(self.keys, self.non_model_bytes, self.access)
+        ]
+        return WarmupTimeline(
+            periods=periods,
+            budget_bytes=self.budget_bytes,
+            reserve_bytes=self.reserve_bytes,
+            fixed_bytes=self.fixed_bytes,
+            warmup_peak_bytes=self.warmup_peak_bytes,
+            warmup_model_peak_bytes=self.warmup_model_peak_bytes,
+            margin_bytes=self.margin_bytes,
         )

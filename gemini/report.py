@@ -1,13 +1,55 @@
-"""`MemoryReport`: where every byte went in one step, and where the time went."""
+"""`MemoryReport`: where every byte went in one step, and where the time went.
+
+Also the warm-up's per-period timeline (:class:`WarmupTimeline`) that the report of the step
+ending a warm-up carries, and the JSON Lines file of reports (:class:`ReportWriter`,
+:func:`read_reports`).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["MemoryReport", "ReportWriter"]
+__all__ = ["MemoryReport", "ReportWriter", "TimelinePeriod", "WarmupTimeline", "read_reports"]
+
+
+@dataclass(kw_only=True)
+class TimelinePeriod:
+    """One period of the traced warm-up iteration: between two module hooks."""
+
+    phase: str  # "forward", "backward" or "recompute" (activation checkpointing)
+    module: str  # the module whose hook starts the period ("" is the root module)
+    non_model_bytes: int  # the device's peak besides model data (activations, workspaces)
+    chunk_groups: list[int]  # chunk groups the period uses
+
+
+@dataclass(kw_only=True)
+class WarmupTimeline:
+    """What the warm-up measured, period by period, and the budget it planned against.
+
+    ``margin_bytes`` = budget − reserve − buffers − the largest non-model peak − the warm-up's
+    chunk peak: the room ``gpu_margin_mem_ratio`` shares out to optimizer-state chunk groups.
+    """
+
+    periods: list[TimelinePeriod]
+    budget_bytes: int
+    reserve_bytes: int  # kept free under the budget (see gemini/memory.py, the safety reserve)
+    fixed_bytes: int  # buffers on the device
+    warmup_peak_bytes: int  # the device's measured peak over the warm-up iteration
+    warmup_model_peak_bytes: int  # the most chunk bytes the warm-up held on the device at once
+    margin_bytes: int
+
+    @property
+    def max_non_model_bytes(self) -> int:
+        return max((p.non_model_bytes for p in self.periods), default=0)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WarmupTimeline:
+        values = dict(data)
+        values["periods"] = [TimelinePeriod(**p) for p in values["periods"]]
+        return cls(**values)
 
 
 @dataclass(kw_only=True)
@@ -45,9 +87,36 @@ class MemoryReport:
     host_rss_bytes: int | None = None  # the process's resident memory (psutil)
     nvme_wait_seconds: float = 0.0  # time the step waited for NVMe reads and writes
     host_pool_bytes: int = 0  # host buffers held by the pinned pool (in use or idle)
+    os_chunks_total: int = 0  # trainable chunk groups, wherever their optimizer states are
+    # Chunk payloads at the end of the step: tier ("device", "host", "nvme") -> chunk kind
+    # ("param", "grad", "master", "exp_avg", "exp_avg_sq") -> bytes. A chunk with copies on
+    # two tiers counts on both, as in the per-tier totals above.
+    model_bytes_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_available_bytes: int | None = None  # memory the host can still give (psutil)
+    # The whole GPU as NVML (nvidia-smi) sees it: every process, the CUDA context and the
+    # allocator's cache, peak over the step; None without a GPU or NVML.
+    device_used_peak_bytes: int | None = None
+    # Only on the report of a step that ended a warm-up trace (the first step under
+    # placement="auto", and any step traced again after input shapes changed).
+    timeline: WarmupTimeline | None = None
+
+    @property
+    def compute_seconds(self) -> float:
+        """Step time not spent in transfers or waiting for NVMe: forward, backward, Adam."""
+        return max(0.0, self.step_seconds - self.transfer_seconds - self.nvme_wait_seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
+        """The inverse of :meth:`to_dict`. Keys this version does not know (a file written by a
+        newer one) are ignored; missing optional fields take their defaults."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("timeline") is not None:
+            values["timeline"] = WarmupTimeline.from_dict(values["timeline"])
+        return cls(**values)
 
 
 class ReportWriter:
@@ -65,3 +134,17 @@ class ReportWriter:
     def write(self, report: MemoryReport) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(report.to_dict()) + "\n")
+
+
+def read_reports(path: str | os.PathLike) -> list[MemoryReport]:
+    """The reports of a JSON Lines file written with ``GeminiConfig.report_path``."""
+    reports = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                reports.append(MemoryReport.from_dict(json.loads(line)))
+            except (json.JSONDecodeError, TypeError, KeyError) as e:
+                raise ValueError(f"{os.fspath(path)}:{number} is not a MemoryReport: {e}") from None
+    return reports

@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunks import ChunkManager, ChunkStorage, Tier
+from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.placement import AutoPlacement, PlacementPolicy
 from gemini.plan import MemoryPlan
-from gemini.report import ReportWriter
+from gemini.report import ReportWriter, WarmupTimeline
+from gemini.system_memory import SystemMemory
 from gemini.warmup import Warmup, check_peak
 from tracer import InputSignature, PeriodHooks, input_signature
 
@@ -40,6 +41,8 @@ class GeminiRuntime:
     report_writer: ReportWriter | None = None
     warmup: Warmup | None = None
     plan: MemoryPlan | None = None
+    system: SystemMemory = field(default=None)  # host and whole-GPU readings; made in __post_init__ if not given
+    _unreported_plan: MemoryPlan | None = field(default=None, repr=False)  # made during this step
     _period_hooks: PeriodHooks | None = field(default=None, repr=False)
     _first_step_checked: bool = False
     # The tracer resets the monitor's peak at each of its cuts: the warm-up step's peak is
@@ -47,6 +50,10 @@ class GeminiRuntime:
     _warmup_peak_bytes: int = 0
     _signature: InputSignature | None = None  # the traced iteration's inputs
     _backward_passes_at_trace: int = 0
+
+    def __post_init__(self) -> None:
+        if self.system is None:
+            self.system = SystemMemory(self.device)
 
     # -------------------------------------------------------------------- iteration events
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
@@ -81,6 +88,7 @@ class GeminiRuntime:
             self.end_window()
             raise
         self._warmup_peak_bytes = self.plan.warmup_peak_bytes
+        self._unreported_plan = self.plan
         self.placement.adopt(self.plan)
         self.placement.rebalance_nvme()
         if self.placement.track_periods:
@@ -111,6 +119,7 @@ class GeminiRuntime:
     def close(self) -> None:
         if self.nvme is not None:
             self.nvme.close()
+        self.system.close()
 
     # ----------------------------------------------------------------------- measurement
     def begin_window(self) -> None:
@@ -141,6 +150,21 @@ class GeminiRuntime:
             return self.plan.max_non_model_bytes
         return None
 
+    def take_timeline(self) -> WarmupTimeline | None:
+        """The timeline of a warm-up that ended since the last call (for that step's report)."""
+        plan, self._unreported_plan = self._unreported_plan, None
+        return plan.timeline() if plan is not None else None
+
+    def model_bytes_by_tier(self) -> dict[str, dict[str, int]]:
+        """Chunk payload bytes now: tier -> chunk kind -> bytes (a chunk in a file counts on NVMe)."""
+        out = {tier.value: {kind.value: 0 for kind in ChunkKind} for tier in Tier}
+        for chunk in self.manager.chunks():
+            for tier in chunk.tiers:
+                out[tier.value][chunk.kind.value] += chunk.nbytes
+            if chunk.in_file:
+                out[Tier.NVME.value][chunk.kind.value] += chunk.nbytes
+        return out
+
     def check_first_step(self) -> None:
         """The budget promise for placements without a plan: the first iteration must fit."""
         if self._first_step_checked:
@@ -162,5 +186,6 @@ class GeminiRuntime:
         self.storage.transfers.reset()
         self.memory.reset_peak()
         self._warmup_peak_bytes = 0
+        self.system.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -74,3 +76,97 @@ def test_cuda_placement_keeps_everything_on_device():
         "os_chunks_on_device", "step_seconds", "transfer_seconds", "optimizer_cpu_seconds",
         "optimizer_device_seconds", "skipped", "loss_scale",
     }
+
+
+# ----------------------------------------------------------------- reports of a real run
+AUTO_BUDGET = 2_500_000  # bytes: room for the warm-up, and a margin that holds some optimizer states
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    """Four steps of TINY under placement auto with a budget below its model data, reported to a file."""
+    path = tmp_path_factory.mktemp("auto") / "reports.jsonl"
+    cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=3000, device_memory=AUTO_BUDGET,
+                              gpu_margin_mem_ratio=0.5, report_path=path)
+    gmodel, opt = gemini.initialize(make_gpt(), cfg, lr=1e-2)
+    reports, losses = [], []
+    for x, y in batches(TINY, 4):
+        loss = GPT.loss(gmodel(x), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+        losses.append(loss.item())
+    return path, reports, losses, opt
+
+
+def test_jsonl_rows_equal_the_reports_with_breakdown_and_timeline(auto_run):
+    path, reports, _, opt = auto_run
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [r.to_dict() for r in reports]
+    assert gemini.read_reports(path) == reports  # nested timeline included
+    # The warm-up step carries the plan's timeline, period by period; later steps none.
+    plan = opt._rt.plan
+    timeline = reports[0].timeline
+    assert timeline is not None and all(r.timeline is None for r in reports[1:])
+    assert [p.non_model_bytes for p in timeline.periods] == list(plan.non_model_bytes)
+    assert [(p.phase, p.module) for p in timeline.periods] == [(ph.value, m) for ph, m in plan.keys]
+    assert timeline.budget_bytes == AUTO_BUDGET and timeline.reserve_bytes == plan.reserve_bytes
+    assert timeline.margin_bytes == plan.margin_bytes > 0
+    assert opt.timeline == timeline
+    for r in reports:
+        # The per-kind breakdown adds up to the per-tier totals of the contract.
+        by_tier = r.model_bytes_by_tier
+        assert sum(by_tier["device"].values()) == r.device_model_bytes
+        assert sum(by_tier["host"].values()) == r.host_model_bytes
+        assert sum(by_tier["nvme"].values()) == r.nvme_bytes == 0
+        assert r.os_chunks_total == len(opt._rt.manager.trainable_groups)
+        assert 0 < r.os_chunks_on_device < r.os_chunks_total  # ratio 0.5 took some, not all
+        assert r.host_available_bytes > 0 and r.host_rss_bytes > 0
+        assert r.device_used_peak_bytes is None  # NVML: only with a GPU
+        assert r.compute_seconds == pytest.approx(r.step_seconds - r.transfer_seconds - r.nvme_wait_seconds)
+
+
+def test_read_reports_names_the_bad_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"step": 0}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 is not a MemoryReport"):
+        gemini.read_reports(path)
+
+
+def test_summary_line_and_run_summary_of_a_real_run(auto_run):
+    _, reports, losses, _ = auto_run
+    r = reports[1]
+    line = gemini.summary_line(r, loss=losses[1])
+    share = round(100 * r.device_peak_bytes / AUTO_BUDGET)
+    assert f"device peak {r.device_peak_bytes / 2**30:.3f} GiB = {share}% of {AUTO_BUDGET / 2**30:.3f}" in line
+    assert f"loss {losses[1]:.4f}" in line and "SKIPPED" not in line
+    assert f"{r.step_seconds:.2f} s (transfers {r.transfer_seconds:.2f}, compute {r.compute_seconds:.2f})" in line
+    assert f"non-model {r.device_non_model_peak_bytes / 2**20:.3f}" in gemini.summary_line(r, unit="MiB")
+    assert f"OS chunks on device {r.os_chunks_on_device}/{r.os_chunks_total}" in line
+    skipped = dataclasses.replace(r, skipped=True, loss_scale=1024.0)
+    assert "SKIPPED (fp16 overflow; loss scale 1024)" in gemini.summary_line(skipped)
+    text = gemini.run_summary([*reports, skipped], unit="MiB")
+    peak = max(reports, key=lambda x: x.device_peak_bytes)
+    assert text.startswith("5 steps (1 skipped)")
+    assert f"device peak {peak.device_peak_bytes / 2**20:.3f} MiB at step {peak.step}" in text
+
+
+def test_plots_of_a_real_run_are_non_trivial_pngs(auto_run, tmp_path):
+    mpl_image = pytest.importorskip("matplotlib.image")
+    _, reports, _, _ = auto_run
+    memory = gemini.plot_memory(reports, tmp_path / "memory.png")
+    timeline = gemini.plot_timeline(reports[0].timeline, tmp_path / "timeline.png")
+    for path in (memory, timeline):
+        assert path.stat().st_size > 20_000
+        pixels = mpl_image.imread(path)
+        colours = {tuple(px) for px in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}
+        assert len(colours) > 20  # bars, lines and text, not a blank canvas
+
+
+def test_plots_without_matplotlib_say_how_to_install_it(auto_run, tmp_path, monkeypatch):
+    _, reports, _, _ = auto_run
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'gemini-offload\[plot\]'"):
+        gemini.plot_memory(reports, tmp_path / "memory.png")
+    assert not (tmp_path / "memory.png").exists()

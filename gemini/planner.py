@@ -1,0 +1,253 @@
+"""The planner: before training, where parameters, gradients and optimizer states will live.
+
+From a model (its parameters may be on the meta device, so a model larger than this machine
+can be planned) and a :class:`GeminiConfig`, :func:`plan_placement` lays out the chunk groups
+exactly as :func:`gemini.initialize` will, applies the placement's rule and the NVMe tier's
+choice, and says how many bytes of each chunk kind sit on the device, in host memory and on
+NVMe at the end of a step — the figures ``MemoryReport.model_bytes_by_tier`` then measures —
+and whether the budgets hold them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier
+from gemini.config import GeminiConfig
+from gemini.initialize import resolve_chunk_size, split_param_groups
+from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes_per_element
+from gemini.placement import static_choice
+from gemini.summary import readable_unit
+from offload import format_size
+
+__all__ = ["PlacementPlan", "plan_placement"]
+
+# Rows of the plan's table: what a person asks about, and the chunk kinds behind it.
+_ROWS = (
+    ("parameters", (ChunkKind.PARAM,)),
+    ("gradients", (ChunkKind.GRAD,)),
+    ("optimizer states (fp32 master, m, v)", (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)),
+)
+
+
+@dataclass(kw_only=True)
+class PlacementPlan:
+    """Chunk bytes per tier and kind at the end of a step, and whether the budgets hold them."""
+
+    placement: str
+    precision: str
+    chunk_size: int  # elements
+    n_params: int
+    chunk_groups: int
+    trainable_groups: int
+    os_groups_on_device: int  # trainable groups whose optimizer states live on the device
+    nvme_groups: int  # trainable groups whose optimizer states live in NVMe files
+    # tier ("device", "host", "nvme") -> chunk kind -> bytes, as in MemoryReport
+    model_bytes_by_tier: dict[str, dict[str, int]]
+    buffer_bytes: int  # module buffers, kept on the device
+    device_working_set_bytes: int  # the largest chunk group's parameters and gradients
+    nvme_staging_bytes: int  # host memory the NVMe pipeline uses while streaming
+    device_budget_bytes: int | None
+    cpu_memory_bytes: int | None
+    host_available_bytes: int
+    nvme_free_bytes: int | None
+    problems: list[str] = field(default_factory=list)  # why it does not fit; empty: it fits
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def tier_bytes(self, tier: str) -> int:
+        return sum(self.model_bytes_by_tier[tier].values())
+
+    def table(self) -> str:
+        """Where each kind of model data goes, the totals, and the verdict."""
+        tiers = [t.value for t in Tier]
+        unit, scale = readable_unit(max(self.tier_bytes(t) for t in tiers))
+        width = max(len(label) for label, _ in _ROWS)
+
+        def row(label: str, cells: list[int]) -> str:
+            return f"{label:<{width}}  " + "  ".join(f"{c / scale:>10.2f}" for c in cells)
+
+        lines = [
+            f"{self.n_params:,} parameters in {self.chunk_groups} chunk groups of {self.chunk_size:,} elements "
+            f"({self.trainable_groups} trainable); placement={self.placement!r}, precision={self.precision!r}",
+            f"{unit:<{width}}  " + "  ".join(f"{t:>10}" for t in tiers),
+        ]
+        for label, kinds in _ROWS:
+            if kinds[0] is ChunkKind.MASTER and self.precision == "fp32":
+                label = "optimizer states (m, v)"  # under fp32 the parameters are the master
+            lines.append(row(label, [sum(self.model_bytes_by_tier[t][k.value] for k in kinds) for t in tiers]))
+        lines.append(row("total", [self.tier_bytes(t) for t in tiers]))
+        lines.append(
+            f"optimizer-state chunk groups: {self.os_groups_on_device} on the device, {self.nvme_groups} on NVMe, "
+            f"{self.trainable_groups - self.os_groups_on_device - self.nvme_groups} in host memory"
+        )
+        lines += [f"note: {n}" for n in self.notes]
+        if self.fits:
+            lines.append("fits: yes")
+        else:
+            lines.append("fits: NO")
+            lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def plan_placement(model: nn.Module, config: GeminiConfig, *,
+                   param_groups: list[dict[str, Any]] | None = None) -> PlacementPlan:
+    """Where ``initialize(model, config, param_groups=...)`` will put every chunk, before it runs.
+
+    Exact for placements "cuda", "cpu" and "static"; for "auto" the host and NVMe figures are
+    those of ``gpu_margin_mem_ratio=0`` and the device's share is decided by the warm-up (see
+    the plan's notes).
+    """
+    _, named_groups, frozen = split_param_groups(model, param_groups)
+    numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
+    chunk_size = resolve_chunk_size(config, numels)
+    # The manager's layout needs no memory: the same groups register() will build.
+    layout = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=chunk_size,
+                          param_dtype=config.param_dtype).layout(named_groups, frozen)
+    groups = list(range(len(layout)))
+    trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
+    params_on_device, os_on_device = _device_groups(config, groups, trainable)
+    problems: list[str] = []
+    notes: list[str] = []
+    nvme = _nvme_layout(config, layout, trainable, [i for i in trainable if i not in os_on_device], problems)
+
+    elem = torch.empty((), dtype=config.param_dtype).element_size()
+    low = config.param_dtype != torch.float32
+    by_tier = {t.value: {k.value: 0 for k in ChunkKind} for t in Tier}
+
+    def put(kind: ChunkKind, nbytes: int, *tiers: Tier) -> None:
+        for tier in tiers:
+            by_tier[tier.value][kind.value] += nbytes
+
+    for i, (_, pg, capacity) in enumerate(layout):
+        if i in os_on_device or config.placement == "cuda":
+            param_tiers = (Tier.DEVICE,)
+        elif i in params_on_device:
+            param_tiers = (Tier.HOST, Tier.DEVICE)  # a clean device copy next to the host one
+        else:
+            param_tiers = (Tier.HOST,)
+        put(ChunkKind.PARAM, capacity * elem, *param_tiers)
+        if pg < 0:
+            if low:  # frozen parameters keep their exact fp32 values on the host
+                put(ChunkKind.MASTER, capacity * 4, Tier.HOST)
+            continue
+        os_tier = Tier.DEVICE if i in os_on_device else Tier.HOST
+        offload_tier = Tier.NVME if i in nvme.nvme_groups else os_tier
+        put(ChunkKind.GRAD, capacity * elem, os_tier)  # gradients go where Adam updates
+        if low:
+            put(ChunkKind.MASTER, capacity * 4, offload_tier)
+        put(ChunkKind.EXP_AVG, capacity * 4, offload_tier)
+        put(ChunkKind.EXP_AVG_SQ, capacity * 4, offload_tier)
+
+    buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
+    working_set = max((capacity * elem * (2 if pg >= 0 else 1) for _, pg, capacity in layout), default=0)
+    plan = PlacementPlan(
+        placement=config.placement, precision=config.precision, chunk_size=chunk_size,
+        n_params=sum(n for group in numels for n in group), chunk_groups=len(layout),
+        trainable_groups=len(trainable), os_groups_on_device=len(os_on_device), nvme_groups=len(nvme.nvme_groups),
+        model_bytes_by_tier=by_tier, buffer_bytes=buffer_bytes, device_working_set_bytes=working_set,
+        nvme_staging_bytes=nvme.staging_bytes, device_budget_bytes=config.device_memory,
+        cpu_memory_bytes=config.cpu_memory, host_available_bytes=psutil.virtual_memory().available,
+        nvme_free_bytes=_free_disk_bytes(config.nvme_dir), problems=problems, notes=notes,
+    )
+    _check_device(plan, config)
+    _check_host_and_nvme(plan, config)
+    return plan
+
+
+def _device_groups(config: GeminiConfig, groups: list[int], trainable: list[int]) -> tuple[set[int], set[int]]:
+    """(groups whose parameters stay on the device, groups whose optimizer states do)."""
+    if config.placement == "cuda":
+        return set(groups), set(trainable)
+    if config.placement == "static":
+        return static_choice(groups, trainable, param_device_fraction=config.static_param_device_fraction,
+                             optimizer_offload_fraction=config.static_optimizer_offload_fraction)
+    return set(), set()  # cpu; auto before its warm-up
+
+
+def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups: list[int],
+                 problems: list[str]) -> NvmeLayout:
+    """The NVMe tier's choice among the groups whose optimizer states are on the host tier."""
+    per_element = offloaded_bytes_per_element(config.param_dtype)
+    os_bytes = [(i, layout[i][2] * per_element) for i in host_groups]
+    if config.cpu_memory is None and config.nvme_dir is None:
+        return NvmeLayout(frozenset(), sum(b for _, b in os_bytes), 0, 0)
+
+    def choose(indices: list[int]) -> NvmeLayout:
+        return choose_nvme_groups([(i, layout[i][2] * per_element) for i in indices], cpu_memory=config.cpu_memory,
+                                  fraction=config.nvme_offload_fraction, depth=config.nvme_pipeline_depth,
+                                  nvme_available=config.nvme_dir is not None)
+
+    try:
+        # initialize() chooses among every trainable group while registering (before a placement
+        # takes some onto the device), then again among those left on the host tier.
+        choose(trainable)
+        return choose(host_groups)
+    except ValueError as e:
+        problems.append(str(e))
+        return NvmeLayout(frozenset(), sum(b for _, b in os_bytes), 0, 0)
+
+
+def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
+    device_bytes = plan.tier_bytes("device") + plan.buffer_bytes
+    budget = config.device_memory
+    if config.placement == "auto":
+        plan.notes.append(
+            "auto: parameter and gradient chunks are cached on the device as the budget allows after the warm-up; "
+            + (f"gpu_margin_mem_ratio={config.gpu_margin_mem_ratio:g} also moves optimizer states into the margin "
+               "the warm-up measures (host and NVMe shrink by what moves)" if config.gpu_margin_mem_ratio > 0
+               else "optimizer states stay on the host (gpu_margin_mem_ratio=0)"))
+    if config.placement in ("cpu", "auto"):
+        # Chunks visit the device for compute: at least the largest group's parameters and gradients.
+        device_bytes += plan.device_working_set_bytes
+        what = "the largest chunk group's parameters and gradients visiting it"
+    else:
+        what = "the chunks it keeps"
+    if budget is None:
+        plan.notes.append(f"no device budget: the whole device; it needs {format_size(device_bytes)} for {what}, "
+                          f"plus activations")
+        return
+    if device_bytes > budget:
+        plan.problems.append(
+            f"the device needs {format_size(device_bytes)} for {what} (with buffers) but device_memory is "
+            f"{format_size(budget)}: {format_size(device_bytes - budget)} are missing; raise device_memory, use a "
+            f"smaller chunk_size, or placement 'cpu'/'auto'")
+    else:
+        plan.notes.append(f"the device keeps {format_size(budget - device_bytes)} of its {format_size(budget)} budget "
+                          f"for activations and other non-model memory (measured at warm-up)")
+
+
+def _check_host_and_nvme(plan: PlacementPlan, config: GeminiConfig) -> None:
+    host_bytes = plan.tier_bytes("host") + plan.nvme_staging_bytes
+    if config.resolved_device().type == "cpu":
+        host_bytes += plan.tier_bytes("device")  # the CPU stand-in's "device" is host memory too
+    if host_bytes > plan.host_available_bytes:
+        plan.problems.append(
+            f"host memory: {format_size(host_bytes)} needed, {format_size(plan.host_available_bytes)} available now; "
+            f"set cpu_memory and nvme_dir to move optimizer states to NVMe")
+    if plan.nvme_staging_bytes:
+        plan.notes.append(f"the NVMe pipeline stages up to {format_size(plan.nvme_staging_bytes)} in host memory")
+    nvme_bytes = plan.tier_bytes("nvme")
+    if config.nvme_dir is not None and not os.path.isdir(config.nvme_dir):
+        plan.problems.append(f"nvme_dir {os.fspath(config.nvme_dir)!r} is not a folder: create it (or mount the "
+                             f"drive) first")
+    elif plan.nvme_free_bytes is not None and nvme_bytes > plan.nvme_free_bytes:
+        plan.problems.append(f"NVMe: {format_size(nvme_bytes)} of files but {format_size(plan.nvme_free_bytes)} free "
+                             f"under {os.fspath(config.nvme_dir)}")
+
+
+def _free_disk_bytes(folder: str | os.PathLike | None) -> int | None:
+    """Free space in ``folder``; None without one (or when it does not exist yet)."""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    return shutil.disk_usage(folder).free

@@ -1,0 +1,97 @@
+"""Readable summaries of memory reports: one line per step, and a whole run in a few lines."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from gemini.report import MemoryReport
+
+__all__ = ["GiB", "UNITS", "gib", "readable_unit", "run_summary", "summary_line"]
+
+GiB = 2**30
+UNITS = {"GiB": GiB, "MiB": 2**20}
+
+
+def gib(nbytes: int | None, unit: str = "GiB") -> str:
+    """Bytes in ``unit`` (GiB by default) with three decimals, "-" for not measured. One unit
+    in every column, so that lines of different steps and runs line up and compare at a glance."""
+    return "-" if nbytes is None else f"{nbytes / UNITS[unit]:.3f}"
+
+
+def readable_unit(max_bytes: float) -> tuple[str, int]:
+    """A unit for a table or an axis whose largest value is ``max_bytes``: GiB for large runs,
+    MiB for small ones, so that figures keep a few significant digits."""
+    return ("GiB", GiB) if max_bytes >= GiB else ("MiB", UNITS["MiB"])
+
+
+def _share_of_budget(nbytes: int, budget_bytes: int | None, unit: str) -> str:
+    if not budget_bytes:
+        return ""
+    return f" = {100 * nbytes / budget_bytes:.0f}% of {gib(budget_bytes, unit)}"
+
+
+def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str = "GiB") -> str:
+    """One line: time (transfers vs compute), device peak against the budget, model and
+    non-model bytes, host and NVMe, bytes moved, optimizer-state chunks on the device.
+    Sizes are in ``unit`` ("GiB" or "MiB")."""
+    r = report
+    uses_nvme = r.nvme_bytes or r.nvme_read_bytes or r.nvme_write_bytes or r.nvme_wait_seconds
+    timing = f"transfers {r.transfer_seconds:.2f}"
+    if uses_nvme:
+        timing += f", NVMe wait {r.nvme_wait_seconds:.2f}"
+    parts = [f"step {r.step:>3}"]
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    parts += [
+        f"{r.step_seconds:.2f} s ({timing}, compute {r.compute_seconds:.2f})",
+        f"device peak {gib(r.device_peak_bytes, unit)} {unit}"
+        f"{_share_of_budget(r.device_peak_bytes, r.device_budget_bytes, unit)}"
+        f" (model {gib(r.device_model_bytes, unit)}, non-model {gib(r.device_non_model_peak_bytes, unit)})",
+        f"host {gib(r.host_model_bytes, unit)}",
+        f"NVMe {gib(r.nvme_bytes, unit)}",
+        f"moved h2d {gib(r.h2d_bytes, unit)} d2h {gib(r.d2h_bytes, unit)}"
+        + (f" NVMe r {gib(r.nvme_read_bytes, unit)} w {gib(r.nvme_write_bytes, unit)}" if uses_nvme else ""),
+        f"OS chunks on device {r.os_chunks_on_device}/{r.os_chunks_total}",
+    ]
+    if r.skipped:
+        parts.append(f"SKIPPED (fp16 overflow; loss scale {r.loss_scale:g})")
+    return " | ".join(parts)
+
+
+def run_summary(reports: Sequence[MemoryReport], *, unit: str = "GiB") -> str:
+    """A few lines over a whole run: step time and its split, peaks, tiers, traffic, skips."""
+    if not reports:
+        return "no reports"
+    # The first step is a warm-up (traced, conservative): timed apart from the others.
+    steady = list(reports[1:]) or list(reports)
+    step_s = statistics.median(r.step_seconds for r in steady)
+    total_s = sum(r.step_seconds for r in steady) or 1.0
+    share = {
+        "transfers": sum(r.transfer_seconds for r in steady) / total_s,
+        "NVMe waits": sum(r.nvme_wait_seconds for r in steady) / total_s,
+        "compute": sum(r.compute_seconds for r in steady) / total_s,
+    }
+    peak = max(reports, key=lambda r: r.device_peak_bytes)
+    skipped = sum(r.skipped for r in reports)
+    non_model = [r.device_non_model_peak_bytes for r in reports if r.device_non_model_peak_bytes is not None]
+    last = reports[-1]
+    lines = [
+        f"{len(reports)} steps ({skipped} skipped); step time median {step_s:.3f} s after the first "
+        f"({reports[0].step_seconds:.3f} s): " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items()),
+        f"device peak {gib(peak.device_peak_bytes, unit)} {unit} at step {peak.step}"
+        f"{_share_of_budget(peak.device_peak_bytes, peak.device_budget_bytes, unit)} {unit} budget; "
+        f"model data there at the end {gib(last.device_model_bytes, unit)} {unit}, "
+        f"non-model peak {gib(max(non_model), unit) if non_model else '-'} {unit}",
+        f"host: chunks {gib(last.host_model_bytes, unit)} {unit}, pool {gib(last.host_pool_bytes, unit)} {unit}, "
+        f"process RSS max {gib(max((r.host_rss_bytes or 0) for r in reports), unit)} {unit}; "
+        f"NVMe {gib(last.nvme_bytes, unit)} {unit}",
+        "moved per step (median after the first): "
+        + ", ".join(f"{name} {gib(int(statistics.median(getattr(r, f'{key}_bytes') for r in steady)), unit)} {unit}"
+                    for name, key in (("h2d", "h2d"), ("d2h", "d2h"), ("NVMe read", "nvme_read"),
+                                      ("NVMe write", "nvme_write"))),
+    ]
+    whole = [r.device_used_peak_bytes for r in reports if r.device_used_peak_bytes is not None]
+    if whole:
+        lines.append(f"whole GPU (NVML) used peak {gib(max(whole), unit)} {unit}")
+    return "\n".join(lines)

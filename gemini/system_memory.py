@@ -1,0 +1,79 @@
+"""Figures beyond the engine's own ledger: the host (psutil) and the whole GPU (NVML).
+
+The chunk ledger and the device monitor say what *this engine* holds; a person reading a
+report also wants what the machine sees: the process's resident memory, what the host can
+still give, and the GPU's used memory as nvidia-smi shows it (every process, the CUDA
+context, the caching allocator's blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from tracer import NvmlMonitor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SystemMemory"]
+
+
+class SystemMemory:
+    """Host readings from psutil; on CUDA, the whole GPU's used-memory peak from NVML."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._process = psutil.Process()
+        self._nvml: NvmlMonitor | None = None
+        if device.type == "cuda":
+            index = _nvml_index(device)
+            if index is not None:
+                self._nvml = NvmlMonitor(index)
+                # Sampled all along (a thread reading NVML every few ms): a step's peak is the
+                # largest reading since the last reset.
+                self._nvml.start()
+
+    def host_rss_bytes(self) -> int:
+        return self._process.memory_info().rss
+
+    @staticmethod
+    def host_available_bytes() -> int:
+        return psutil.virtual_memory().available
+
+    def device_used_peak_bytes(self) -> int | None:
+        """The GPU's used memory (NVML), peak since the last :meth:`reset_peak`; None without NVML."""
+        return self._nvml.peak_bytes() if self._nvml is not None else None
+
+    def reset_peak(self) -> None:
+        if self._nvml is not None:
+            self._nvml.reset_peak()
+
+    def close(self) -> None:
+        if self._nvml is not None and self._nvml.running:
+            self._nvml.stop()
+
+
+def _nvml_index(device: torch.device) -> int | None:
+    """NVML's index of ``device``: matched by UUID, since NVML counts in PCI order and ignores
+    CUDA_VISIBLE_DEVICES while torch does neither. None when NVML cannot be used."""
+    if not NvmlMonitor.is_available():
+        logger.info("NVML is unavailable: reports carry no whole-device figures")
+        return None
+    import pynvml  # present: is_available() initialised it
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    want = str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
+    pynvml.nvmlInit()
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            if uuid.removeprefix("GPU-") == want:
+                return i
+    except pynvml.NVMLError as e:
+        logger.info("NVML could not list devices (%s): reports carry no whole-device figures", e)
+    finally:
+        pynvml.nvmlShutdown()
+    logger.info("NVML sees no device with the UUID of %s: reports carry no whole-device figures", device)
+    return None
