@@ -66,7 +66,10 @@ def initialize(
 
     # The device is measured on CUDA always (the allocator's counters cost nothing) and on
     # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
-    memory = DeviceMemory(device, config.device_memory, measure=config.device_memory is not None)
+    # auto always measures: its warm-up plans from what it sees (with no budget on the CPU
+    # stand-in, against the machine's memory).
+    memory = DeviceMemory(device, config.device_memory,
+                          measure=config.device_memory is not None or config.placement == "auto")
     fixed_bytes = _move_buffers(model, device, config.param_dtype)
     storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype)
