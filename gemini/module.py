@@ -75,19 +75,26 @@ class GeminiModel(nn.Module):
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) loading state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for key, t in own.items():
+            if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
+                raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
+                                   f"model {tuple(t.shape)}")
+        # Per chunk group, so that masters on NVMe are read and written once each.
+        by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         with torch.no_grad():
             for key, t in own.items():
                 if key not in state_dict:
                     continue
-                value = state_dict[key]
-                if tuple(value.shape) != tuple(t.shape):
-                    raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tuple(t.shape)}")
                 if isinstance(t, nn.Parameter):
-                    group, slot = manager.locate(t)
-                    with self._runtime.resident(group, modify=True):
+                    by_group.setdefault(manager.locate(t)[0].index, []).append((t, state_dict[key]))
+                else:
+                    t.copy_(state_dict[key])
+            for index, values in sorted(by_group.items()):
+                group = manager.groups[index]
+                with self._runtime.resident(group, modify=True) if group.master is not None else contextlib.nullcontext():
+                    for t, value in values:
+                        slot = manager.locate(t)[1]
                         for chunk in (group.param, group.master):
                             if chunk is not None:
                                 chunk.write(slot, value)
-                else:
-                    t.copy_(value)
         return _IncompatibleKeys(missing, unexpected)
