@@ -169,7 +169,8 @@ class Chunk:
         return self._pending is not None
 
     def is_on(self, tier: Tier) -> bool:
-        return tier in self._copies
+        """A copy on ``tier``: a payload in memory, or on NVMe a current file."""
+        return self._in_file if tier is Tier.NVME else tier in self._copies
 
     def payload(self, tier: Tier | None = None) -> torch.Tensor:
         """The whole buffer on ``tier`` (default: the device copy if there is one)."""

@@ -42,23 +42,15 @@ class GeminiModel(nn.Module):
         return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        manager = self._runtime.manager
         out = OrderedDict() if destination is None else destination
         own = self.module.state_dict(keep_vars=True)
-        # Group by chunk group, so masters on NVMe are read once each (fp32 reads no file:
-        # the param chunk is the master).
-        by_group: dict[int, list[nn.Parameter]] = {}
-        for t in own.values():
-            if isinstance(t, nn.Parameter):
-                by_group.setdefault(manager.locate(t)[0].index, []).append(t)
+        params = [(t, None) for t in own.values() if isinstance(t, nn.Parameter)]
         copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
-        for index in sorted(by_group):
-            group = manager.groups[index]
+        for group, entries in self._per_group(params, modify=False):
             src = group.master if group.master is not None else group.param
-            with self._runtime.resident(group, modify=False) if group.master is not None else contextlib.nullcontext():
-                for t in by_group[index]:
-                    if id(t) not in copies:
-                        copies[id(t)] = src.view(manager.locate(t)[1]).detach().to("cpu", torch.float32, copy=True)
+            for t, slot, _ in entries:
+                if id(t) not in copies:
+                    copies[id(t)] = src.view(slot).detach().to("cpu", torch.float32, copy=True)
         for key, t in own.items():
             if isinstance(t, nn.Parameter):
                 out[prefix + key] = copies[id(t)]
@@ -66,10 +58,25 @@ class GeminiModel(nn.Module):
                 out[prefix + key] = t.detach().to("cpu", copy=True)
         return out
 
+    def _per_group(self, pairs: list[tuple[nn.Parameter, Any]], *, modify: bool):
+        """Yield (chunk group, [(param, slot, value), ...]) per chunk group, in group order, with the
+        group's fp32 masters in host memory for the block: masters on NVMe are read (and with
+        ``modify`` written back) once per group. Under fp32 the param chunk is the master and
+        no file is read."""
+        manager = self._runtime.manager
+        grouped: dict[int, list] = {}
+        for p, value in pairs:
+            group, slot = manager.locate(p)
+            grouped.setdefault(group.index, []).append((p, slot, value))
+        for index in sorted(grouped):
+            group = manager.groups[index]
+            masters = self._runtime.resident(group, modify=modify) if group.master is not None else contextlib.nullcontext()
+            with masters:
+                yield group, grouped[index]
+
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):
         if assign:
             raise ValueError("GeminiModel.load_state_dict(assign=True) is not supported: parameters live in chunks")
-        manager = self._runtime.manager
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -79,22 +86,18 @@ class GeminiModel(nn.Module):
             if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
                 raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
                                    f"model {tuple(t.shape)}")
-        # Per chunk group, so that masters on NVMe are read and written once each.
-        by_group: dict[int, list[tuple[nn.Parameter, torch.Tensor]]] = {}
+        params = []
         with torch.no_grad():
             for key, t in own.items():
                 if key not in state_dict:
                     continue
                 if isinstance(t, nn.Parameter):
-                    by_group.setdefault(manager.locate(t)[0].index, []).append((t, state_dict[key]))
+                    params.append((t, state_dict[key]))
                 else:
                     t.copy_(state_dict[key])
-            for index, values in sorted(by_group.items()):
-                group = manager.groups[index]
-                with self._runtime.resident(group, modify=True) if group.master is not None else contextlib.nullcontext():
-                    for t, value in values:
-                        slot = manager.locate(t)[1]
-                        for chunk in (group.param, group.master):
-                            if chunk is not None:
-                                chunk.write(slot, value)
+            for group, entries in self._per_group(params, modify=True):
+                for _, slot, value in entries:
+                    for chunk in (group.param, group.master):
+                        if chunk is not None:
+                            chunk.write(slot, value)
         return _IncompatibleKeys(missing, unexpected)

@@ -31,12 +31,20 @@ from offload import format_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NvmeLayout", "NvmeTier", "choose_nvme_groups", "offloaded_bytes_per_element"]
+__all__ = ["NvmeLayout", "NvmeTier", "choose_nvme_groups", "offloaded_bytes", "offloaded_bytes_per_element"]
 
 
 def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
     """Bytes per element of a group's chunks that can live on NVMe (see [Note: what goes to NVMe])."""
     return 8 if param_dtype == torch.float32 else 12
+
+
+def offloaded_bytes(layout: Sequence[tuple[list[int], int, int]], indices: Iterable[int],
+                    param_dtype: torch.dtype) -> list[tuple[int, int]]:
+    """(group index, bytes of its offloadable chunks) for ``indices`` of a chunk layout
+    (``ChunkManager.layout``): the input of :func:`choose_nvme_groups` before chunks exist."""
+    per_element = offloaded_bytes_per_element(param_dtype)
+    return [(i, layout[i][2] * per_element) for i in indices]
 
 
 @dataclass(frozen=True)
@@ -118,9 +126,6 @@ class NvmeTier:
     def available(self) -> bool:
         return self.storage.nvme is not None
 
-    def _per_element(self) -> int:
-        return offloaded_bytes_per_element(self.manager.param_dtype)
-
     @staticmethod
     def chunks_of(group: ChunkGroup) -> tuple[Chunk, ...]:
         """The chunks of ``group`` that live on NVMe (see [Note: what goes to NVMe])."""
@@ -136,9 +141,9 @@ class NvmeTier:
 
     def plan_registration(self, layout: Iterable[tuple[list[int], int, int]]) -> None:
         """Before registration (every trainable group on the host tier): choose from the layout."""
-        os_bytes = [(i, capacity * self._per_element())
-                    for i, (_, pg, capacity) in enumerate(layout) if pg >= 0]
-        self.layout = self.plan(os_bytes)
+        layout = list(layout)
+        trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
+        self.layout = self.plan(offloaded_bytes(layout, trainable, self.manager.param_dtype))
         self._planned = self.layout.nvme_groups
         self._log()
 

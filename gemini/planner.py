@@ -22,7 +22,7 @@ from torch import nn
 from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier
 from gemini.config import GeminiConfig
 from gemini.initialize import resolve_chunk_size, split_param_groups
-from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes_per_element
+from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes
 from gemini.placement import static_choice
 from gemini.summary import readable_unit
 from offload import format_size
@@ -178,13 +178,12 @@ def _device_groups(config: GeminiConfig, groups: list[int], trainable: list[int]
 def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups: list[int],
                  problems: list[str]) -> NvmeLayout:
     """The NVMe tier's choice among the groups whose optimizer states are on the host tier."""
-    per_element = offloaded_bytes_per_element(config.param_dtype)
-    os_bytes = [(i, layout[i][2] * per_element) for i in host_groups]
+    os_bytes = offloaded_bytes(layout, host_groups, config.param_dtype)
     if config.cpu_memory is None and config.nvme_dir is None:
         return NvmeLayout(frozenset(), sum(b for _, b in os_bytes), 0, 0)
 
     def choose(indices: list[int]) -> NvmeLayout:
-        return choose_nvme_groups([(i, layout[i][2] * per_element) for i in indices], cpu_memory=config.cpu_memory,
+        return choose_nvme_groups(offloaded_bytes(layout, indices, config.param_dtype), cpu_memory=config.cpu_memory,
                                   fraction=config.nvme_offload_fraction, depth=config.nvme_pipeline_depth,
                                   nvme_available=config.nvme_dir is not None)
 

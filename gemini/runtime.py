@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier
+from chunks import ChunkManager, ChunkStorage, Tier
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceMemory
@@ -157,13 +157,8 @@ class GeminiRuntime:
 
     def model_bytes_by_tier(self) -> dict[str, dict[str, int]]:
         """Chunk payload bytes now: tier -> chunk kind -> bytes (a chunk in a file counts on NVMe)."""
-        out = {tier.value: {kind.value: 0 for kind in ChunkKind} for tier in Tier}
-        for chunk in self.manager.chunks():
-            for tier in chunk.tiers:
-                out[tier.value][chunk.kind.value] += chunk.nbytes
-            if chunk.in_file:
-                out[Tier.NVME.value][chunk.kind.value] += chunk.nbytes
-        return out
+        return {tier.value: {kind.value: nbytes for kind, nbytes in self.manager.bytes_by_kind(tier).items()}
+                for tier in Tier}
 
     def check_first_step(self) -> None:
         """The budget promise for placements without a plan: the first iteration must fit."""
