@@ -2,6 +2,7 @@
 
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
 from chunks.manager import ChunkGroup, ChunkManager, plan_layout
+from chunks.shard import Shard, round_up
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
 from chunks.storage import ChunkStorage, StorageObserver, Tier
 
@@ -13,11 +14,13 @@ __all__ = [
     "ChunkSizeSearch",
     "ChunkState",
     "ChunkStorage",
+    "Shard",
     "StorageObserver",
     "TensorSlot",
     "Tier",
     "default_search_range",
     "plan_layout",
+    "round_up",
     "search_chunk_size",
     "waste_for",
 ]

@@ -23,6 +23,9 @@ class ChunkKind(enum.Enum):
     MASTER = "master"  # fp32 master weights (only when the params are bf16/fp16)
     EXP_AVG = "exp_avg"  # Adam's first moment
     EXP_AVG_SQ = "exp_avg_sq"  # Adam's second moment
+    # ZeRO (see [Note: ZeRO shards of a chunk] in chunks/shard.py): this rank's range only.
+    GRAD_SHARD = "grad_shard"  # the reduced (averaged over ranks) gradients, until the step
+    PARAM_SHARD = "param_shard"  # the parameters, with parameter sharding (ZeRO-3)
 
 
 class ChunkState(enum.Enum):
@@ -88,6 +91,9 @@ class TensorSlot:
     numel: int
     shape: torch.Size
     name: str  # the parameter's (first) qualified name in the module
+    # First element within the flattened tensor: 0 for a whole tensor, else where a ZeRO
+    # shard's piece of it begins (see chunks/shard.py; ``shape`` is then flat).
+    tensor_offset: int = 0
 
     @property
     def end(self) -> int:
@@ -200,9 +206,13 @@ class Chunk:
 
     def write(self, slot: TensorSlot, value: torch.Tensor) -> None:
         """Set ``slot``'s tensor in every copy (keeps HOST_AND_DEVICE copies identical)."""
+        self.write_range(slot.offset, value.reshape(-1))
+
+    def write_range(self, offset: int, values: torch.Tensor) -> None:
+        """Set ``values.numel()`` elements from ``offset`` in every copy."""
         self._expect(ChunkState.HOST, ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE)
         for payload in self._copies.values():
-            payload[slot.offset : slot.end].view(slot.shape).copy_(value)
+            payload[offset : offset + values.numel()].copy_(values)
 
     # ------------------------------------------------------------------------------ moves
     def _expect(self, *allowed: ChunkState) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
+from chunks.shard import Shard, round_up
 from chunks.storage import ChunkStorage, Tier
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,13 @@ class ChunkGroup:
 
     The optimizer-state chunk group (``master`` — the param chunk itself under fp32 — plus
     ``exp_avg`` and ``exp_avg_sq``) moves as a unit and is updated wherever it lies.
+
+    Under ZeRO (``shard`` set, see [Note: ZeRO shards of a chunk] in chunks/shard.py) the
+    master, m and v chunks hold this rank's range only; ``grad`` is the full-size bucket the
+    backward pass fills, reduce-scattered into ``grad_shard``. With parameter sharding
+    ``param_shard`` holds this rank's parameters and ``param`` is the gathered copy, RELEASED
+    outside compute. Under fp32 the master is ``param_shard``, or without parameter sharding
+    this rank's range of ``param`` (see :attr:`master_offset`).
     """
 
     index: int
@@ -68,6 +76,11 @@ class ChunkGroup:
     grad_ready: list[bool] = field(default_factory=list)
     # Slots whose gradient arrived in the backward pass now running.
     grads_this_backward: int = 0
+    # ZeRO: this rank's range, the reduced gradients and (ZeRO-3) the parameters' shard.
+    shard: Shard | None = None
+    grad_shard: Chunk | None = None
+    param_shard: Chunk | None = None
+    grad_shard_filled: bool = False  # grad_shard holds a reduced gradient since zero_grad
 
     # Flat views of (master, grad, m, v) on one tier, and the chunk versions they were cut at.
     _step_views: tuple | None = field(default=None, repr=False)
@@ -77,17 +90,68 @@ class ChunkGroup:
         return self.param_group >= 0
 
     def step_views(self, tier: Tier) -> tuple[torch.Tensor, ...]:
-        """The used parts of (master, grad, m, v) on ``tier``, cut once per move of any of them."""
-        chunks = (self.master_chunk, self.grad, self.exp_avg, self.exp_avg_sq)
+        """(master, grad, m, v) over this rank's range on ``tier``, cut once per move of any of them."""
+        chunks = self.step_chunks
         key = (tier, *(c.version for c in chunks))
         if self._step_views is None or self._step_views[0] != key:
-            self._step_views = (key, tuple(c.used(tier) for c in chunks))
+            n = self.os_numel
+            offsets = (self.master_offset, 0, 0, 0)
+            self._step_views = (key, tuple(c.payload(tier)[o : o + n] for c, o in zip(chunks, offsets)))
         return self._step_views[1]
+
+    def slot_views(self, slot: TensorSlot, tier: Tier) -> tuple[torch.Tensor, ...]:
+        """(master, grad, m, v) of one of :attr:`os_slots` on ``tier``, flat."""
+        offsets = (self.master_offset, 0, 0, 0)
+        return tuple(c.payload(tier)[o + slot.offset : o + slot.end] for c, o in zip(self.step_chunks, offsets))
+
+    @property
+    def step_chunks(self) -> tuple[Chunk, Chunk, Chunk, Chunk]:
+        """The chunks Adam reads and writes: (master, gradient, m, v)."""
+        return (self.master_chunk, self.step_grad, self.exp_avg, self.exp_avg_sq)
 
     @property
     def master_chunk(self) -> Chunk:
-        """The fp32 weights Adam updates: the master chunk, or the param chunk under fp32."""
-        return self.master if self.master is not None else self.param
+        """The fp32 weights Adam updates: the master chunk, or the param chunk (or, with
+        parameter sharding, the param shard) under fp32."""
+        if self.master is not None:
+            return self.master
+        return self.param_shard if self.param_shard is not None else self.param
+
+    @property
+    def master_offset(self) -> int:
+        """Where this rank's range starts in :attr:`master_chunk` (non-zero only when the master
+        is the whole param chunk of a sharded group)."""
+        return self.shard.start if self.shard is not None and self.master_chunk is self.param else 0
+
+    @property
+    def step_grad(self) -> Chunk:
+        """The gradients the step uses: the reduced shard under ZeRO, else the gradient chunk."""
+        return self.grad_shard if self.grad_shard is not None else self.grad
+
+    def is_shard(self, chunk: Chunk) -> bool:
+        """``chunk`` holds this rank's range only (a ZeRO shard chunk)."""
+        return self.shard is not None and chunk.capacity != self.param.capacity
+
+    def write_value(self, chunk: Chunk, slot: TensorSlot, value: torch.Tensor) -> None:
+        """Write tensor ``slot``'s full ``value`` into ``chunk``: all of it, or (a shard chunk)
+        the piece of it inside this rank's range."""
+        flat = value.reshape(-1)
+        if not self.is_shard(chunk):
+            chunk.write_range(slot.offset, flat)
+            return
+        for piece in chunk.slots:
+            if piece.index == slot.index:
+                chunk.write_range(piece.offset, flat[piece.tensor_offset : piece.tensor_offset + piece.numel])
+
+    @property
+    def os_slots(self) -> tuple[TensorSlot, ...]:
+        """The tensors (or, under ZeRO, pieces of them) this rank's optimizer states cover."""
+        return self.shard.cut(self.slots) if self.shard is not None else self.slots
+
+    @property
+    def os_numel(self) -> int:
+        """Elements of this rank's optimizer states (the whole shard, or the chunk's used part)."""
+        return self.shard.numel if self.shard is not None else self.param.used_numel
 
     @property
     def optimizer_chunks(self) -> tuple[Chunk, ...]:
@@ -96,7 +160,8 @@ class ChunkGroup:
 
     @property
     def chunks(self) -> tuple[Chunk, ...]:
-        return tuple(c for c in (self.param, self.grad, self.master, self.exp_avg, self.exp_avg_sq) if c is not None)
+        return tuple(c for c in (self.param, self.param_shard, self.grad, self.grad_shard, self.master, self.exp_avg,
+                                 self.exp_avg_sq) if c is not None)
 
     @property
     def all_grads_ready(self) -> bool:
@@ -121,12 +186,21 @@ class ChunkManager:
         *,
         chunk_size: int,
         param_dtype: torch.dtype = torch.float32,
+        rank: int = 0,
+        world: int = 1,
+        shard_params: bool = False,
     ) -> None:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size={chunk_size} must be a positive number of elements")
+        if not 0 <= rank < world:
+            raise ValueError(f"{rank=} must be in [0, {world=})")
         self.storage = storage
         self.chunk_size = chunk_size
         self.param_dtype = param_dtype
+        # ZeRO: this rank's place among ``world`` data-parallel ranks (world 1: no sharding).
+        self.rank = rank
+        self.world = world
+        self.shard_params = shard_params and world > 1
         self.groups: list[ChunkGroup] = []
         self._where: dict[nn.Parameter, tuple[ChunkGroup, TensorSlot]] = {}
 
@@ -169,12 +243,14 @@ class ChunkManager:
 
     def layout(self, param_groups: Sequence[NamedParams], frozen: NamedParams) -> list[tuple[list[int], int, int]]:
         """The chunk groups ``register`` will build, in order: (tensor indices, param group
-        index or -1 for frozen, capacity in elements). Known before any memory is allocated."""
+        index or -1 for frozen, capacity in elements). Known before any memory is allocated.
+        Capacities are multiples of the world size, so that every rank's shard is equal."""
         out = []
         for pg_index, named in [*enumerate(param_groups), (-1, frozen)]:
             numels = [p.numel() for _, p in named]
             for members in plan_layout(numels, self.chunk_size):
-                out.append((members, pg_index, max(self.chunk_size, sum(numels[i] for i in members))))
+                capacity = max(self.chunk_size, sum(numels[i] for i in members))
+                out.append((members, pg_index, round_up(capacity, self.world)))
         return out
 
     def _build_group(self, slots, params, capacity, pg_index, initial_tier) -> None:
@@ -185,18 +261,33 @@ class ChunkManager:
         def new(kind: ChunkKind, dtype: torch.dtype) -> Chunk:
             return Chunk(index=index, kind=kind, capacity=capacity, dtype=dtype, storage=self.storage, slots=slots)
 
+        shard = Shard.of(capacity, rank=self.rank, world=self.world) if self.world > 1 else None
+
+        def new_state(kind: ChunkKind, dtype: torch.dtype) -> Chunk:
+            # Optimizer states: this rank's range under ZeRO, else the whole chunk.
+            if shard is None:
+                return new(kind, dtype)
+            return Chunk(index=index, kind=kind, capacity=shard.numel, dtype=dtype, storage=self.storage,
+                         slots=shard.cut(slots))
+
         group = ChunkGroup(index=index, param_group=pg_index, slots=slots, params=params,
-                           param=new(ChunkKind.PARAM, self.param_dtype))
-        self._fill(group.param, params, initial_tier(ChunkKind.PARAM))
+                           param=new(ChunkKind.PARAM, self.param_dtype), shard=shard)
+        if self.shard_params:
+            group.param_shard = new_state(ChunkKind.PARAM_SHARD, self.param_dtype)
+            self._fill(group.param_shard, params, initial_tier(ChunkKind.PARAM))
+        else:
+            self._fill(group.param, params, initial_tier(ChunkKind.PARAM))
         if low_precision:
             # Frozen parameters keep an fp32 copy on the host too, so that the model's
             # state_dict returns their exact original values.
-            group.master = new(ChunkKind.MASTER, torch.float32)
+            group.master = new_state(ChunkKind.MASTER, torch.float32)
             self._fill(group.master, params, initial_tier(ChunkKind.MASTER) if trainable else Tier.HOST)
         if trainable:
             group.grad = new(ChunkKind.GRAD, self.param_dtype)
-            group.exp_avg = new(ChunkKind.EXP_AVG, torch.float32)
-            group.exp_avg_sq = new(ChunkKind.EXP_AVG_SQ, torch.float32)
+            if shard is not None:
+                group.grad_shard = new_state(ChunkKind.GRAD_SHARD, self.param_dtype)
+            group.exp_avg = new_state(ChunkKind.EXP_AVG, torch.float32)
+            group.exp_avg_sq = new_state(ChunkKind.EXP_AVG_SQ, torch.float32)
             os_tier = initial_tier(ChunkKind.EXP_AVG)
             group.exp_avg.allocate(os_tier)
             group.exp_avg_sq.allocate(os_tier)
@@ -209,12 +300,13 @@ class ChunkManager:
         group.param.on_move = self._repoint
         self._repoint(group.param)
 
-    def _fill(self, chunk: Chunk, params: Iterable[nn.Parameter], tier: Tier) -> None:
+    def _fill(self, chunk: Chunk, params: Sequence[nn.Parameter], tier: Tier) -> None:
         # Padding is zeroed so that whole-chunk reductions (norms, Adam) see zeros there.
         chunk.allocate(tier, zero=True)
         with torch.no_grad():
-            for slot, p in zip(chunk.slots, params):
-                chunk.view(slot, tier).copy_(p.detach())
+            for slot in chunk.slots:  # whole tensors, or (a shard chunk) pieces of them
+                value = params[slot.index].detach().reshape(-1)
+                chunk.flat_view(slot, tier).copy_(value[slot.tensor_offset : slot.tensor_offset + slot.numel])
 
     # ------------------------------------------------------------------------------ views
     def _repoint(self, chunk: Chunk) -> None:

@@ -1,5 +1,6 @@
 """gemini-offload: train models whose parameters, gradients and Adam states exceed the device."""
 
+from gemini.checkpoint import load_checkpoint, save_checkpoint
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
 from gemini.loss_scaler import DynamicLossScaler
@@ -24,11 +25,13 @@ __all__ = [
     "TimelinePeriod",
     "WarmupTimeline",
     "initialize",
+    "load_checkpoint",
     "plan_placement",
     "plot_memory",
     "plot_timeline",
     "read_reports",
     "run_summary",
+    "save_checkpoint",
     "summary_line",
     "tune_margin",
 ]

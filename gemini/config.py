@@ -96,7 +96,15 @@ class GeminiConfig:
     """JSON Lines file receiving one MemoryReport per step; None writes no file."""
 
     process_group: Any = None
-    """torch.distributed group for ZeRO sharding; None = no sharding (or WORLD when initialized)."""
+    """torch.distributed group for ZeRO sharding; None = no sharding (or WORLD when initialized).
+    Each rank keeps 1/world of every chunk's fp32 master, Adam m and v and reduced gradients
+    (ZeRO-1/2); initialize, forward, backward, step and checkpoints are then collectives that
+    every rank of the group calls."""
+
+    shard_params: bool = False
+    """ZeRO-3 (with a process group of more than one rank): parameters are kept as shards too,
+    all-gathered on the device for each module's compute and released after it, prefetched one
+    chunk group ahead in the order the first iteration recorded."""
 
     def __post_init__(self) -> None:
         self._check_device()
@@ -135,6 +143,8 @@ class GeminiConfig:
         if not _is_real(self.clip_grad_norm) or self.clip_grad_norm < 0 or not math.isfinite(self.clip_grad_norm):
             _fail("clip_grad_norm", self.clip_grad_norm, "a finite number >= 0 (0 = off)")
         self._check_scaler()
+        if not isinstance(self.shard_params, bool):
+            _fail("shard_params", self.shard_params, "True or False")
         if self.report_path is not None and not isinstance(self.report_path, (str, os.PathLike)):
             _fail("report_path", self.report_path, "None or a file path")
 

@@ -127,5 +127,6 @@ class ModuleHooks:
             for group in self.placement.groups_fetched_for_backward():
                 group.grads_this_backward = 0
                 self.placement.after_backward(group)
+            self.placement.end_backward()
             for group in self.manager.trainable_groups:
                 group.grads_this_backward = 0

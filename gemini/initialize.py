@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunks import ChunkManager, ChunkStorage, plan_layout, search_chunk_size
+from chunks import ChunkManager, ChunkStorage, plan_layout, round_up, search_chunk_size
 from offload import NvmeStore
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
@@ -21,6 +21,7 @@ from gemini.optimizer import HybridAdam
 from gemini.placement import StaticPlacement, make_placement
 from gemini.report import ReportWriter
 from gemini.runtime import GeminiRuntime
+from gemini.zero import GradReducer, ParamGatherer, resolve_group
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,12 @@ def initialize(
     _check_supported(config)
 
     device = config.resolved_device()
+    zero = resolve_group(config.process_group)  # None: one rank, nothing sharded
+    world, rank = (zero.world, zero.rank) if zero is not None else (1, 0)
     torch_groups, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
-    chunk_size = resolve_chunk_size(config, numels)
-    _check_device_budget(config, numels, chunk_size)
+    chunk_size = resolve_chunk_size(config, numels, world=world)
+    _check_device_budget(config, numels, chunk_size, world=world)
 
     # The device is measured on CUDA always (the allocator's counters cost nothing) and on
     # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
@@ -72,7 +75,8 @@ def initialize(
                           measure=config.device_memory is not None or config.placement == "auto")
     fixed_bytes = _move_buffers(model, device, config.param_dtype)
     storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
-    manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype)
+    manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype, rank=rank, world=world,
+                           shard_params=config.shard_params)
     placement = make_placement(config, manager, memory=memory, fixed_bytes=fixed_bytes)
     nvme = _make_nvme_tier(config, manager, named_groups, frozen)
     placement.nvme = nvme
@@ -83,6 +87,8 @@ def initialize(
             nvme.finish_registration()
         if isinstance(placement, StaticPlacement) and config.device_memory is not None:
             _check_static_budget(placement, config.device_memory - fixed_bytes)
+        if zero is not None:
+            _attach_zero(zero, manager, placement)
         placement.setup()
         placement.rebalance_nvme()
     except BaseException:
@@ -92,7 +98,7 @@ def initialize(
     runtime = GeminiRuntime(
         config=config, device=device, storage=storage, manager=manager, placement=placement, memory=memory,
         module=model, module_params=tuple(model.parameters()), fixed_bytes=fixed_bytes, report_writer=writer,
-        nvme=nvme,
+        nvme=nvme, zero=zero,
     )
     runtime.hooks = ModuleHooks(
         model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window
@@ -105,15 +111,30 @@ def initialize(
     return wrapped, optimizer
 
 
-def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]]) -> int:
+def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]], *, world: int = 1) -> int:
     """``config.chunk_size``, or the searched size with the least padding for these tensors
-    (element counts per param group, frozen last)."""
+    (element counts per param group, frozen last); under ZeRO rounded up to a multiple of the
+    world size, so that every rank's shard of a chunk is the same size."""
     if config.chunk_size is not None:
-        return config.chunk_size
+        size = round_up(config.chunk_size, world)
+        if size != config.chunk_size:
+            logger.info("chunk_size %d rounded up to %d, a multiple of the %d ranks", config.chunk_size, size, world)
+        return size
     found = search_chunk_size([n for n in numels if n])
     logger.info("chunk size %d elements: %d chunks, %d elements of padding (%d sizes scored)",
                 found.chunk_size, found.n_chunks, found.waste, found.candidates)
-    return found.chunk_size
+    return round_up(found.chunk_size, world)
+
+
+def _attach_zero(zero, manager: ChunkManager, placement) -> None:
+    """ZeRO's collectives, driven by the placement's hooks (see gemini/zero.py)."""
+    placement.reducer = GradReducer(zero, manager, placement)
+    if manager.shard_params:
+        placement.gatherer = ParamGatherer(zero, manager)
+        if hasattr(placement, "prefetch_reserve_bytes"):
+            placement.prefetch_reserve_bytes = max((g.param.nbytes for g in manager.groups), default=0)
+    logger.info("ZeRO-%d: rank %d of %d keeps 1/%d of every chunk's optimizer states%s", 3 if manager.shard_params
+                else 2, zero.rank, zero.world, zero.world, " and parameters" if manager.shard_params else "")
 
 
 def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
@@ -133,9 +154,7 @@ def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
 
 def _check_supported(config: GeminiConfig) -> None:
     """Fields of the contract whose machinery is not in this build fail loudly, never silently."""
-    pending = {
-        "process_group": (config.process_group is not None, "None (ZeRO sharding across ranks is not built yet)"),
-    }
+    pending: dict[str, tuple[bool, str]] = {}
     if config.gpu_margin_mem_ratio != 0.0 and config.placement != "auto":
         raise ValueError(
             f"GeminiConfig.gpu_margin_mem_ratio={config.gpu_margin_mem_ratio} needs placement='auto' "
@@ -164,19 +183,22 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, named_groups, f
     return nvme
 
 
-def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_size: int) -> None:
+def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_size: int, *, world: int = 1) -> None:
     """Under placement 'cuda' every chunk lives on the device: say before allocating if they can't."""
     if config.placement != "cuda" or config.device_memory is None:
         return
     param_bytes = torch.empty((), dtype=config.param_dtype).element_size()
     low = config.param_dtype != torch.float32
-    per_trainable = 2 * param_bytes + (4 if low else 0) + 8  # param, grad, master, m, v
+    sharded_params = config.shard_params and world > 1
+    param = param_bytes / world if sharded_params else param_bytes
+    # param (or its shard), grad (the full bucket, plus its reduced shard under ZeRO), master, m, v
+    per_trainable = param + param_bytes + ((param_bytes if world > 1 else 0) + (4 if low else 0) + 8) / world
     need = 0
     for i, group in enumerate(numels):
         frozen = i == len(numels) - 1
         for members in plan_layout(group, chunk_size):
-            capacity = max(chunk_size, sum(group[j] for j in members))
-            need += capacity * (param_bytes if frozen else per_trainable)
+            capacity = round_up(max(chunk_size, sum(group[j] for j in members)), world)
+            need += int(capacity * (param if frozen else per_trainable))
     if need > config.device_memory:
         raise ValueError(
             f"placement='cuda' needs {need} bytes of chunks on the device but "

@@ -10,6 +10,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from chunks import ChunkState
+from gemini.zero import gather_state
+
 if TYPE_CHECKING:
     from gemini.runtime import GeminiRuntime
 
@@ -45,12 +48,18 @@ class GeminiModel(nn.Module):
         out = OrderedDict() if destination is None else destination
         own = self.module.state_dict(keep_vars=True)
         params = [(t, None) for t in own.values() if isinstance(t, nn.Parameter)]
+        # (Under ZeRO a collective: every rank calls it; every rank gets the whole model.)
         copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
         for group, entries in self._per_group(params, modify=False):
-            src = group.master if group.master is not None else group.param
+            src = group.master_chunk
+            if group.is_shard(src):  # ZeRO: every rank's range, gathered (a collective)
+                full = gather_state(self._runtime.zero, group, src)
+            else:
+                full = src.payload()
             for t, slot, _ in entries:
                 if id(t) not in copies:
-                    copies[id(t)] = src.view(slot).detach().to("cpu", torch.float32, copy=True)
+                    copies[id(t)] = full[slot.offset : slot.end].view(slot.shape).detach().to("cpu", torch.float32,
+                                                                                              copy=True)
         for key, t in own.items():
             if isinstance(t, nn.Parameter):
                 out[prefix + key] = copies[id(t)]
@@ -97,7 +106,7 @@ class GeminiModel(nn.Module):
                     t.copy_(state_dict[key])
             for group, entries in self._per_group(params, modify=True):
                 for _, slot, value in entries:
-                    for chunk in (group.param, group.master):
-                        if chunk is not None:
-                            chunk.write(slot, value)
+                    for chunk in (group.param, group.param_shard, group.master):
+                        if chunk is not None and chunk.state is not ChunkState.RELEASED:
+                            group.write_value(chunk, slot, value)
         return _IncompatibleKeys(missing, unexpected)

@@ -40,11 +40,12 @@ def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
 
 
 def offloaded_bytes(layout: Sequence[tuple[list[int], int, int]], indices: Iterable[int],
-                    param_dtype: torch.dtype) -> list[tuple[int, int]]:
+                    param_dtype: torch.dtype, *, world: int = 1) -> list[tuple[int, int]]:
     """(group index, bytes of its offloadable chunks) for ``indices`` of a chunk layout
-    (``ChunkManager.layout``): the input of :func:`choose_nvme_groups` before chunks exist."""
+    (``ChunkManager.layout``): the input of :func:`choose_nvme_groups` before chunks exist.
+    Under ZeRO over ``world`` ranks a rank keeps 1/world of each."""
     per_element = offloaded_bytes_per_element(param_dtype)
-    return [(i, layout[i][2] * per_element) for i in indices]
+    return [(i, layout[i][2] // world * per_element) for i in indices]
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class NvmeTier:
         """Before registration (every trainable group on the host tier): choose from the layout."""
         layout = list(layout)
         trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
-        self.layout = self.plan(offloaded_bytes(layout, trainable, self.manager.param_dtype))
+        self.layout = self.plan(offloaded_bytes(layout, trainable, self.manager.param_dtype, world=self.manager.world))
         self._planned = self.layout.nvme_groups
         self._log()
 

@@ -16,6 +16,7 @@ from chunks import ChunkGroup, Tier
 from gemini.adam import adam_update
 from gemini.loss_scaler import DynamicLossScaler
 from gemini.report import MemoryReport, WarmupTimeline
+from gemini.zero import agree_grad_ready, gather_params, gather_state, sharded_grad_norm
 
 if TYPE_CHECKING:
     from gemini.runtime import GeminiRuntime
@@ -101,6 +102,7 @@ class HybridAdam(torch.optim.Optimizer):
         """Forget the accumulated gradients (the gradient chunks' storage is kept for reuse)."""
         for group in self._rt.manager.trainable_groups:
             group.grad_ready = [False] * len(group.slots)
+            group.grad_shard_filled = False
         for hp in self.param_groups:
             for p in hp["params"]:
                 p.grad = None
@@ -118,6 +120,9 @@ class HybridAdam(torch.optim.Optimizer):
             rt.finish_warmup()  # may raise DeviceBudgetError: nothing has been updated yet
         rt.check_first_step()
         self._check_fp16_backward()
+        zero = rt.zero
+        if zero is not None:
+            agree_grad_ready(zero, rt.manager.trainable_groups)  # see [Note: the order of collectives]
         groups = [g for g in rt.manager.trainable_groups if g.any_grad_ready]
         nvme = rt.nvme
         streamed = [g for g in groups if nvme is not None and nvme.holds(g)]
@@ -129,7 +134,10 @@ class HybridAdam(torch.optim.Optimizer):
         norm = None
         if rt.config.clip_grad_norm > 0 or self.scaler is not None:
             with torch.profiler.record_function("gemini::grad_norm"):
-                norm = self._global_grad_norm(groups, tiers) / scale
+                if zero is not None:  # over every rank's shards: the same on all ranks
+                    norm = sharded_grad_norm(zero, groups, tiers, self._param_order) / scale
+                else:
+                    norm = self._global_grad_norm(groups, tiers) / scale
         overflow = self.scaler is not None and not math.isfinite(norm.item())
         if self.scaler is not None:
             self.scaler.update(overflow)
@@ -157,6 +165,10 @@ class HybridAdam(torch.optim.Optimizer):
                     for tier, s in self._update([g], tiers, scale, clip_coef).items():
                         seconds[tier] += s
                     rt.placement.after_step(g)
+            if zero is not None and rt.placement.gatherer is None:
+                gather_params(zero, groups, rt.storage)  # ZeRO-1/2: every rank's updated range
+        if rt.placement.gatherer is not None:
+            rt.placement.gatherer.end_iteration()
         self._finish_report(skipped=overflow, grad_norm=None if norm is None else norm.item(), seconds=seconds, scale=scale)
         return loss
 
@@ -205,8 +217,9 @@ class HybridAdam(torch.optim.Optimizer):
             hp = self.param_groups[pg]
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             whole = []  # groups updated as one flat tensor: their step counts are re-synced
+            bump = []  # (group, slot index): tensors with a gradient wholly on other ranks' shards
             for g in members:
-                master, m, v = g.optimizer_chunks
+                master = g.master_chunk
                 if g.steps.device != master.payload(tier).device:
                     g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
                 if g.all_grads_ready and g.steps_uniform:
@@ -214,9 +227,12 @@ class HybridAdam(torch.optim.Optimizer):
                     views = g.step_views(tier)
                     steps.append(g.steps[0])
                 else:
-                    ready = [s for s in g.slots if g.grad_ready[s.index]]
-                    views = [[c.flat_view(s, tier) for s in ready] for c in (master, g.grad, m, v)]
+                    ready = [s for s in g.os_slots if g.grad_ready[s.index]]
+                    views = list(zip(*(g.slot_views(s, tier) for s in ready))) or [[], [], [], []]
+                    views = [list(v) for v in views]
                     steps.extend(g.steps[s.index] for s in ready)
+                    here = {s.index for s in ready}
+                    bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
                     g.steps_uniform = False
                 for out, got in zip((params, grads, exp_avgs, exp_avg_sqs), views):
                     if isinstance(got, list):
@@ -249,6 +265,8 @@ class HybridAdam(torch.optim.Optimizer):
             seconds[tier] += time.perf_counter() - start
             for g in whole:
                 g.steps[1:].copy_(g.steps[:1].expand(len(g.slots) - 1))
+            for g, i in bump:
+                g.steps[i] += 1
             for g in members:
                 if not g.steps_uniform:
                     g.steps_uniform = bool((g.steps == g.steps[0]).all())
@@ -259,16 +277,16 @@ class HybridAdam(torch.optim.Optimizer):
             entry = state.get(saved_index[id(p)])
             if entry is None:
                 g.steps[slot.index] = 0.0
-                g.exp_avg.write(slot, torch.zeros(slot.shape))
-                g.exp_avg_sq.write(slot, torch.zeros(slot.shape))
+                g.write_value(g.exp_avg, slot, torch.zeros(slot.shape))
+                g.write_value(g.exp_avg_sq, slot, torch.zeros(slot.shape))
                 continue
             if tuple(entry["exp_avg"].shape) != tuple(slot.shape):
                 raise ValueError(
                     f"state for {slot.name}: exp_avg shape {tuple(entry['exp_avg'].shape)} != parameter shape {tuple(slot.shape)}"
                 )
             g.steps[slot.index] = float(entry["step"])
-            g.exp_avg.write(slot, entry["exp_avg"])
-            g.exp_avg_sq.write(slot, entry["exp_avg_sq"])
+            g.write_value(g.exp_avg, slot, entry["exp_avg"])
+            g.write_value(g.exp_avg_sq, slot, entry["exp_avg_sq"])
         g.steps_uniform = bool((g.steps == g.steps[0]).all())
 
     def close(self) -> None:
@@ -325,7 +343,11 @@ class HybridAdam(torch.optim.Optimizer):
         return {id(p): i for i, p in enumerate(p for hp in self.param_groups for p in hp["params"])}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim.AdamW's format: per-parameter step / exp_avg / exp_avg_sq, on the CPU."""
+        """torch.optim.AdamW's format: per-parameter step / exp_avg / exp_avg_sq, on the CPU.
+
+        Under ZeRO this is the consolidated state (every rank's shards gathered): call it on
+        every rank. It loads into any number of ranks, or into a plain ``torch.optim.AdamW``.
+        """
         index = self._param_index()
         state: dict[int, dict[str, torch.Tensor]] = {}
         for g in self._rt.manager.trainable_groups:
@@ -333,13 +355,17 @@ class HybridAdam(torch.optim.Optimizer):
             if not bool((steps > 0).any()):
                 continue  # torch creates state at a parameter's first step
             with self._rt.resident(g, modify=False):
+                if g.shard is not None:  # every rank's ranges, gathered (a collective)
+                    m, v = (gather_state(self._rt.zero, g, c) for c in (g.exp_avg, g.exp_avg_sq))
+                else:
+                    m, v = (c.payload() for c in (g.exp_avg, g.exp_avg_sq))
                 for slot, p in zip(g.slots, g.params):
                     if steps[slot.index] == 0:
                         continue
                     state[index[id(p)]] = {
                         "step": steps[slot.index].clone(),
-                        "exp_avg": g.exp_avg.view(slot).detach().cpu().clone(),
-                        "exp_avg_sq": g.exp_avg_sq.view(slot).detach().cpu().clone(),
+                        "exp_avg": m[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
+                        "exp_avg_sq": v[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
                     }
         groups = []
         for hp in self.param_groups:
@@ -350,6 +376,79 @@ class HybridAdam(torch.optim.Optimizer):
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
         return {"state": state, "param_groups": groups, "gemini": extra}
+
+    # ---------------------------------------------------------------- sharded checkpoints
+    def _hyper_state(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        groups = [{k: v for k, v in hp.items() if k != "params"} for hp in self.param_groups]
+        extra = {"precision": self._rt.config.precision, "adamw_mode": self.adamw_mode}
+        if self.scaler is not None:
+            extra["loss_scaler"] = self.scaler.state_dict()
+        return groups, extra
+
+    def _layout_signature(self) -> dict[str, Any]:
+        zero = self._rt.zero
+        return {"world": zero.world if zero is not None else 1, "rank": zero.rank if zero is not None else 0,
+                "capacities": [g.param.capacity for g in self._rt.manager.groups],
+                "precision": self._rt.config.precision}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the training state, with no communication: per chunk group this
+        rank's range of the fp32 masters (frozen groups too) and, for trainable groups, of m and
+        v, with the step counts. Loads (``load_sharded_state_dict``) only into the same world
+        size, rank and chunk layout; use ``state_dict()`` to change them."""
+        rt = self._rt
+        groups = {}
+        for g in rt.manager.groups:
+            with rt.resident(g, modify=False) if g.trainable else contextlib.nullcontext():
+                n = g.os_numel
+                entry = {"master": self._master_range(g).detach().cpu().clone()}
+                if g.trainable:
+                    entry["exp_avg"] = g.exp_avg.payload()[:n].detach().cpu().clone()
+                    entry["exp_avg_sq"] = g.exp_avg_sq.payload()[:n].detach().cpu().clone()
+                    entry["steps"] = g.steps.detach().cpu().clone()
+            groups[g.index] = entry
+        hyper, extra = self._hyper_state()
+        return {"layout": self._layout_signature(), "groups": groups, "param_groups": hyper, "gemini": extra}
+
+    @staticmethod
+    def _master_range(g: ChunkGroup) -> torch.Tensor:
+        c = g.master_chunk
+        if g.is_shard(c):
+            return c.payload()[: g.shard.numel]
+        start, end = (g.shard.start, g.shard.end) if g.shard is not None else (0, c.used_numel)
+        return c.payload()[start:end].float()
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``sharded_state_dict`` saved on this rank: masters (so the parameters too),
+        m, v and step counts. A collective under ZeRO-1/2 (the parameters are all-gathered)."""
+        rt = self._rt
+        saved, mine = state_dict["layout"], self._layout_signature()
+        for key in ("world", "rank", "precision", "capacities"):
+            if saved[key] != mine[key]:
+                shown = (lambda v: f"{len(v)} chunk groups of capacities {v[:4]}...") if key == "capacities" else repr
+                raise ValueError(f"sharded optimizer state has {key} {shown(saved[key])}, this run "
+                                 f"{shown(mine[key])}: load the consolidated state_dict() instead")
+        with torch.no_grad():
+            for g in rt.manager.groups:
+                entry = state_dict["groups"][g.index]
+                with rt.resident(g, modify=True) if g.trainable else contextlib.nullcontext():
+                    c = g.master_chunk
+                    start = 0 if g.is_shard(c) else (g.shard.start if g.shard is not None else 0)
+                    c.write_range(start, entry["master"])
+                    if g.trainable:
+                        g.exp_avg.write_range(0, entry["exp_avg"])
+                        g.exp_avg_sq.write_range(0, entry["exp_avg_sq"])
+                        g.steps.copy_(entry["steps"])
+                        g.steps_uniform = bool((g.steps == g.steps[0]).all())
+                    rt.placement.after_step(g)  # the parameters from the masters
+            if rt.zero is not None and rt.placement.gatherer is None:
+                gather_params(rt.zero, rt.manager.groups, rt.storage)
+        for saved_hp, hp in zip(state_dict["param_groups"], self.param_groups):
+            for k, v in saved_hp.items():
+                hp[k] = tuple(v) if k == "betas" else v
+        extra = state_dict.get("gemini", {})
+        if self.scaler is not None and "loss_scaler" in extra:
+            self.scaler.load_state_dict(extra["loss_scaler"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]

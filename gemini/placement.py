@@ -18,6 +18,7 @@ from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.plan import MemoryPlan
+from gemini.zero import GradReducer, ParamGatherer
 from tracer import Boundary, EvictionError, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,10 @@ class PlacementPolicy:
         self._uses_left: dict[int, int] | None = None
         # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
         self.nvme: NvmeTier | None = None
+        # ZeRO (None without data parallelism): the gradient reduce-scatter, and with
+        # parameter sharding the parameter all-gather (see gemini/zero.py).
+        self.reducer: GradReducer | None = None
+        self.gatherer: ParamGatherer | None = None
 
     def rebalance_nvme(self) -> None:
         """After the device's share of optimizer states changed: let the NVMe tier choose again
@@ -96,6 +101,8 @@ class PlacementPolicy:
     # last module using it has run, so each param chunk crosses to the device once per pass.
     def begin_forward(self) -> None:
         self._uses_left = dict(self._uses_per_forward)
+        if self.gatherer is not None:
+            self.gatherer.begin_iteration()
 
     def end_forward(self) -> None:
         """The root module's forward is over: drop what modules that did not run left behind."""
@@ -137,8 +144,9 @@ class PlacementPolicy:
             self._make_room(grad.nbytes, keep={group.index})
         if grad.state is ChunkState.RELEASED:
             # Slots not marked ready are written with copy_ before they are ever read, so
-            # the payload need not be zeroed.
-            grad.allocate(Tier.DEVICE, zero=False)
+            # the payload need not be zeroed; under ZeRO the whole bucket is reduced, so
+            # slots without a gradient in this pass (and the padding) must be zeros.
+            grad.allocate(Tier.DEVICE, zero=group.grad_shard is not None)
         else:
             grad.move_to(Tier.DEVICE)
         return grad
@@ -148,8 +156,18 @@ class PlacementPolicy:
         self._fetched_for_backward.discard(group.index)
         if self._compute_refs.get(group.index, 0) == 0:
             self._maybe_drop_params(group)
-        if group.trainable and group.grad.state is not ChunkState.RELEASED and not self.keep_grads_on_device(group):
+        if group.trainable and self.reducer is not None:
+            self.reducer.group_done(group)  # reduce-scattered into its shard (ZeRO)
+        elif group.trainable and group.grad.state is not ChunkState.RELEASED and not self.keep_grads_on_device(group):
             group.grad.move_to(Tier.HOST)
+
+    def end_backward(self) -> None:
+        """The backward pass is over (after ``after_backward`` of every group it touched)."""
+        if self.reducer is not None:
+            self.reducer.end_backward()
+        if self.gatherer is not None:
+            busy = {i for i, refs in self._compute_refs.items() if refs > 0} | self._fetched_for_backward
+            self.gatherer.release_all(busy)
 
     def groups_fetched_for_backward(self) -> list[ChunkGroup]:
         return [self.manager.groups[i] for i in sorted(self._fetched_for_backward)]
@@ -164,27 +182,50 @@ class PlacementPolicy:
                 assert tier is Tier.HOST, f"{chunk} is on NVMe but its group updates on {tier}"
                 continue
             chunk.move_to(tier)
-        if group.grad.state is not ChunkState.RELEASED:
-            group.grad.move_to(tier)
+        if group.step_grad.state is not ChunkState.RELEASED:
+            group.step_grad.move_to(tier)
         return tier
 
     def after_step(self, group: ChunkGroup) -> None:
-        """Bring the param chunk up to date with the masters (low precision only)."""
+        """Bring the parameters up to date with the masters (low precision only).
+
+        Under ZeRO the masters are this rank's range: with parameter sharding they refresh the
+        param shard; without, this rank's range of the param chunk's primary copy (the others
+        arrive by ``gemini.zero.gather_params`` once every group is updated).
+        """
+        if group.shard is not None and group.param_shard is None:
+            param = group.param
+            primary = Tier.DEVICE if param.is_on(Tier.DEVICE) else Tier.HOST
+            if group.master is not None:
+                start, end = group.shard.start, group.shard.end
+                self._cast_master(group.master, group.shard.numel, param.payload(primary)[start:end], primary)
+            return
         if group.master is None:
-            return  # fp32: the param chunk is the master and was updated in place
-        param, master = group.param, group.master
+            return  # fp32: the param chunk (or shard) is the master and was updated in place
+        param = group.param_shard if group.param_shard is not None else group.param
+        n = group.os_numel if group.shard is not None else param.used_numel
         for tier in param.tiers:
-            if master.is_on(tier):
-                param.used(tier).copy_(master.used(tier))
-            else:
-                # Cast where the master lies, then move the half-size result.
-                src = master.tiers[0]
-                with self.quiet() if src is Tier.HOST else contextlib.nullcontext():
-                    low = master.used(src).to(param.dtype)
-                self.manager.storage.copy_(param.used(tier), low, src=src, dst=tier)
+            self._cast_master(group.master, n, param.payload(tier)[:n], tier)
+
+    def _cast_master(self, master, numel: int, out: torch.Tensor, tier: Tier) -> None:
+        """``out`` (on ``tier``) = the first ``numel`` master elements in ``out``'s dtype."""
+        if master.is_on(tier):
+            out.copy_(master.payload(tier)[:numel])
+            return
+        # Cast where the master lies, then move the half-size result.
+        src = master.tiers[0]
+        with self.quiet() if src is Tier.HOST else contextlib.nullcontext():
+            low = master.payload(src)[:numel].to(out.dtype)
+        self.manager.storage.copy_(out, low, src=src, dst=tier)
 
     # ---------------------------------------------------------------------------- helpers
     def _make_resident(self, groups: list[ChunkGroup]) -> None:
+        if self.gatherer is not None:  # ZeRO-3: gathered from the ranks' shards
+            missing = [g for g in groups if not self.gatherer.gathered(g)]
+            if missing:
+                self._make_room(sum(g.param.nbytes for g in missing), keep={g.index for g in groups})
+            self.gatherer.gather(groups)
+            return
         missing = [g for g in groups if g.param.state is ChunkState.HOST]
         if not missing:
             return
@@ -193,6 +234,11 @@ class PlacementPolicy:
             g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True)
 
     def _maybe_drop_params(self, g: ChunkGroup) -> None:
+        if self.gatherer is not None:
+            # ZeRO-3: released after use whatever the policy (prefetched ones wait for their use).
+            if g.index not in self.gatherer.prefetched:
+                self.gatherer.release(g)
+            return
         if g.param.state is ChunkState.HOST_AND_DEVICE and not self.keep_params_on_device(g):
             g.param.drop_device_copy()
 
@@ -290,7 +336,7 @@ class StaticPlacement(PlacementPolicy):
         for g in self.manager.groups:
             if g.index in self.os_on_device:
                 self._pin_on_device(g)
-            elif g.index in self.params_on_device:
+            elif g.index in self.params_on_device and g.param_shard is None:
                 g.param.fetch(keep_host=True)
 
     def pinned_bytes(self) -> int:
@@ -349,6 +395,8 @@ class AutoPlacement(PlacementPolicy):
         self.record_access = lambda group_index: None  # set by the runtime during warm-up
         self.evictions = 0
         self.track_periods = True  # decided by adopt()
+        # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
+        self.prefetch_reserve_bytes = 0
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST
@@ -448,7 +496,7 @@ class AutoPlacement(PlacementPolicy):
 
     def _room_limit(self, non_model: int) -> int:
         reserve = self.plan.reserve_bytes if self.plan is not None else 0
-        return self.memory.budget_bytes - reserve - non_model
+        return self.memory.budget_bytes - reserve - non_model - self.prefetch_reserve_bytes
 
     def _make_room(self, nbytes: int, keep: set[int]) -> None:
         over = self._device_bytes() + nbytes - self._room_limit(self._non_model_now())
@@ -498,7 +546,8 @@ class AutoPlacement(PlacementPolicy):
     @staticmethod
     def _evictable_bytes(g: ChunkGroup) -> int:
         total = g.param.nbytes if g.param.state is ChunkState.HOST_AND_DEVICE else 0
-        if g.grad is not None and g.grad.is_on(Tier.DEVICE):
+        # A ZeRO gradient bucket waits for its reduce-scatter and is freed by it: never evicted.
+        if g.grad is not None and g.grad.is_on(Tier.DEVICE) and g.grad_shard is None:
             total += g.grad.nbytes
         return total
 
@@ -506,7 +555,7 @@ class AutoPlacement(PlacementPolicy):
         self.evictions += 1
         if g.param.state is ChunkState.HOST_AND_DEVICE:
             g.param.drop_device_copy()
-        if g.grad is not None and g.grad.is_on(Tier.DEVICE):
+        if g.grad is not None and g.grad.is_on(Tier.DEVICE) and g.grad_shard is None:
             g.grad.move_to(Tier.HOST)
 
     def _prefetch(self) -> None:

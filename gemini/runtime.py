@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from chunks import ChunkManager, ChunkStorage, Tier
+from gemini.collectives import Collectives
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceMemory
@@ -37,6 +38,7 @@ class GeminiRuntime:
     module_params: tuple[torch.nn.Parameter, ...]  # the module's parameters, in its order
     fixed_bytes: int  # buffers on the device
     nvme: NvmeTier | None = None
+    zero: Collectives | None = None  # the data-parallel group ZeRO shards across (None: one rank)
     hooks: ModuleHooks | None = None
     report_writer: ReportWriter | None = None
     warmup: Warmup | None = None

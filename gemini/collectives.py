@@ -1,0 +1,98 @@
+"""`Collectives`: the few torch.distributed collectives ZeRO needs, on tensors of any tier.
+
+[Note: which tensors a backend takes]
+NCCL moves CUDA tensors only; gloo moves CPU tensors (and, for reduce-scatter and all-gather,
+not CUDA ones). Chunks live on the device or in host memory depending on the placement, so a
+collective on a tensor the backend cannot take goes through a staging copy on the backend's
+side: copied there before, and copied back when the caller waits. On NCCL the collectives are
+launched with ``async_op=True`` on NCCL's own stream; ``Pending.wait()`` makes the current
+stream wait for it (the host does not block), and the tensors stay referenced by ``Pending``
+until then so that no buffer the collective still reads or writes is freed or reused. On gloo
+an asynchronous collective runs on gloo's thread and ``wait()`` blocks the host.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Collectives", "Pending"]
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(eq=False)
+class Pending:
+    """A collective in flight; ``wait()`` finishes it (and copies a staged result back)."""
+
+    work: dist.Work | None
+    finish: Callable[[], None] = lambda: None
+    keep: tuple = ()  # tensors the collective uses, alive until it is done
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.finish()
+            self.keep = ()
+
+
+class Collectives:
+    """The data-parallel process group of one rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        self._device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                        else torch.device("cpu"))
+
+    def __repr__(self) -> str:
+        return f"Collectives({self.backend}, rank {self.rank} of {self.world})"
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself if the backend takes it, else a copy on the backend's device."""
+        return t if t.device.type == self._device.type else t.to(self._device)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
+        """Start ``out = sum over ranks of inp[rank's range]`` (``inp`` has ``world * out.numel()``)."""
+        assert inp.numel() == out.numel() * self.world, f"{inp.numel()=} != {self.world} * {out.numel()=}"
+        s_in, s_out = self._staged(inp), self._staged(out)
+        work = _reduce_scatter(s_out, s_in, group=self.group, async_op=True)
+        finish = (lambda: out.copy_(s_out)) if s_out is not out else (lambda: None)
+        return Pending(work, finish, keep=(s_in, s_out, inp, out))
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
+        """Start ``out[r's range] = inp of rank r`` for every rank (``inp`` may be a view of ``out``)."""
+        assert out.numel() == inp.numel() * self.world, f"{out.numel()=} != {self.world} * {inp.numel()=}"
+        s_out, s_in = self._staged(out), self._staged(inp)
+        work = _all_gather(s_out, s_in, group=self.group, async_op=True)
+        finish = (lambda: out.copy_(s_out)) if s_out is not out else (lambda: None)
+        return Pending(work, finish, keep=(s_in, s_out, inp, out))
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """``t`` reduced over ranks, in place (blocking); returns ``t``."""
+        s = self._staged(t)
+        dist.all_reduce(s, op=op, group=self.group)
+        if s is not t:
+            t.copy_(s)
+        return t
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def broadcast_object(self, obj, src: int = 0):
+        """``obj`` of rank ``src`` (group rank) on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
+                                   group=self.group)
+        return box[0]

@@ -1,0 +1,283 @@
+"""ZeRO across data-parallel ranks: gradient reduce-scatter, parameter all-gather, agreement.
+
+Each rank owns one range of every chunk (see [Note: ZeRO shards of a chunk] in
+chunks/shard.py). The pieces here move data between ranks; where chunks live on a rank is
+still the placement policy's business.
+
+[Note: the order of collectives]
+Collectives are matched across ranks by the order they are issued in, so every rank must
+issue the same ones in the same order, whatever its data, its timing or its memory.
+- Gradients: each backward pass reduce-scatters every trainable chunk group, in one fixed
+  order (descending group index, about the order backward finishes them). A group is launched
+  once its own backward is done and every group before it in that order has been launched; a
+  group that got no gradient on this rank (an unused parameter, a branch not taken) is
+  launched at the end of the backward pass with zeros, so no rank waits for a reduction another
+  rank never starts. At most ``max_in_flight`` reductions are outstanding, finished oldest
+  first, so device memory for full-size gradient buckets stays bounded (and the same on every
+  rank).
+- Which tensors had a gradient since ``zero_grad`` is agreed at the step (an all-reduce of
+  per-tensor flags), so every rank updates, counts steps for, and gathers the same tensors.
+- Parameters (ZeRO-3) are gathered in the order modules ask for them (the same on every rank:
+  the same model runs the same modules) and prefetched one group ahead in the order recorded
+  in the first iteration. Gathered parameters are never evicted by memory pressure, only
+  released after use, so whether a gather happens never depends on a rank's own memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from chunks import ChunkGroup, ChunkManager, ChunkState, Tier
+from gemini.collectives import Collectives, Pending
+
+if TYPE_CHECKING:
+    from gemini.placement import PlacementPolicy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GradReducer", "ParamGatherer", "agree_grad_ready", "gather_params", "gather_state", "resolve_group",
+           "sharded_grad_norm"]
+
+
+def resolve_group(process_group) -> Collectives | None:
+    """``GeminiConfig.process_group`` as collectives: None means WORLD when torch.distributed
+    is initialized with more than one rank, else no sharding."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        process_group = dist.group.WORLD
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"GeminiConfig.process_group={process_group!r} is set but torch.distributed is not initialized: "
+            f"call torch.distributed.init_process_group first (torchrun sets the environment it reads)"
+        )
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"GeminiConfig.process_group must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(process_group).__name__}")
+    comm = Collectives(process_group)
+    return comm if comm.world > 1 else None
+
+
+class GradReducer:
+    """Reduce-scatters each group's gradient bucket into this rank's gradient shard, averaged
+    over ranks, during backward; see [Note: the order of collectives]."""
+
+    def __init__(self, comm: Collectives, manager: ChunkManager, placement: PlacementPolicy, *,
+                 max_in_flight: int = 2) -> None:
+        self.comm = comm
+        self.manager = manager
+        self.placement = placement
+        self.max_in_flight = max_in_flight
+        self.order = [g.index for g in reversed(manager.trainable_groups)]
+        self._ready: set[int] = set()
+        self._next = 0  # position in ``order`` of the next group to launch
+        self._in_flight: deque[tuple[ChunkGroup, torch.Tensor, Pending]] = deque()
+        self.reduced_bytes = 0  # bytes of gradient buckets reduced (for reports)
+
+    def busy(self, group: ChunkGroup) -> bool:
+        """The group's bucket is waiting for, or in, a reduction (it must stay where it is)."""
+        return group.grad is not None and group.grad.state is not ChunkState.RELEASED
+
+    def group_done(self, group: ChunkGroup) -> None:
+        """``group``'s backward is over on this rank: reduce it when its turn comes."""
+        self._ready.add(group.index)
+        while self._next < len(self.order) and self.order[self._next] in self._ready:
+            self._launch(self.manager.groups[self.order[self._next]])
+            self._next += 1
+
+    def end_backward(self) -> None:
+        """The backward pass is over: reduce the rest (zeros where no gradient came) and wait."""
+        with torch.profiler.record_function("gemini::reduce_scatter_rest"):
+            while self._next < len(self.order):
+                self._launch(self.manager.groups[self.order[self._next]])
+                self._next += 1
+            while self._in_flight:
+                self._finish(*self._in_flight.popleft())
+        self._ready.clear()
+        self._next = 0
+
+    def _launch(self, g: ChunkGroup) -> None:
+        with torch.profiler.record_function("gemini::reduce_scatter"):
+            if g.grad.state is ChunkState.RELEASED:
+                # No gradient here this pass: contribute zeros (the padding is zero too).
+                bucket = torch.zeros(g.grad.capacity, dtype=g.grad.dtype, device=self.manager.storage.device)
+            else:
+                bucket = g.grad.payload()
+            out = torch.empty(g.shard.numel, dtype=bucket.dtype, device=bucket.device)
+            self._in_flight.append((g, out, self.comm.reduce_scatter(out, bucket)))
+            self.reduced_bytes += bucket.numel() * bucket.element_size()
+            while len(self._in_flight) > self.max_in_flight:
+                self._finish(*self._in_flight.popleft())
+
+    def _finish(self, g: ChunkGroup, out: torch.Tensor, pending: Pending) -> None:
+        pending.wait()
+        out.div_(self.comm.world)  # the mean over ranks, as DDP and one process on the global batch
+        shard, tier = g.grad_shard, self.placement.optimizer_tier(g)
+        storage = self.manager.storage
+        with self.placement.quiet() if tier is Tier.HOST else contextlib.nullcontext():
+            if not g.grad_shard_filled:
+                if shard.state is ChunkState.RELEASED:
+                    shard.allocate(tier, zero=False)
+                else:
+                    shard.move_to(tier)
+                storage.copy_(shard.payload(tier), out, src=Tier.DEVICE, dst=tier)
+                g.grad_shard_filled = True
+            else:
+                shard.move_to(tier)
+                dst = shard.payload(tier)
+                dst.add_(out if out.device == dst.device else out.to(dst.device))
+        if g.grad.state is not ChunkState.RELEASED:
+            g.grad.release()  # ZeRO-2: the full-size bucket is gone until the next backward
+
+
+class ParamGatherer:
+    """ZeRO-3: gathers each group's parameters from the ranks' shards into its (full) param
+    chunk on the device for compute, prefetching one group ahead in the recorded order."""
+
+    def __init__(self, comm: Collectives, manager: ChunkManager) -> None:
+        self.comm = comm
+        self.manager = manager
+        self._pending: dict[int, Pending] = {}
+        self.prefetched: set[int] = set()  # gathered ahead of use, not yet used
+        self.order: list[int] | None = None  # gather order of one iteration, once recorded
+        self._recording: list[int] | None = None
+        self._pos = 0
+        self.gathers = 0
+
+    def begin_iteration(self) -> None:
+        """The root module's forward begins."""
+        self._pos = 0
+        if self.order is None and self._recording is None and torch.is_grad_enabled():
+            self._recording = []
+
+    def end_iteration(self) -> None:
+        """The step: the first iteration's order is the one to prefetch by from now on."""
+        if self._recording is not None:
+            self.order, self._recording = self._recording, None
+            logger.info("ZeRO-3: recorded a gather order of %d chunk groups", len(self.order))
+
+    def gathered(self, g: ChunkGroup) -> bool:
+        return g.param.state is not ChunkState.RELEASED
+
+    def gather(self, groups: Sequence[ChunkGroup]) -> None:
+        """Every group of ``groups`` gathered (waiting for prefetched ones), then prefetch."""
+        with torch.profiler.record_function("gemini::all_gather_params"):
+            for g in groups:
+                if not self.gathered(g):
+                    self._start(g)
+                if self._recording is not None:
+                    self._recording.append(g.index)
+            for g in groups:
+                self._wait(g)
+                self.prefetched.discard(g.index)
+            self._prefetch(groups[-1].index if groups else None)
+
+    def _prefetch(self, last: int | None) -> None:
+        order = self.order
+        if order is None or last is None:
+            return
+        try:
+            self._pos = order.index(last, self._pos) + 1
+        except ValueError:
+            return  # off the recorded order (the iteration diverged): no prefetch
+        if self._pos < len(order):
+            g = self.manager.groups[order[self._pos]]
+            if not self.gathered(g):
+                self._start(g)
+                self.prefetched.add(g.index)
+
+    def _start(self, g: ChunkGroup) -> None:
+        g.param.allocate(Tier.DEVICE, zero=False)
+        self._pending[g.index] = self.comm.all_gather(g.param.payload(Tier.DEVICE), g.param_shard.payload())
+        self.gathers += 1
+
+    def _wait(self, g: ChunkGroup) -> None:
+        pending = self._pending.pop(g.index, None)
+        if pending is not None:
+            pending.wait()
+
+    def release(self, g: ChunkGroup) -> None:
+        """Free ``g``'s gathered parameters (its shard stays)."""
+        self._wait(g)
+        self.prefetched.discard(g.index)
+        if self.gathered(g):
+            g.param.release()
+
+    def release_all(self, busy: set[int]) -> None:
+        """End of a backward pass: free every gathered group not in use (prefetched ones too:
+        the step is next, and it makes them stale)."""
+        for g in self.manager.groups:
+            if g.index not in busy and self.gathered(g):
+                self.release(g)
+
+
+def agree_grad_ready(comm: Collectives, groups: Sequence[ChunkGroup]) -> None:
+    """Make each tensor's "had a gradient since zero_grad" flag the OR over ranks."""
+    flags = torch.tensor([f for g in groups for f in g.grad_ready], dtype=torch.int32)
+    if flags.numel() == 0:
+        return
+    comm.all_reduce(flags, dist.ReduceOp.MAX)
+    it = iter(flags.tolist())
+    for g in groups:
+        g.grad_ready = [bool(next(it)) for _ in g.slots]
+
+
+def sharded_grad_norm(comm: Collectives, groups: Sequence[ChunkGroup], tiers: dict[int, Tier],
+                      param_order: dict[int, int]) -> torch.Tensor:
+    """The L2 norm (fp32, CPU) over every rank's gradient shards: each tensor's norm from its
+    pieces' squared sums over ranks, then the norm of those (torch's clip_grad_norm_ order)."""
+    sq = torch.zeros(len(param_order), dtype=torch.float64)
+    index, views = [], []
+    for g in groups:
+        grad = g.step_grad
+        for s in g.os_slots:
+            if g.grad_ready[s.index]:
+                index.append(param_order[id(g.params[s.index])])
+                views.append(grad.payload(tiers[g.index])[s.offset : s.end])
+    if views:
+        norms = torch._foreach_norm(views, 2.0, dtype=torch.float32)
+        sq.index_add_(0, torch.tensor(index), torch.stack([n.cpu() for n in norms]).double() ** 2)
+    comm.all_reduce(sq)
+    return torch.linalg.vector_norm(sq.sqrt().float())
+
+
+def gather_params(comm: Collectives, groups: Sequence[ChunkGroup], storage, *, max_in_flight: int = 2) -> None:
+    """ZeRO-1/2 after the step: every rank's updated range of each param chunk to every rank.
+
+    Each rank has written its own range (``PlacementPolicy.after_step``) into the param chunk's
+    primary copy (the device copy if any); the gather fills the rest in place, and a second
+    copy, if the chunk has one, is refreshed from it.
+    """
+    in_flight: deque[tuple[ChunkGroup, Tier, Pending]] = deque()
+
+    def finish(g: ChunkGroup, primary: Tier, pending: Pending) -> None:
+        pending.wait()
+        for tier in g.param.tiers:
+            if tier is not primary:
+                storage.copy_(g.param.payload(tier), g.param.payload(primary), src=primary, dst=tier)
+
+    with torch.profiler.record_function("gemini::all_gather_params"):
+        for g in groups:
+            primary = Tier.DEVICE if g.param.is_on(Tier.DEVICE) else Tier.HOST
+            full = g.param.payload(primary)
+            in_flight.append((g, primary, comm.all_gather(full, full[g.shard.start : g.shard.end])))
+            while len(in_flight) > max_in_flight:
+                finish(*in_flight.popleft())
+        while in_flight:
+            finish(*in_flight.popleft())
+
+
+def gather_state(comm: Collectives, g: ChunkGroup, chunk, offset: int = 0) -> torch.Tensor:
+    """``chunk``'s ranges from every rank as one CPU tensor of the group's capacity (checkpoints).
+    ``offset``: where this rank's range starts inside ``chunk`` (see ``ChunkGroup.master_offset``)."""
+    mine = chunk.payload()[offset : offset + g.shard.numel]
+    full = torch.empty(g.shard.numel * comm.world, dtype=chunk.dtype, device=mine.device)
+    comm.all_gather(full, mine).wait()
+    return full.cpu()

@@ -1,0 +1,54 @@
+"""Run a function on several ranks (gloo on 127.0.0.1), bounded in time; a failing rank fails.
+
+Each rank runs ``fn(rank, world, *args)`` in a spawned process after joining a gloo process
+group on a free port of 127.0.0.1. The call raises if any rank raises (with its traceback),
+exits non-zero, or the whole run outlives ``timeout_seconds`` (every rank is then killed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args) -> None:
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, *args, world: int = 2, timeout_seconds: float = 240.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise if any rank fails or it hangs."""
+    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while not ctx.join(timeout=1.0):  # raises ProcessRaisedException / ProcessExitedException
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks still running after {timeout_seconds} s (a hang?)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()

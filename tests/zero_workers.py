@@ -1,0 +1,129 @@
+"""What each rank runs in the ZeRO tests (tests/test_zero.py), and the shared model and data.
+
+The model has a frozen layer and a layer that is never called (its parameters never get a
+gradient), and no parameter whose gradient is zero in exact arithmetic (Adam would turn
+rounding noise there into full steps; see the issue's note), so that ranks averaging their
+gradients match one process on the global batch to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gemini
+
+GLOBAL_BATCH = 8
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(32)
+        self.hidden = nn.Linear(32, 32)
+        self.unused = nn.Linear(32, 8)  # never called
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inp(x))
+        h = self.norm(self.frozen(h))
+        return self.head(F.gelu(self.hidden(h)))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def make_data(steps: int, micro_batches: int = 1, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps * micro_batches`` global batches of (input, target)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g))
+            for _ in range(steps * micro_batches)]
+
+
+def local(batch, rank: int, world: int):
+    """This rank's contiguous part of a global batch."""
+    n = GLOBAL_BATCH // world
+    return tuple(t[rank * n : (rank + 1) * n] for t in batch)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, y)
+
+
+def train_reference(steps: int, *, micro_batches: int = 1, clip: float = 0.0, lr: float = 1e-2,
+                    weight_decay: float = 0.01, model: nn.Module | None = None, data=None, opt_state=None):
+    """One process, plain torch.optim.AdamW on the global batch. Returns per-step state_dicts."""
+    model = make_net() if model is None else model
+    data = make_data(steps, micro_batches) if data is None else data
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+                            fused=True)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    out = []
+    for s in range(steps):
+        for x, y in data[s * micro_batches : (s + 1) * micro_batches]:
+            (loss_fn(model(x), y) / micro_batches).backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        opt.step()
+        opt.zero_grad()
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out, model, opt
+
+
+def train_gemini(model, opt, data, rank: int, world: int, steps: int, *, micro_batches: int = 1):
+    """Per step: the consolidated model state_dict and the report."""
+    states, reports = [], []
+    for s in range(steps):
+        for batch in data[s * micro_batches : (s + 1) * micro_batches]:
+            x, y = local(batch, rank, world)
+            opt.backward(loss_fn(model(x), y) / micro_batches)
+        opt.step()
+        opt.zero_grad()
+        states.append(model.state_dict())
+        reports.append(opt.report.to_dict())
+    return states, reports
+
+
+def config(spec: dict, tmp: str) -> gemini.GeminiConfig:
+    kwargs = dict(spec.get("config", {}))
+    if kwargs.pop("nvme", False):
+        kwargs["nvme_dir"] = tmp
+    return gemini.GeminiConfig(device="cpu", **kwargs)
+
+
+def run_specs(rank: int, world: int, specs: list[dict], out_dir: str) -> None:
+    """Train each spec's configuration; save (states, reports) per spec and rank."""
+    for i, spec in enumerate(specs):
+        mb = spec.get("micro_batches", 1)
+        model, opt = gemini.initialize(make_net(), config(spec, out_dir), lr=1e-2, weight_decay=0.01)
+        states, reports = train_gemini(model, opt, make_data(spec["steps"], mb), rank, world, spec["steps"],
+                                       micro_batches=mb)
+        torch.save({"states": states, "reports": reports}, f"{out_dir}/spec{i}_rank{rank}.pt")
+        opt.close()
+
+
+def checkpoint_round_trip(rank: int, world: int, out_dir: str, phase: str, cfg: dict) -> None:
+    """Checkpoint tests. ``save``: train 2 steps, save consolidated (rank 0) and sharded (each
+    rank) checkpoints, train 2 more. ``load_consolidated`` / ``load_sharded``: resume from them
+    and train the last 2 steps. Saves the last 2 steps' states."""
+    data = make_data(4)
+    model, opt = gemini.initialize(make_net(seed=7 if phase != "save" else 0), config({"config": cfg}, out_dir),
+                                   lr=1e-2, weight_decay=0.01)
+    if phase == "save":
+        train_gemini(model, opt, data, rank, world, 2)
+        gemini.save_checkpoint(f"{out_dir}/consolidated.pt", model, opt)
+        gemini.save_checkpoint(f"{out_dir}/sharded", model, opt, sharded=True)
+    elif phase == "load_consolidated":
+        gemini.load_checkpoint(f"{out_dir}/consolidated.pt", model, opt)
+    else:
+        gemini.load_checkpoint(f"{out_dir}/sharded", model, opt, sharded=True)
+    states, _ = train_gemini(model, opt, data[2:], rank, world, 2)
+    torch.save(states, f"{out_dir}/{phase}_world{world}_rank{rank}.pt")
+    opt.close()
