@@ -92,9 +92,11 @@ class GeminiModel(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) loading state_dict: missing keys {missing}, unexpected keys {unexpected}")
         for key, t in own.items():
-            if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
+            # A parameter's shape from its slot: under ZeRO-3 its .data is empty between uses.
+            shape = tuple(self._runtime.manager.locate(t)[1].shape) if isinstance(t, nn.Parameter) else tuple(t.shape)
+            if key in state_dict and tuple(state_dict[key].shape) != shape:
                 raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
-                                   f"model {tuple(t.shape)}")
+                                   f"model {shape}")
         params = []
         with torch.no_grad():
             for key, t in own.items():

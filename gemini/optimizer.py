@@ -330,11 +330,19 @@ class HybridAdam(torch.optim.Optimizer):
             host_available_bytes=rt.system.host_available_bytes(),
             device_used_peak_bytes=rt.system.device_used_peak_bytes(),
             timeline=rt.take_timeline(),
+            world_size=rt.zero.world if rt.zero is not None else 1,
+            rank=rt.zero.rank if rt.zero is not None else 0,
+            grad_reduce_bytes=rt.placement.reducer.reduced_bytes if rt.placement.reducer is not None else 0,
+            param_gathers=rt.placement.gatherer.gathers if rt.placement.gatherer is not None else 0,
         )
         self.report = report
         self.reports_made += 1
         if rt.report_writer is not None:
             rt.report_writer.write(report)
+        if rt.placement.reducer is not None:
+            rt.placement.reducer.reduced_bytes = 0
+        if rt.placement.gatherer is not None:
+            rt.placement.gatherer.gathers = 0
         rt.start_new_step()
         self._step_started = time.perf_counter()
 

@@ -96,6 +96,12 @@ class MemoryReport:
     # The whole GPU as NVML (nvidia-smi) sees it: every process, the CUDA context and the
     # allocator's cache, peak over the step; None without a GPU or NVML.
     device_used_peak_bytes: int | None = None
+    # ZeRO: this rank among ``world_size`` data-parallel ranks (the bytes above are this
+    # rank's), gradient bytes it reduce-scattered and parameter chunks it all-gathered this step.
+    world_size: int = 1
+    rank: int = 0
+    grad_reduce_bytes: int = 0
+    param_gathers: int = 0
     # Only on the report of a step that ended a warm-up trace (the first step under
     # placement="auto", and any step traced again after input shapes changed).
     timeline: WarmupTimeline | None = None

@@ -127,3 +127,35 @@ def checkpoint_round_trip(rank: int, world: int, out_dir: str, phase: str, cfg: 
     states, _ = train_gemini(model, opt, data[2:], rank, world, 2)
     torch.save(states, f"{out_dir}/{phase}_world{world}_rank{rank}.pt")
     opt.close()
+
+
+def run_low_precision(rank: int, world: int, out_dir: str) -> None:
+    """fp16 with a scale that overflows at first, then bf16 on one repeated batch."""
+    res = {}
+    data = make_data(6)
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision="fp16", chunk_size=600, initial_scale=2.0**24,
+                              max_scale=2.0**24, hysteresis=1, backoff_factor=2.0**-4)
+    model, opt = gemini.initialize(make_net(), cfg, lr=1e-2)
+    skipped, scales = [], []
+    for batch in data:
+        x, y = local(batch, rank, world)
+        opt.backward(loss_fn(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.report.skipped)
+        scales.append(opt.report.loss_scale)
+    res.update({"fp16-skipped": skipped, "fp16-scale": scales, "fp16-final": model.state_dict()})
+    opt.close()
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16", chunk_size=600, shard_params=True)
+    model, opt = gemini.initialize(make_net(), cfg, lr=1e-2)
+    losses = []
+    for _ in range(8):
+        x, y = local(data[0], rank, world)
+        loss = loss_fn(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    res.update({"bf16-final": model.state_dict(), "bf16-loss-drop": losses[-1] < 0.8 * losses[0]})
+    opt.close()
+    torch.save(res, f"{out_dir}/low_rank{rank}.pt")

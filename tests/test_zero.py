@@ -1,0 +1,146 @@
+"""ZeRO across 2 gloo ranks on 127.0.0.1 equals one process with plain AdamW on the global batch.
+
+Each test spawns 2 ranks (tests/multiprocess.py: bounded in time, a failing rank fails the
+test) that run tests/zero_workers.py and save what they saw; the comparisons happen here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import gemini
+import zero_workers as zw
+from multiprocess import run_ranks
+
+STEPS = 3
+CHUNK = 600  # several chunk groups, tensors cut between the two ranks' ranges
+
+# (name, spec): fp32 runs that must equal the reference step after step.
+SPECS = [
+    ("cpu-zero2-clip-accumulate", {"micro_batches": 2, "config": {"placement": "cpu", "clip_grad_norm": 0.5}}),
+    ("cpu-zero3", {"config": {"placement": "cpu", "shard_params": True}}),
+    ("cuda-zero3-clip", {"config": {"placement": "cuda", "shard_params": True, "clip_grad_norm": 0.5}}),
+    ("auto-zero2-margin", {"config": {"placement": "auto", "device_memory": "256MiB", "gpu_margin_mem_ratio": 0.5}}),
+    ("auto-zero3", {"config": {"placement": "auto", "device_memory": "256MiB", "shard_params": True}}),
+    ("static-zero2", {"config": {"placement": "static", "static_optimizer_offload_fraction": 0.5,
+                                 "static_param_device_fraction": 0.5}}),
+    ("nvme-zero2", {"config": {"placement": "cpu", "nvme": True, "nvme_offload_fraction": 1.0}}),
+    ("nvme-zero3", {"config": {"placement": "cpu", "nvme": True, "nvme_offload_fraction": 1.0,
+                               "shard_params": True}}),
+]
+
+
+def _spec(spec: dict) -> dict:
+    spec = copy.deepcopy(spec)
+    spec["steps"] = STEPS
+    spec["config"]["chunk_size"] = CHUNK
+    return spec
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every spec trained on 2 ranks (one spawn for all): {name: [rank 0 result, rank 1 result]}."""
+    out = tmp_path_factory.mktemp("zero")
+    specs = [_spec(s) for _, s in SPECS]
+    run_ranks(zw.run_specs, specs, str(out), timeout_seconds=300)
+    return {name: [torch.load(out / f"spec{i}_rank{r}.pt", weights_only=False) for r in range(2)]
+            for i, (name, _) in enumerate(SPECS)}
+
+
+def _assert_close(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}, {k}: {m}")
+
+
+@pytest.mark.parametrize("name", [n for n, _ in SPECS])
+def test_two_ranks_equal_adamw_on_global_batch(two_rank_runs, name):
+    spec = _spec(dict(SPECS)[name])
+    ref, _, _ = zw.train_reference(STEPS, micro_batches=spec.get("micro_batches", 1),
+                                   clip=spec["config"].get("clip_grad_norm", 0.0))
+    init = zw.make_net().state_dict()
+    for rank, run in enumerate(two_rank_runs[name]):
+        for step, (got, want) in enumerate(zip(run["states"], ref)):
+            _assert_close(got, want, f"{name} rank {rank} step {step}")
+        # The frozen layer never moved; the unused one got no step at all (no weight decay).
+        for k in ("frozen.weight", "frozen.bias", "unused.weight", "unused.bias"):
+            assert torch.equal(run["states"][-1][k], init[k]), k
+
+
+def _os_bytes(report: dict) -> int:
+    """Optimizer-state bytes on this rank from a report: masters, m and v, on every tier."""
+    return sum(kinds.get(k, 0) for kinds in report["model_bytes_by_tier"].values()
+               for k in ("master", "exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("name", ["cpu-zero2-clip-accumulate", "nvme-zero2", "cpu-zero3"])
+def test_optimizer_state_per_rank_is_half(two_rank_runs, name, tmp_path):
+    spec = _spec(dict(SPECS)[name])
+    one_rank, opt = gemini.initialize(zw.make_net(), zw.config(spec, str(tmp_path)), lr=1e-2, weight_decay=0.01)
+    _, reports = zw.train_gemini(one_rank, opt, zw.make_data(1, spec.get("micro_batches", 1)), 0, 1, 1,
+                                 micro_batches=spec.get("micro_batches", 1))
+    single = _os_bytes(reports[-1])
+    assert single > 0
+    for run in two_rank_runs[name]:
+        assert reports[-1]["world_size"] == 1 and run["reports"][-1]["world_size"] == 2
+        assert _os_bytes(run["reports"][-1]) * 2 == single
+        assert run["reports"][-1]["grad_reduce_bytes"] > 0
+    opt.close()
+
+
+def test_ranks_agree_on_fp16_overflow_and_bf16_trains(tmp_path):
+    """fp16 whose first steps overflow skips the same steps on both ranks; bf16 trains."""
+    run_ranks(zw.run_low_precision, str(tmp_path), timeout_seconds=120)
+    runs = [torch.load(tmp_path / f"low_rank{r}.pt", weights_only=False) for r in range(2)]
+    for key in ("fp16-skipped", "fp16-scale", "fp16-final", "bf16-final"):
+        a, b = runs[0][key], runs[1][key]
+        if isinstance(a, dict):
+            _assert_close(a, b, key)
+        else:
+            assert a == b, key
+    assert runs[0]["fp16-skipped"][0] is True  # initial scale 2**40 overflows fp16
+    assert not all(runs[0]["fp16-skipped"])
+    assert runs[0]["bf16-loss-drop"]
+
+
+@pytest.mark.parametrize("shard_params", [False, True], ids=["zero2", "zero3"])
+def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
+    """2 ranks save (consolidated and sharded) after 2 steps; 1 rank resumes from the
+    consolidated file, 2 ranks from either; and 1 rank's consolidated file resumes in 2 ranks.
+    Every resumed run's last 2 steps equal the reference's."""
+    cfg = {"placement": "cpu", "chunk_size": CHUNK, "shard_params": shard_params}
+    ref, _, _ = zw.train_reference(4)
+    two = tmp_path / "two"
+    two.mkdir()
+    run_ranks(zw.checkpoint_round_trip, str(two), "save", cfg)
+    run_ranks(zw.checkpoint_round_trip, str(two), "load_sharded", cfg)
+    zw.checkpoint_round_trip(0, 1, str(two), "load_consolidated", cfg)  # in this process: one rank
+    # A plain module loads the consolidated model part.
+    plain = zw.make_net(seed=5)
+    plain.load_state_dict(torch.load(two / "consolidated.pt", weights_only=False)["model"])
+    _assert_close(plain.state_dict(), ref[1], "plain module from the 2-rank checkpoint")
+    one = tmp_path / "one"
+    one.mkdir()
+    zw.checkpoint_round_trip(0, 1, str(one), "save", cfg)
+    run_ranks(zw.checkpoint_round_trip, str(one), "load_consolidated", cfg)
+    for folder, phase, world in [(two, "save", 2), (two, "load_sharded", 2), (two, "load_consolidated", 1),
+                                 (one, "load_consolidated", 2), (one, "save", 1)]:
+        for rank in range(world):
+            states = torch.load(folder / f"{phase}_world{world}_rank{rank}.pt", weights_only=False)
+            for step, got in enumerate(states):
+                _assert_close(got, ref[2 + step], f"{folder.name}/{phase} in {world} rank(s), rank {rank}, step {step}")
+
+
+def test_process_group_without_distributed_is_a_clear_error():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(ValueError, match="process_group"):
+        gemini.initialize(zw.make_net(), gemini.GeminiConfig(device="cpu", process_group=object()))
+
+
+def test_shard_params_must_be_a_bool():
+    with pytest.raises(ValueError, match="shard_params"):
+        gemini.GeminiConfig(shard_params="yes")
