@@ -54,6 +54,9 @@ def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str =
         + (f" NVMe r {gib(r.nvme_read_bytes, unit)} w {gib(r.nvme_write_bytes, unit)}" if uses_nvme else ""),
         f"OS chunks on device {r.os_chunks_on_device}/{r.os_chunks_total}",
     ]
+    if r.world_size > 1:
+        parts.append(f"ZeRO rank {r.rank}/{r.world_size}: reduced {gib(r.grad_reduce_bytes, unit)}"
+                     + (f", {r.param_gathers} param gathers" if r.param_gathers else ""))
     if r.skipped:
         parts.append(f"SKIPPED (fp16 overflow; loss scale {r.loss_scale:g})")
     return " | ".join(parts)
