@@ -95,7 +95,7 @@ def config(spec: dict, tmp: str) -> gemini.GeminiConfig:
     kwargs = dict(spec.get("config", {}))
     if kwargs.pop("nvme", False):
         kwargs["nvme_dir"] = tmp
-    return gemini.GeminiConfig(device="cpu", **kwargs)
+    return gemini.GeminiConfig(device=spec.get("device", "cpu"), **kwargs)
 
 
 def run_specs(rank: int, world: int, specs: list[dict], out_dir: str) -> None:
