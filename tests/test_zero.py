@@ -160,3 +160,31 @@ def test_two_ranks_on_cuda_over_gloo_equal_adamw(tmp_path, shard_params):
         for step, (got, want) in enumerate(zip(run["states"], ref)):
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k} step {step}: {m}")
+
+
+def test_branch_used_by_one_rank_only(tmp_path):
+    """A group whose parameters only rank 1 uses: rank 0 reduces zeros for it (no hang), and the
+    update equals plain AdamW on rank 1's gradient / 2 (the mean over ranks, as DDP)."""
+    run_ranks(zw.run_idle_branch, str(tmp_path), timeout_seconds=120)
+    got = [torch.load(tmp_path / f"idle_rank{r}.pt", weights_only=False) for r in range(2)]
+    _assert_close(got[0], got[1], "the ranks agree")
+    # Reference: the same two ranks simulated in one process, gradients averaged by hand.
+    torch.manual_seed(0)
+    model = zw.NetWithIdleBranch()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0,
+                            fused=True)
+    for batch in zw.make_data(2):
+        grads = []
+        for rank in range(2):
+            x, y = zw.local(batch, rank, 2)
+            model.zero_grad()
+            zw.loss_fn(model(x, use_idle=rank == 1), y).backward()
+            grads.append({n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()})
+        for n, p in model.named_parameters():
+            parts = [g[n] for g in grads if g[n] is not None]
+            p.grad = sum(parts) / 2 if parts else None
+        opt.step()
+    want = model.state_dict()
+    init = zw.NetWithIdleBranch().state_dict()
+    assert not torch.equal(got[0]["idle.weight"], init["idle.weight"])  # it did move
+    _assert_close(got[0], want, "rank 0 vs the hand-averaged reference")

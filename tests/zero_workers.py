@@ -159,3 +159,34 @@ def run_low_precision(rank: int, world: int, out_dir: str) -> None:
     res.update({"bf16-final": model.state_dict(), "bf16-loss-drop": losses[-1] < 0.8 * losses[0]})
     opt.close()
     torch.save(res, f"{out_dir}/low_rank{rank}.pt")
+
+
+class NetWithIdleBranch(Net):
+    """Net plus a branch that only rank 1 runs (``idle.*`` gets a gradient on rank 1 alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.idle = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_idle: bool = False) -> torch.Tensor:
+        out = super().forward(x)
+        return self.idle(out) if use_idle else out
+
+
+def run_idle_branch(rank: int, world: int, out_dir: str) -> None:
+    """Rank 1 alone uses ``idle``: the reduction must not hang, and ``idle`` gets rank 1's
+    gradient averaged with rank 0's zeros (DDP's semantics)."""
+    torch.manual_seed(0)
+    net = NetWithIdleBranch()
+    # A param group of its own: a chunk group that gets no gradient at all on rank 0.
+    model, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=600), lr=1e-2,
+                                   param_groups=[{"params": list(net.idle.parameters())}])
+    data = make_data(2)
+    for batch in data:
+        x, y = local(batch, rank, world)
+        opt.backward(loss_fn(model(x, use_idle=rank == 1), y))
+        opt.step()
+        opt.zero_grad()
+    torch.save(model.state_dict(), f"{out_dir}/idle_rank{rank}.pt")
+    opt.close()
