@@ -178,10 +178,15 @@ class Chunk:
         """A copy on ``tier``: a payload in memory, or on NVMe a current file."""
         return self._in_file if tier is Tier.NVME else tier in self._copies
 
+    @property
+    def primary_tier(self) -> Tier:
+        """The copy that is read by default: the device copy if there is one, else the host's."""
+        return Tier.DEVICE if Tier.DEVICE in self._copies else Tier.HOST
+
     def payload(self, tier: Tier | None = None) -> torch.Tensor:
-        """The whole buffer on ``tier`` (default: the device copy if there is one)."""
+        """The whole buffer on ``tier`` (default: :attr:`primary_tier`)."""
         if tier is None:
-            tier = Tier.DEVICE if Tier.DEVICE in self._copies else Tier.HOST
+            tier = self.primary_tier
         if tier not in self._copies:
             raise RuntimeError(f"{self.index=} ({self.kind.value}) is {self.state}, no {tier.value} copy")
         if tier is Tier.HOST and self._host_event is not None:

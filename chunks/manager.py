@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -143,7 +144,7 @@ class ChunkGroup:
             if piece.index == slot.index:
                 chunk.write_range(piece.offset, flat[piece.tensor_offset : piece.tensor_offset + piece.numel])
 
-    @property
+    @functools.cached_property
     def os_slots(self) -> tuple[TensorSlot, ...]:
         """The tensors (or, under ZeRO, pieces of them) this rank's optimizer states cover."""
         return self.shard.cut(self.slots) if self.shard is not None else self.slots

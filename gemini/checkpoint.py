@@ -44,8 +44,8 @@ def save_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
                     sharded: bool = False) -> None:
     """Write a consolidated checkpoint file at ``path`` (rank 0 writes), or with ``sharded`` one
     file per rank into the folder ``path``."""
-    zero = optimizer._rt.zero
-    rank, world = (zero.rank, zero.world) if zero is not None else (0, 1)
+    zero, manager = optimizer._rt.zero, optimizer._rt.manager
+    rank, world = manager.rank, manager.world
     path = Path(path)
     if sharded:
         path.mkdir(parents=True, exist_ok=True)
@@ -67,8 +67,7 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     if sharded:
         if optimizer is None:
             raise ValueError("a sharded checkpoint holds the parameters in the optimizer's masters: pass the optimizer")
-        zero = optimizer._rt.zero
-        rank, world = (zero.rank, zero.world) if zero is not None else (0, 1)
+        rank, world = optimizer._rt.manager.rank, optimizer._rt.manager.world
         file = _shard_file(path, rank, world)
         if not file.exists():
             found = sorted(p.name for p in path.glob("rank*-of-*.pt"))

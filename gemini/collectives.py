@@ -89,10 +89,3 @@ class Collectives:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
-
-    def broadcast_object(self, obj, src: int = 0):
-        """``obj`` of rank ``src`` (group rank) on every rank."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group is not None else src,
-                                   group=self.group)
-        return box[0]

@@ -18,7 +18,7 @@ from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
 from gemini.nvme_tier import NvmeTier
 from gemini.optimizer import HybridAdam
-from gemini.placement import StaticPlacement, make_placement
+from gemini.placement import AutoPlacement, StaticPlacement, make_placement
 from gemini.report import ReportWriter
 from gemini.runtime import GeminiRuntime
 from gemini.zero import GradReducer, ParamGatherer, resolve_group
@@ -131,7 +131,7 @@ def _attach_zero(zero, manager: ChunkManager, placement) -> None:
     placement.reducer = GradReducer(zero, manager, placement)
     if manager.shard_params:
         placement.gatherer = ParamGatherer(zero, manager)
-        if hasattr(placement, "prefetch_reserve_bytes"):
+        if isinstance(placement, AutoPlacement):
             placement.prefetch_reserve_bytes = max((g.param.nbytes for g in manager.groups), default=0)
     logger.info("ZeRO-%d: rank %d of %d keeps 1/%d of every chunk's optimizer states%s", 3 if manager.shard_params
                 else 2, zero.rank, zero.world, zero.world, " and parameters" if manager.shard_params else "")
@@ -153,18 +153,12 @@ def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
 
 
 def _check_supported(config: GeminiConfig) -> None:
-    """Fields of the contract whose machinery is not in this build fail loudly, never silently."""
-    pending: dict[str, tuple[bool, str]] = {}
+    """Combinations of fields that have no meaning fail loudly, never silently."""
     if config.gpu_margin_mem_ratio != 0.0 and config.placement != "auto":
         raise ValueError(
             f"GeminiConfig.gpu_margin_mem_ratio={config.gpu_margin_mem_ratio} needs placement='auto' "
             f"(placement={config.placement!r} has no margin); use 0.0 or placement='auto'"
         )
-    for name, (bad, accepted) in pending.items():
-        if bad:
-            raise NotImplementedError(
-                f"GeminiConfig.{name}={getattr(config, name)!r} is not supported by this version: use {accepted}"
-            )
 
 
 def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, named_groups, frozen) -> NvmeTier | None:

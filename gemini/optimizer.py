@@ -228,8 +228,7 @@ class HybridAdam(torch.optim.Optimizer):
                     steps.append(g.steps[0])
                 else:
                     ready = [s for s in g.os_slots if g.grad_ready[s.index]]
-                    views = list(zip(*(g.slot_views(s, tier) for s in ready))) or [[], [], [], []]
-                    views = [list(v) for v in views]
+                    views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
                     steps.extend(g.steps[s.index] for s in ready)
                     here = {s.index for s in ready}
                     bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
@@ -330,8 +329,8 @@ class HybridAdam(torch.optim.Optimizer):
             host_available_bytes=rt.system.host_available_bytes(),
             device_used_peak_bytes=rt.system.device_used_peak_bytes(),
             timeline=rt.take_timeline(),
-            world_size=rt.zero.world if rt.zero is not None else 1,
-            rank=rt.zero.rank if rt.zero is not None else 0,
+            world_size=rt.manager.world,
+            rank=rt.manager.rank,
             grad_reduce_bytes=rt.placement.reducer.reduced_bytes if rt.placement.reducer is not None else 0,
             param_gathers=rt.placement.gatherer.gathers if rt.placement.gatherer is not None else 0,
         )
@@ -375,14 +374,9 @@ class HybridAdam(torch.optim.Optimizer):
                         "exp_avg": m[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
                         "exp_avg_sq": v[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
                     }
-        groups = []
-        for hp in self.param_groups:
-            entry = {k: v for k, v in hp.items() if k != "params"}
+        groups, extra = self._hyper_state()
+        for entry, hp in zip(groups, self.param_groups):
             entry["params"] = [index[id(p)] for p in hp["params"]]
-            groups.append(entry)
-        extra = {"precision": self._rt.config.precision, "adamw_mode": self.adamw_mode}
-        if self.scaler is not None:
-            extra["loss_scaler"] = self.scaler.state_dict()
         return {"state": state, "param_groups": groups, "gemini": extra}
 
     # ---------------------------------------------------------------- sharded checkpoints
@@ -393,9 +387,17 @@ class HybridAdam(torch.optim.Optimizer):
             extra["loss_scaler"] = self.scaler.state_dict()
         return groups, extra
 
+    def _load_hyper_state(self, saved_groups: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+        for saved, hp in zip(saved_groups, self.param_groups):
+            for k, v in saved.items():
+                if k != "params":
+                    hp[k] = tuple(v) if k == "betas" else v
+        if self.scaler is not None and "loss_scaler" in extra:
+            self.scaler.load_state_dict(extra["loss_scaler"])
+
     def _layout_signature(self) -> dict[str, Any]:
-        zero = self._rt.zero
-        return {"world": zero.world if zero is not None else 1, "rank": zero.rank if zero is not None else 0,
+        manager = self._rt.manager
+        return {"world": manager.world, "rank": manager.rank,
                 "capacities": [g.param.capacity for g in self._rt.manager.groups],
                 "precision": self._rt.config.precision}
 
@@ -451,12 +453,7 @@ class HybridAdam(torch.optim.Optimizer):
                     rt.placement.after_step(g)  # the parameters from the masters
             if rt.zero is not None and rt.placement.gatherer is None:
                 gather_params(rt.zero, rt.manager.groups, rt.storage)
-        for saved_hp, hp in zip(state_dict["param_groups"], self.param_groups):
-            for k, v in saved_hp.items():
-                hp[k] = tuple(v) if k == "betas" else v
-        extra = state_dict.get("gemini", {})
-        if self.scaler is not None and "loss_scaler" in extra:
-            self.scaler.load_state_dict(extra["loss_scaler"])
+        self._load_hyper_state(state_dict["param_groups"], state_dict.get("gemini", {}))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
@@ -478,10 +475,4 @@ class HybridAdam(torch.optim.Optimizer):
             for g in self._rt.manager.trainable_groups:
                 with self._rt.resident(g, modify=True):
                     self._load_group_state(g, state, saved_index)
-        for saved, hp in zip(saved_groups, self.param_groups):
-            for k, v in saved.items():
-                if k != "params":
-                    hp[k] = tuple(v) if k == "betas" else v
-        extra = state_dict.get("gemini", {})
-        if self.scaler is not None and "loss_scaler" in extra:
-            self.scaler.load_state_dict(extra["loss_scaler"])
+        self._load_hyper_state(saved_groups, state_dict.get("gemini", {}))

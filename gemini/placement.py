@@ -195,7 +195,7 @@ class PlacementPolicy:
         """
         if group.shard is not None and group.param_shard is None:
             param = group.param
-            primary = Tier.DEVICE if param.is_on(Tier.DEVICE) else Tier.HOST
+            primary = param.primary_tier
             if group.master is not None:
                 start, end = group.shard.start, group.shard.end
                 self._cast_master(group.master, group.shard.numel, param.payload(primary)[start:end], primary)

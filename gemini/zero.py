@@ -81,10 +81,6 @@ class GradReducer:
         self._in_flight: deque[tuple[ChunkGroup, torch.Tensor, Pending]] = deque()
         self.reduced_bytes = 0  # bytes of gradient buckets reduced (for reports)
 
-    def busy(self, group: ChunkGroup) -> bool:
-        """The group's bucket is waiting for, or in, a reduction (it must stay where it is)."""
-        return group.grad is not None and group.grad.state is not ChunkState.RELEASED
-
     def group_done(self, group: ChunkGroup) -> None:
         """``group``'s backward is over on this rank: reduce it when its turn comes."""
         self._ready.add(group.index)
@@ -265,7 +261,7 @@ def gather_params(comm: Collectives, groups: Sequence[ChunkGroup], storage, *, m
 
     with torch.profiler.record_function("gemini::all_gather_params"):
         for g in groups:
-            primary = Tier.DEVICE if g.param.is_on(Tier.DEVICE) else Tier.HOST
+            primary = g.param.primary_tier
             full = g.param.payload(primary)
             in_flight.append((g, primary, comm.all_gather(full, full[g.shard.start : g.shard.end])))
             while len(in_flight) > max_in_flight:
