@@ -1,7 +1,7 @@
 """Chunks: flat buffers holding many tensors as views, and the manager that moves them."""
 
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
-from chunks.manager import ChunkGroup, ChunkManager, plan_layout
+from chunks.manager import ChunkGroup, ChunkManager, ValueSource, plan_layout, values_of_params
 from chunks.shard import Shard, round_up
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
 from chunks.storage import ChunkStorage, StorageObserver, Tier
@@ -18,9 +18,11 @@ __all__ = [
     "StorageObserver",
     "TensorSlot",
     "Tier",
+    "ValueSource",
     "default_search_range",
     "plan_layout",
     "round_up",
     "search_chunk_size",
+    "values_of_params",
     "waste_for",
 ]

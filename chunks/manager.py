@@ -16,9 +16,31 @@ from chunks.storage import ChunkStorage, Tier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChunkGroup", "ChunkManager", "plan_layout"]
+__all__ = ["ChunkGroup", "ChunkManager", "ValueSource", "plan_layout", "values_of_params"]
 
 NamedParams = Sequence[tuple[str, nn.Parameter]]
+
+# [Note: where a chunk's first values come from]
+# ``register`` fills each chunk group from a *value source*: called as ``source(param, slot,
+# start, stop)`` it returns elements ``[start, stop)`` of the flattened tensor of ``slot`` (any
+# dtype: the chunk casts). The manager asks once per tensor per group, for the range that the
+# group's chunks need (the whole tensor, or under ZeRO with parameter sharding only this
+# rank's piece), fills the param and master chunks from that one value, and drops it before the
+# next group is built. So a source that reads from disk (gemini/pretrained.py) or initializes
+# module by module holds one group's values at a time, and a group is complete — and can be
+# spilled to NVMe by ``on_group`` — before the next one is read. The default source is the
+# parameters' own data.
+ValueSource = Callable[[nn.Parameter, "TensorSlot", int, int], torch.Tensor]
+
+
+def values_of_params(param: nn.Parameter, slot: TensorSlot, start: int, stop: int) -> torch.Tensor:
+    """The default :data:`ValueSource`: the parameter's own values (a view, no copy)."""
+    if param.is_meta:
+        raise ValueError(
+            f"parameter {slot.name} is on the meta device: it has no values to pack into a chunk; "
+            f"initialize it (or pass gemini.initialize(..., weights=...)) first"
+        )
+    return param.detach().reshape(-1)[start:stop]
 
 
 def plan_layout(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
@@ -178,7 +200,7 @@ class ChunkManager:
 
     Parameters stay ``nn.Parameter`` objects of the user's module; their ``.data`` is always a
     view of their param chunk's current copy (the device copy when there is one), re-pointed
-    on every move by :meth:`_repoint`.
+    on every move by :meth:`repoint`.
     """
 
     def __init__(
@@ -213,6 +235,7 @@ class ChunkManager:
         *,
         initial_tier: Callable[[ChunkKind], Tier],
         on_group: Callable[[ChunkGroup], None] = lambda group: None,
+        source: ValueSource = values_of_params,
     ) -> None:
         """Pack each param group (and the frozen parameters) into chunk groups.
 
@@ -220,7 +243,9 @@ class ChunkManager:
         chunk because each has its own learning rate and weight decay. Frozen parameters get
         param chunks only: no gradients, no optimizer states. ``on_group`` sees each chunk
         group as soon as it is built (the NVMe tier spills it then, so that a model's states
-        never need to fit in host memory all at once).
+        never need to fit in host memory all at once). ``source`` gives the values, one group
+        at a time (see [Note: where a chunk's first values come from]); parameters on the meta
+        device are given storage as their group is built (see :meth:`_materialize`).
         """
         if self.groups:
             raise RuntimeError("register() was already called")
@@ -231,7 +256,8 @@ class ChunkManager:
                 name, p = named[i]
                 slots.append(TensorSlot(len(slots), offset, p.numel(), p.shape, name))
                 offset += p.numel()
-            self._build_group(tuple(slots), tuple(named[i][1] for i in members), capacity, pg_index, initial_tier)
+            self._build_group(tuple(slots), tuple(named[i][1] for i in members), capacity, pg_index, initial_tier,
+                              source)
             on_group(self.groups[-1])
         logger.info(
             "registered %d chunk groups of %d elements (%d trainable); host %d B, device %d B",
@@ -254,7 +280,7 @@ class ChunkManager:
                 out.append((members, pg_index, round_up(capacity, self.world)))
         return out
 
-    def _build_group(self, slots, params, capacity, pg_index, initial_tier) -> None:
+    def _build_group(self, slots, params, capacity, pg_index, initial_tier, source: ValueSource) -> None:
         index = len(self.groups)
         trainable = pg_index >= 0
         low_precision = self.param_dtype != torch.float32
@@ -273,16 +299,21 @@ class ChunkManager:
 
         group = ChunkGroup(index=index, param_group=pg_index, slots=slots, params=params,
                            param=new(ChunkKind.PARAM, self.param_dtype), shard=shard)
+        # The chunks filled from the source: the parameters (or their shard) and the fp32 master.
+        filled = [group.param]
         if self.shard_params:
             group.param_shard = new_state(ChunkKind.PARAM_SHARD, self.param_dtype)
-            self._fill(group.param_shard, params, initial_tier(ChunkKind.PARAM))
-        else:
-            self._fill(group.param, params, initial_tier(ChunkKind.PARAM))
+            filled = [group.param_shard]
+        if low_precision:
+            group.master = new_state(ChunkKind.MASTER, torch.float32)
+            filled.append(group.master)
+        values = self._read_values(filled, params, source)
+        self._fill(filled[0], values, initial_tier(ChunkKind.PARAM))
         if low_precision:
             # Frozen parameters keep an fp32 copy on the host too, so that the model's
             # state_dict returns their exact original values.
-            group.master = new_state(ChunkKind.MASTER, torch.float32)
-            self._fill(group.master, params, initial_tier(ChunkKind.MASTER) if trainable else Tier.HOST)
+            self._fill(group.master, values, initial_tier(ChunkKind.MASTER) if trainable else Tier.HOST)
+        del values  # this group's source values: the next group reads its own
         if trainable:
             group.grad = new(ChunkKind.GRAD, self.param_dtype)
             if shard is not None:
@@ -298,19 +329,54 @@ class ChunkManager:
             assert p not in self._where, f"parameter {slot.name} registered twice"
             self._where[p] = (group, slot)
         self.groups.append(group)
-        group.param.on_move = self._repoint
-        self._repoint(group.param)
+        self._materialize(params, slots)
+        group.param.on_move = self.repoint
+        self.repoint(group.param)
 
-    def _fill(self, chunk: Chunk, params: Sequence[nn.Parameter], tier: Tier) -> None:
+    @staticmethod
+    def _read_values(chunks: Sequence[Chunk], params: Sequence[nn.Parameter],
+                     source: ValueSource) -> dict[int, tuple[int, torch.Tensor]]:
+        """Per tensor of the group: (first element, flat values) covering every piece of it that
+        ``chunks`` hold, read from ``source`` once (a shard chunk needs only this rank's piece)."""
+        ranges: dict[int, tuple[int, int, TensorSlot]] = {}
+        for chunk in chunks:
+            for s in chunk.slots:  # whole tensors, or (a shard chunk) pieces of them
+                lo, hi, _ = ranges.get(s.index, (s.tensor_offset, s.tensor_offset + s.numel, s))
+                ranges[s.index] = (min(lo, s.tensor_offset), max(hi, s.tensor_offset + s.numel), s)
+        values = {}
+        with torch.no_grad():
+            for index, (lo, hi, s) in ranges.items():
+                value = source(params[index], s, lo, hi)
+                if value.numel() != hi - lo:
+                    raise ValueError(f"the value source gave {value.numel()} elements for {s.name}[{lo}:{hi}], "
+                                     f"expected {hi - lo}")
+                values[index] = (lo, value.reshape(-1))
+        return values
+
+    @staticmethod
+    def _fill(chunk: Chunk, values: dict[int, tuple[int, torch.Tensor]], tier: Tier) -> None:
         # Padding is zeroed so that whole-chunk reductions (norms, Adam) see zeros there.
         chunk.allocate(tier, zero=True)
         with torch.no_grad():
-            for slot in chunk.slots:  # whole tensors, or (a shard chunk) pieces of them
-                value = params[slot.index].detach().reshape(-1)
-                chunk.flat_view(slot, tier).copy_(value[slot.tensor_offset : slot.tensor_offset + slot.numel])
+            for slot in chunk.slots:
+                lo, value = values[slot.index]
+                start = slot.tensor_offset - lo
+                chunk.flat_view(slot, tier).copy_(value[start : start + slot.numel])  # casts to the chunk's dtype
+
+    @staticmethod
+    def _materialize(params: Sequence[nn.Parameter], slots: Sequence[TensorSlot]) -> None:
+        """Give parameters on the meta device real (empty) storage, so that :meth:`repoint` can
+        point them at the chunk: ``.data`` cannot move a tensor off the meta device, so the
+        tensor is swapped in place (``torch.utils.swap_tensors`` keeps the Python object, and
+        with it ties between modules and every reference the optimizer or the user holds)."""
+        for slot, p in zip(slots, params):
+            if p.is_meta:
+                stand_in = nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, stand_in)
+                assert not p.is_meta, f"{slot.name} is still on the meta device"
 
     # ------------------------------------------------------------------------------ views
-    def _repoint(self, chunk: Chunk) -> None:
+    def repoint(self, chunk: Chunk) -> None:
         """Point each parameter's ``.data`` at its view in the chunk's primary copy."""
         params = self.groups[chunk.index].params
         if chunk.state is ChunkState.RELEASED:

@@ -8,6 +8,7 @@ from gemini.module import GeminiModel
 from gemini.optimizer import HybridAdam
 from gemini.planner import PlacementPlan, plan_placement
 from gemini.plots import plot_memory, plot_timeline
+from gemini.pretrained import save_pretrained
 from gemini.report import MemoryReport, TimelinePeriod, WarmupTimeline, read_reports
 from gemini.summary import run_summary, summary_line
 from gemini.tune import MarginTrial, MarginTuning, Measurement, tune_margin
@@ -32,6 +33,7 @@ __all__ = [
     "read_reports",
     "run_summary",
     "save_checkpoint",
+    "save_pretrained",
     "summary_line",
     "tune_margin",
 ]

@@ -37,20 +37,24 @@ class ModuleHooks:
         *,
         on_root_forward: Callable[[tuple, dict], None],
         on_budget_error: Callable[[], None],
+        on_backward_begin: Callable[[], None] = lambda: None,
+        on_backward_end: Callable[[], None] = lambda: None,
     ) -> None:
         self.manager = manager
         self.placement = placement
         self._on_budget_error = on_budget_error
+        self._on_backward_begin = on_backward_begin
+        self._on_backward_end = on_backward_end
         self._handles: list = []
         self._backward_queued = False
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
         # Registered first, so the root's pre-hook runs before (and its post-hook before)
         # the root's own chunk hooks.
-        self._handles.append(
-            module.register_forward_pre_hook(lambda m, args, kwargs: on_root_forward(args, kwargs), with_kwargs=True)
-        )
-        self._handles.append(module.register_forward_hook(lambda m, a, o: placement.end_forward()))
+        # Forward hooks are never traced by torch.compile: see [Note: hooks under torch.compile].
+        root_pre = torch._disable_dynamo(lambda m, args, kwargs: on_root_forward(args, kwargs))
+        self._handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(self._root_post_forward))
         for sub in module.modules():
             groups = manager.groups_of(sub.parameters(recurse=False))
             if not groups:
@@ -78,27 +82,54 @@ class ModuleHooks:
                 raise
 
     # --------------------------------------------------------------------------- forward
+    # [Note: hooks under torch.compile]
+    # The forward hooks move chunks and re-point parameters (``p.data = view``) and read the
+    # placement's Python state (use counts, plans). Traced by dynamo inside a compiled model,
+    # ``p.data = ...`` became an input mutation (``set_``) of the graph that bumps the
+    # parameter's version counter, so autograd found the tensors saved for backward "modified
+    # by an inplace operation", and every change of that Python state failed a guard and
+    # compiled the frame again, until the recompile limit. So these hooks (and the period
+    # hooks of tracer/hooks.py) are never traced: each is a graph break and runs eagerly
+    # between the compiled graphs. ``torch._disable_dynamo`` is ``torch.compiler.disable``
+    # importing dynamo at the first call rather than at ``import gemini`` (2 s; torch.optim
+    # uses it the same way, and imports dynamo in ``initialize`` anyway). Backward hooks run
+    # in the autograd engine, outside any compiled frame. See the README's "torch.compile".
+    @torch._disable_dynamo
     def _pre_forward(self, groups: list[ChunkGroup], module: nn.Module, args) -> None:
         with self._phase("gemini::pre_forward"):
             self.placement.before_compute(groups)
 
+    @torch._disable_dynamo
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):
         with torch.profiler.record_function("gemini::post_forward"):
             self.placement.after_compute(groups)
-            if torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, functools.partial(self._pre_backward, groups), mode="any"
-                    )
+            self._hook_outputs(output, functools.partial(self._pre_backward, groups))
         return None
 
+    @torch._disable_dynamo
+    def _root_post_forward(self, module: nn.Module, args, output) -> None:
+        self.placement.end_forward()
+        # The root's outputs get their gradients before any parameter of the model does (a
+        # parameter's gradient flows through them), so the backward pass begins here: the
+        # gradient views are withdrawn before autograd could accumulate into one.
+        self._hook_outputs(output, lambda grad: self._begin_backward_pass())
+
+    def _hook_outputs(self, output, hook) -> None:
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+
     # -------------------------------------------------------------------------- backward
+    def _begin_backward_pass(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._on_backward_begin()
+
     def _pre_backward(self, groups: list[ChunkGroup], grad) -> None:
         with self._phase("gemini::pre_backward"):
-            if not self._backward_queued:
-                self._backward_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._begin_backward_pass()
             self.placement.before_backward(groups)
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -130,3 +161,4 @@ class ModuleHooks:
             self.placement.end_backward()
             for group in self.manager.trainable_groups:
                 group.grads_this_backward = 0
+            self._on_backward_end()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,6 +19,7 @@ from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
 from gemini.nvme_tier import NvmeTier
 from gemini.optimizer import HybridAdam
+from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
 from gemini.placement import AutoPlacement, StaticPlacement, make_placement
 from gemini.report import ReportWriter
 from gemini.runtime import GeminiRuntime
@@ -40,6 +42,7 @@ def initialize(
     weight_decay: float = 0.0,
     adamw_mode: bool = True,
     param_groups: list[dict[str, Any]] | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> tuple[GeminiModel, HybridAdam]:
     """Move ``model``'s parameters into chunks and build its optimizer.
 
@@ -48,6 +51,14 @@ def initialize(
     last group with the defaults. Returns ``(model, optimizer)``; train with
     ``optimizer.backward(loss)`` (or ``loss.backward()`` outside fp16), ``optimizer.step()``
     and ``optimizer.zero_grad()``.
+
+    ``model``'s parameters may be on the meta device (``accelerate.init_empty_weights()``).
+    ``weights`` (a safetensors file, or a folder as ``save_pretrained`` writes it) then gives
+    every parameter and persistent buffer — strictly: missing, unexpected or mis-shaped keys
+    raise, naming them — read one chunk group at a time straight into its chunks, so the
+    model never exists whole in memory (a real model's values are overwritten). Without
+    ``weights``, each module with parameters on the meta device is initialized by its
+    ``reset_parameters()`` when its chunk group is built. See gemini/pretrained.py.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -58,7 +69,19 @@ def initialize(
         raise TypeError(f"config must be a gemini.GeminiConfig, got {type(config).__name__}")
     _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     _check_supported(config)
+    tie_meta_weights(model)
+    # Checked against the model (and buffers loaded) before anything is allocated.
+    values = prepare_values(model, weights)
+    try:
+        return _initialize(model, config, values, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                           adamw_mode=adamw_mode, param_groups=param_groups)
+    finally:
+        values.close()
 
+
+def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, *, lr, betas, eps, weight_decay,
+                adamw_mode, param_groups) -> tuple[GeminiModel, HybridAdam]:
+    """``initialize`` once the arguments are checked: chunks filled from ``values.source``."""
     device = config.resolved_device()
     zero = resolve_group(config.process_group)  # None: one rank, nothing sharded
     world, rank = (zero.world, zero.rank) if zero is not None else (1, 0)
@@ -82,7 +105,7 @@ def initialize(
     placement.nvme = nvme
     try:
         manager.register(named_groups, frozen, initial_tier=placement.initial_tier,
-                         on_group=nvme.admit if nvme is not None else lambda group: None)
+                         on_group=nvme.admit if nvme is not None else lambda group: None, source=values.source)
         if nvme is not None:
             nvme.finish_registration()
         if isinstance(placement, StaticPlacement) and config.device_memory is not None:
@@ -101,12 +124,14 @@ def initialize(
         nvme=nvme, zero=zero,
     )
     runtime.hooks = ModuleHooks(
-        model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window
+        model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window,
+        on_backward_begin=runtime.grad_views.hide, on_backward_end=runtime.grad_views.expose,
     )
     wrapped = GeminiModel(model, runtime)
     optimizer = HybridAdam(
         runtime, torch_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode
     )
+    runtime.scaler = optimizer.scaler
     runtime.start_new_step()
     return wrapped, optimizer
 

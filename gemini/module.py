@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -30,13 +31,85 @@ class GeminiModel(nn.Module):
     Floating-point inputs are cast to the compute precision (bf16/fp16) on the way in.
     ``state_dict()`` returns full fp32 values (the masters under bf16/fp16) on the CPU, under
     the original keys and shapes, so a plain module loads it.
+
+    [Note: the wrapper looks like the wrapped model]
+    Code that receives the wrapped model inspects it: Hugging Face's Trainer keeps only the
+    batch columns named in ``inspect.signature(model.forward)``, finds label names in the
+    class's ``forward``, and reads ``model.config``, ``model.loss_type`` and friends. So each
+    instance is of a subclass per wrapped class (see :func:`_wrapper_class`) named like it,
+    whose ``forward`` carries the wrapped ``forward``'s signature, and attributes this class
+    does not have are read from the wrapped module.
     """
+
+    def __new__(cls, module: nn.Module, runtime: GeminiRuntime) -> GeminiModel:
+        if cls is GeminiModel:
+            cls = _wrapper_class(type(module))
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, runtime: GeminiRuntime) -> None:
         super().__init__()
         self.module = module
         self._runtime = runtime
         self._compute_dtype = runtime.config.param_dtype
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None or name == "module":
+                raise
+            return getattr(inner, name)
+
+    # -------------------------------------------------------------------- gradients
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients: exactly what ``optimizer.zero_grad()`` does (they live in chunks)."""
+        self._runtime.zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients like ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``:
+        scale them in place so that their total norm is at most ``max_norm``, and return the
+        total norm before clipping. Works under every placement, fp16 (the norm is of the
+        unscaled gradients) and ZeRO (a collective: every rank calls it; ``norm_type`` 2 only)."""
+        return self._runtime.clip_grad_norm_(max_norm, norm_type)
+
+    # ---------------------------------------------------------------------- devices
+    def to(self, *args: Any, **kwargs: Any) -> GeminiModel:
+        """A no-op when it asks for the compute device and precision already in force; anything
+        else is refused: gemini decides where every parameter lives."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        mine = self._runtime.device
+        if device is not None:
+            device = torch.device(device)
+            if device.type != mine.type or (device.index is not None and mine.index is not None
+                                            and device.index != mine.index):
+                raise RuntimeError(f"model.to({device}): gemini keeps this model's parameters in chunks for the "
+                                   f"compute device {mine}; choose the device with GeminiConfig(device=...)")
+        if dtype is not None and dtype != self._compute_dtype:
+            raise RuntimeError(f"model.to({dtype}): gemini computes in {self._compute_dtype}; choose the precision "
+                               f"with GeminiConfig(precision=...)")
+        return self
+
+    def cuda(self, device: Any = None) -> GeminiModel:
+        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
+                       if isinstance(device, int) else device)
+
+    def cpu(self) -> GeminiModel:
+        return self.to("cpu")
+
+    def half(self) -> GeminiModel:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> GeminiModel:
+        return self.to(torch.bfloat16)
+
+    def float(self) -> GeminiModel:
+        return self.to(torch.float32)
+
+    def _apply(self, fn, recurse: bool = True):
+        raise RuntimeError("gemini keeps this model's parameters in chunks: moving or casting them in place "
+                           "(model.to/cuda/half/type/share_memory) is not supported; see GeminiConfig(device=..., "
+                           "precision=...)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._compute_dtype != torch.float32:
@@ -112,3 +185,31 @@ class GeminiModel(nn.Module):
                         if chunk is not None and chunk.state is not ChunkState.RELEASED:
                             group.write_value(chunk, slot, value)
         return _IncompatibleKeys(missing, unexpected)
+
+
+_WRAPPER_CLASSES: dict[type, type] = {}
+
+
+def _wrapper_class(inner: type[nn.Module]) -> type[GeminiModel]:
+    """The :class:`GeminiModel` subclass for modules of class ``inner``: named like it, with
+    ``inner.forward``'s signature (see [Note: the wrapper looks like the wrapped model])."""
+    cls = _WRAPPER_CLASSES.get(inner)
+    if cls is not None:
+        return cls
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return GeminiModel.forward(self, *args, **kwargs)
+
+    try:
+        forward.__signature__ = inspect.signature(inner.forward)
+    except (TypeError, ValueError):  # a forward without an introspectable signature keeps (*args, **kwargs)
+        pass
+    forward.__doc__ = inner.forward.__doc__
+    cls = type(inner.__name__, (GeminiModel,), {
+        "forward": forward,
+        "__module__": GeminiModel.__module__,
+        "__qualname__": f"GeminiModel[{inner.__qualname__}]",
+        "__doc__": GeminiModel.__doc__,
+    })
+    _WRAPPER_CLASSES[inner] = cls
+    return cls

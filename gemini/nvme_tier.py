@@ -278,25 +278,31 @@ class NvmeTier:
                     c.drop_host_copy()
 
     @contextlib.contextmanager
-    def resident(self, group: ChunkGroup, *, modify: bool) -> Iterator[None]:
+    def resident(self, group: ChunkGroup, *, modify: bool, chunks: Sequence[Chunk] | None = None) -> Iterator[None]:
         """``group``'s states in host memory for the block (checkpoints); written back after it
-        if ``modify``, else just dropped (the files are current)."""
+        if ``modify``, else just dropped (the files are current). ``chunks``: only these of the
+        group's chunks (save_pretrained reads the masters only, a third of the bytes)."""
         if group.index not in self.groups:
             yield
             return
         self._check_open()
-        self._load(group)
+        chunks = self.chunks_of(group) if chunks is None else tuple(chunks)
+        for c in chunks:
+            if c.state is ChunkState.NVME and not c.io_pending:
+                c.start_load()
+        for c in chunks:
+            c.finish_io()
         if modify:
-            for c in self.chunks_of(group):
+            for c in chunks:
                 if c.state is ChunkState.HOST_AND_NVME:
                     c.drop_nvme_copy()
         try:
             yield
         finally:
-            for c in self.chunks_of(group):
+            for c in chunks:
                 if c.state is ChunkState.HOST:
                     c.start_spill()
-            for c in self.chunks_of(group):
+            for c in chunks:
                 if c.io_pending:
                     c.finish_spill()
                 elif c.state is ChunkState.HOST_AND_NVME:

@@ -14,9 +14,10 @@ import torch
 
 from chunks import ChunkGroup, Tier
 from gemini.adam import adam_update
+from gemini.clipping import clip_coefficient, grad_norm
 from gemini.loss_scaler import DynamicLossScaler
 from gemini.report import MemoryReport, WarmupTimeline
-from gemini.zero import agree_grad_ready, gather_params, gather_state, sharded_grad_norm
+from gemini.zero import agree_grad_ready, gather_params, gather_state
 
 if TYPE_CHECKING:
     from gemini.runtime import GeminiRuntime
@@ -24,10 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["HybridAdam"]
-
-# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
-_CLIP_EPS = 1e-6
-
 
 class HybridAdam(torch.optim.Optimizer):
     """Adam / AdamW whose parameters, gradients and states live in chunks.
@@ -72,8 +69,6 @@ class HybridAdam(torch.optim.Optimizer):
         self._scaled_backwards = 0
         self._backward_passes_at_step = 0
         self._step_started = time.perf_counter()
-        # Position of each parameter in the module (clipping visits them in this order).
-        self._param_order = {id(p): i for i, p in enumerate(runtime.module_params)}
         # The module's hooks keep the runtime alive as long as the module lives; the NVMe files
         # belong to the optimizer's states, so they go when the optimizer does.
         self._finalizer = weakref.finalize(self, runtime.close)
@@ -99,13 +94,9 @@ class HybridAdam(torch.optim.Optimizer):
         loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the accumulated gradients (the gradient chunks' storage is kept for reuse)."""
-        for group in self._rt.manager.trainable_groups:
-            group.grad_ready = [False] * len(group.slots)
-            group.grad_shard_filled = False
-        for hp in self.param_groups:
-            for p in hp["params"]:
-                p.grad = None
+        """Forget the accumulated gradients (the gradient chunks' storage is kept for reuse);
+        ``model.zero_grad()`` does the same."""
+        self._rt.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -114,6 +105,7 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
+        rt.grad_views.hide()  # what torch code did to p.grad counts; no view outlives a chunk move
         if rt.tracing:
             if rt.hooks.backward_passes == rt._backward_passes_at_trace:
                 raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
@@ -134,10 +126,7 @@ class HybridAdam(torch.optim.Optimizer):
         norm = None
         if rt.config.clip_grad_norm > 0 or self.scaler is not None:
             with torch.profiler.record_function("gemini::grad_norm"):
-                if zero is not None:  # over every rank's shards: the same on all ranks
-                    norm = sharded_grad_norm(zero, groups, tiers, self._param_order) / scale
-                else:
-                    norm = self._global_grad_norm(groups, tiers) / scale
+                norm = grad_norm(groups, tiers, rt.param_order, zero=zero) / scale
         overflow = self.scaler is not None and not math.isfinite(norm.item())
         if self.scaler is not None:
             self.scaler.update(overflow)
@@ -147,13 +136,9 @@ class HybridAdam(torch.optim.Optimizer):
             if streamed:
                 nvme.settle(streamed)  # the prefetched states are unchanged: their files stay current
         else:
-            clip_coef = None
             clip = rt.config.clip_grad_norm
-            if clip > 0:
-                # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, so results match it.
-                clip_coef = torch.clamp(clip / (norm + _CLIP_EPS), max=1.0)
-                if clip_coef.item() == 1.0:
-                    clip_coef = None
+            # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, so results match it.
+            clip_coef = clip_coefficient(norm, clip) if clip > 0 else None
             streamed_set = set(streamed)
             resident = [g for g in groups if g not in streamed_set]
             seconds = self._update(resident, tiers, scale, clip_coef)
@@ -170,6 +155,7 @@ class HybridAdam(torch.optim.Optimizer):
         if rt.placement.gatherer is not None:
             rt.placement.gatherer.end_iteration()
         self._finish_report(skipped=overflow, grad_norm=None if norm is None else norm.item(), seconds=seconds, scale=scale)
+        rt.grad_views.expose()  # torch keeps p.grad after the step, until zero_grad
         return loss
 
     # ------------------------------------------------------------------------- internals
@@ -182,28 +168,6 @@ class HybridAdam(torch.optim.Optimizer):
                 f"precision='fp16' needs optimizer.backward(loss) so the loss is scaled; "
                 f"{passes} backward pass(es) ran since the last step, {scaled} through optimizer.backward"
             )
-
-    def _global_grad_norm(self, groups: list[ChunkGroup], tiers: dict[int, Tier]) -> torch.Tensor:
-        """L2 norm (fp32, on the CPU) of every gradient that arrived since zero_grad, as stored.
-
-        [Note: clipping like torch]
-        torch.nn.utils.clip_grad_norm_ takes one norm per parameter, in the model's parameter
-        order, and the norm of those. Doing the same (rather than one norm per chunk) costs
-        nothing extra and keeps results bit-identical to plain PyTorch: gradients that are
-        rounding noise (a key projection's bias has a zero gradient in exact arithmetic) would
-        otherwise differ in every bit and Adam would amplify the difference.
-        """
-        views: list[tuple[int, torch.Tensor]] = []
-        for g in groups:
-            tier = tiers[g.index]
-            for slot in g.slots:
-                if g.grad_ready[slot.index]:
-                    views.append((self._param_order[id(g.params[slot.index])], g.grad.flat_view(slot, tier)))
-        if not views:
-            return torch.zeros((), dtype=torch.float32)
-        views.sort(key=lambda t: t[0])
-        norms = torch._foreach_norm([v for _, v in views], 2.0, dtype=torch.float32)
-        return torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))
 
     def _update(
         self, groups: list[ChunkGroup], tiers: dict[int, Tier], loss_scale: float, clip_coef: torch.Tensor | None

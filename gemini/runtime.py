@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunks import ChunkManager, ChunkStorage, Tier
+from chunks import ChunkManager, ChunkState, ChunkStorage, Tier
+from gemini.clipping import clip_coefficient, grad_norm, scale_grads_
 from gemini.collectives import Collectives
 from gemini.config import GeminiConfig
+from gemini.grad_views import GradViews
 from gemini.hooks import ModuleHooks
+from gemini.loss_scaler import DynamicLossScaler
 from gemini.memory import DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.placement import AutoPlacement, PlacementPolicy
@@ -19,6 +22,7 @@ from gemini.plan import MemoryPlan
 from gemini.report import ReportWriter, WarmupTimeline
 from gemini.system_memory import SystemMemory
 from gemini.warmup import Warmup, check_peak
+from gemini.zero import agree_grad_ready
 from tracer import InputSignature, PeriodHooks, input_signature
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,8 @@ class GeminiRuntime:
     nvme: NvmeTier | None = None
     zero: Collectives | None = None  # the data-parallel group ZeRO shards across (None: one rank)
     hooks: ModuleHooks | None = None
+    grad_views: GradViews | None = None  # p.grad between backward and the next pass; made in __post_init__
+    scaler: DynamicLossScaler | None = None  # fp16: the optimizer's loss scaler
     report_writer: ReportWriter | None = None
     warmup: Warmup | None = None
     plan: MemoryPlan | None = None
@@ -56,10 +62,65 @@ class GeminiRuntime:
     def __post_init__(self) -> None:
         if self.system is None:
             self.system = SystemMemory(self.device)
+        # Position of each parameter in the module (norms visit them in this order).
+        self.param_order = {id(p): i for i, p in enumerate(self.module_params)}
+        if self.grad_views is None:
+            self.grad_views = GradViews(self.manager, unavailable_reason=self._why_no_grad_views())
+
+    def _why_no_grad_views(self) -> str | None:
+        """Why ``p.grad`` cannot be an exact view (see [Note: gradients exposed as p.grad])."""
+        fix = "clip with model.clip_grad_norm_(max_norm) or GeminiConfig(clip_grad_norm=...)"
+        if self.zero is not None:
+            return (f"gemini: under ZeRO each rank keeps 1/{self.zero.world} of the reduced gradient of {{name}}, "
+                    f"so no whole p.grad exists; {fix}")
+        if self.config.precision == "fp16":
+            return f"gemini: under precision='fp16' the gradient of {{name}} is loss-scaled; {fix}"
+        return None
+
+    # ------------------------------------------------------------------------ gradients
+    def zero_grad(self, *, set_to_none: bool = True) -> None:
+        """Forget the accumulated gradients (``set_to_none=False``: keep them as zeros, as torch
+        does, so exposed ``p.grad`` views read zeros; the chunks' storage is kept for reuse)."""
+        if not set_to_none:
+            self.grad_views.hide()
+            with torch.no_grad():
+                for g in self.manager.trainable_groups:
+                    if g.any_grad_ready and g.step_grad.state is not ChunkState.RELEASED:
+                        for tier in g.step_grad.tiers:
+                            g.step_grad.payload(tier).zero_()
+            self.grad_views.expose()
+            return
+        self.grad_views.hide()
+        for g in self.manager.trainable_groups:
+            g.grad_ready = [False] * len(g.slots)
+            g.grad_shard_filled = False
+        for p in self.module_params:
+            p.grad = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """See :meth:`gemini.GeminiModel.clip_grad_norm_`."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+            raise ValueError(f"max_norm={max_norm!r} is invalid: expected a number >= 0")
+        self.grad_views.hide()  # what torch code did to p.grad counts
+        with torch.no_grad():
+            groups = self.manager.trainable_groups
+            if self.zero is not None:
+                agree_grad_ready(self.zero, groups)  # see [Note: the order of collectives]
+            groups = [g for g in groups if g.any_grad_ready]
+            tiers = {g.index: g.step_grad.primary_tier for g in groups}
+            norm = grad_norm(groups, tiers, self.param_order, zero=self.zero, norm_type=norm_type)
+            if self.scaler is not None:
+                norm = norm / self.scaler.scale
+            coef = clip_coefficient(norm, float(max_norm))
+            if coef is not None:
+                scale_grads_(groups, tiers, coef)
+        self.grad_views.expose()
+        return norm
 
     # -------------------------------------------------------------------- iteration events
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
         """The root module's forward begins (its first forward pre-hook)."""
+        self.grad_views.hide()
         self.begin_window()
         if isinstance(self.placement, AutoPlacement):
             if self.warmup is None:
@@ -171,7 +232,8 @@ class GeminiRuntime:
             return
         peak = self.memory.peak_bytes()
         try:
-            check_peak(peak, self.memory.budget_bytes, what="the first iteration")
+            check_peak(peak, self.memory.budget_bytes, what="the first iteration", placement=self.config.placement,
+                       chunk_peak_bytes=self.storage.stats[Tier.DEVICE].peak_bytes)
         except Exception:
             self.end_window()
             raise

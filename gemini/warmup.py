@@ -87,19 +87,35 @@ class Warmup:
         )
         # Later iterations keep the reserve free on top of what the warm-up needed (they can
         # always fall back to its schedule), so the promise is checked with it, here.
-        check_peak(warmup_peak + plan.reserve_bytes, self.memory.budget_bytes,
-                   what=f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve)")
+        check_peak(warmup_peak + plan.reserve_bytes, self.memory.budget_bytes, placement="auto",
+                   what=f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve)",
+                   chunk_peak_bytes=plan.warmup_model_peak_bytes)
         return plan
 
 
-def check_peak(peak_bytes: int, budget_bytes: int, *, what: str) -> None:
-    """Raise DeviceBudgetError when a measured peak went over the budget."""
-    if peak_bytes > budget_bytes:
-        missing = peak_bytes - budget_bytes
-        raise DeviceBudgetError(
-            f"{what} needed {peak_bytes} bytes of device memory at its peak but GeminiConfig.device_memory is "
-            f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, use "
-            f"placement='auto' (chunks evicted under pressure) or 'cpu', a smaller chunk_size (smaller working set), "
-            f"a smaller batch or activation checkpointing (less non-model memory).",
-            missing_bytes=missing,
-        )
+def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, placement: str,
+               chunk_peak_bytes: int | None = None) -> None:
+    """Raise DeviceBudgetError when a measured peak went over the budget, with advice that fits
+    the placement in force (a user already on 'auto' is not told to use 'auto')."""
+    if peak_bytes <= budget_bytes:
+        return
+    missing = peak_bytes - budget_bytes
+    split = ""
+    if chunk_peak_bytes is not None:
+        split = (f" (chunks at most {chunk_peak_bytes} bytes; the rest is activations, workspaces and "
+                 f"buffers)")
+    if placement in ("auto", "cpu"):
+        # Only the chunks of the running modules are on the device here: what is left to cut is
+        # that working set and the non-model memory.
+        advice = ("a smaller chunk_size (fewer parameter bytes fetched per module), a smaller batch or "
+                  "sequence, or activation checkpointing (less activation memory)")
+    elif placement == "static":
+        advice = ("lower static_param_device_fraction or raise static_optimizer_offload_fraction (fewer chunks kept "
+                  "on the device), use placement='auto' (chunks evicted under pressure), or a smaller batch")
+    else:
+        advice = "use placement='auto' (chunks evicted under pressure) or 'cpu', or a smaller batch"
+    raise DeviceBudgetError(
+        f"{what} needed {peak_bytes} bytes of device memory at its peak{split} but GeminiConfig.device_memory is "
+        f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or try {advice}.",
+        missing_bytes=missing,
+    )

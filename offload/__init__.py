@@ -1,5 +1,6 @@
 """Where bytes live off the compute device: tier budgets, a pinned host pool, an NVMe store."""
 
+from offload.aligned import byte_view
 from offload.budgets import BudgetExceededError, Tier, TierBudgets, TierUsage, format_size, parse_size
 from offload.errors import NvmeCorruptionError, NvmeStoreError
 from offload.nvme_store import IoMode, NvmeStats, NvmeStore, NvmeStoreConfig, StoreState
@@ -19,6 +20,7 @@ __all__ = [
     "Tier",
     "TierBudgets",
     "TierUsage",
+    "byte_view",
     "format_size",
     "parse_size",
 ]

@@ -62,8 +62,27 @@ def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
         opt.backward(GPT.loss(gmodel(x), y))
         opt.step()
     assert err.value.missing_bytes > 0
+    # Advice for a user already on auto: not "use placement='auto'", but what helps under it.
+    assert "placement='auto'" not in str(err.value)
+    assert "chunk_size" in str(err.value) and "checkpointing" in str(err.value)
     assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
     assert opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("placement, advice", [("cuda", "placement='auto'"), ("cpu", "chunk_size"),
+                                               ("static", "static_param_device_fraction")])
+def test_first_step_budget_error_advises_for_the_placement_in_force(placement, advice):
+    base, _ = clone_pair(CFG)
+    budget = 24 * CFG.num_params() if placement != "cpu" else 4 * CHUNK * 4 + 1024  # chunks fit, the step does not
+    gcfg = gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=CHUNK, device_memory=budget)
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2)
+    x, y = batches(CFG, 1, batch=8, seq=32)[0]
+    with pytest.raises(DeviceBudgetError, match="the first iteration") as err:
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+    assert advice in str(err.value)
+    if placement == "cpu":
+        assert "placement='auto'" not in str(err.value)
 
 
 def test_margin_ratio_puts_more_optimizer_states_on_the_device_and_changes_no_result():

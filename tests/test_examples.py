@@ -20,7 +20,7 @@ def _example(name: str):
 
 
 @pytest.mark.parametrize("name", ["train_gpt_larger_than_device", "tune_margin", "memory_reports",
-                                  "train_hf_transformers", "train_data_parallel"])
+                                  "train_hf_transformers", "train_data_parallel", "train_hf_trainer"])
 def test_docstring_gives_the_command(name):
     doc = _example(name).__doc__
     launcher = "torchrun --standalone --nproc-per-node 2" if name == "train_data_parallel" else "python"
@@ -82,3 +82,15 @@ def test_train_data_parallel_under_torchrun(tmp_path):
 
     plain = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=64))
     plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=False)["model"])
+
+
+def test_train_hf_trainer_runs_or_skips_cleanly(tmp_path, capsys):
+    argv = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--vocab", "256", "--seq", "16", "--steps", "3",
+            "--budget", "2MiB", "--out", str(tmp_path)]
+    assert _example("train_hf_trainer").main(argv) == 0
+    out = capsys.readouterr().out
+    if importlib.util.find_spec("transformers") is None:
+        assert "skipping" in out
+        return
+    assert len([line for line in out.splitlines() if line.startswith("step ")]) == 3
+    assert "saved and reloaded with from_pretrained" in out

@@ -22,6 +22,10 @@ CHUNK = 600  # several chunk groups, tensors cut between the two ranks' ranges
 SPECS = [
     ("cpu-zero2-clip-accumulate", {"micro_batches": 2, "config": {"placement": "cpu", "clip_grad_norm": 0.5}}),
     ("cpu-zero3", {"config": {"placement": "cpu", "shard_params": True}}),
+    # model.clip_grad_norm_ (FSDP's call) instead of GeminiConfig.clip_grad_norm: a collective.
+    ("cpu-zero2-model-clip", {"micro_batches": 2, "model_clip": 0.5, "config": {"placement": "cpu"}}),
+    ("auto-zero3-model-clip", {"model_clip": 0.5, "config": {"placement": "auto", "device_memory": "256MiB",
+                                                             "shard_params": True}}),
     ("cuda-zero3-clip", {"config": {"placement": "cuda", "shard_params": True, "clip_grad_norm": 0.5}}),
     ("auto-zero2-margin", {"config": {"placement": "auto", "device_memory": "256MiB", "gpu_margin_mem_ratio": 0.5}}),
     ("auto-zero3", {"config": {"placement": "auto", "device_memory": "256MiB", "shard_params": True}}),
@@ -60,7 +64,7 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
 def test_two_ranks_equal_adamw_on_global_batch(two_rank_runs, name):
     spec = _spec(dict(SPECS)[name])
     ref, _, _ = zw.train_reference(STEPS, micro_batches=spec.get("micro_batches", 1),
-                                   clip=spec["config"].get("clip_grad_norm", 0.0))
+                                   clip=spec["config"].get("clip_grad_norm", spec.get("model_clip", 0.0)))
     init = zw.make_net().state_dict()
     for rank, run in enumerate(two_rank_runs[name]):
         for step, (got, want) in enumerate(zip(run["states"], ref)):

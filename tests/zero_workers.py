@@ -77,13 +77,23 @@ def train_reference(steps: int, *, micro_batches: int = 1, clip: float = 0.0, lr
     return out, model, opt
 
 
-def train_gemini(model, opt, data, rank: int, world: int, steps: int, *, micro_batches: int = 1):
-    """Per step: the consolidated model state_dict and the report."""
+def train_gemini(model, opt, data, rank: int, world: int, steps: int, *, micro_batches: int = 1,
+                 model_clip: float = 0.0):
+    """Per step: the consolidated model state_dict and the report. ``model_clip``: clip with
+    ``model.clip_grad_norm_`` between backward and step (torch's own clip must refuse loudly)."""
     states, reports = [], []
     for s in range(steps):
         for batch in data[s * micro_batches : (s + 1) * micro_batches]:
             x, y = local(batch, rank, world)
             opt.backward(loss_fn(model(x), y) / micro_batches)
+        if model_clip > 0:
+            try:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), model_clip)
+            except RuntimeError as e:
+                assert "under ZeRO" in str(e) and "model.clip_grad_norm_" in str(e), e
+            else:
+                raise AssertionError("torch's clip_grad_norm_ must not run on ZeRO-sharded gradients")
+            model.clip_grad_norm_(model_clip)
         opt.step()
         opt.zero_grad()
         states.append(model.state_dict())
@@ -104,7 +114,7 @@ def run_specs(rank: int, world: int, specs: list[dict], out_dir: str) -> None:
         mb = spec.get("micro_batches", 1)
         model, opt = gemini.initialize(make_net(), config(spec, out_dir), lr=1e-2, weight_decay=0.01)
         states, reports = train_gemini(model, opt, make_data(spec["steps"], mb), rank, world, spec["steps"],
-                                       micro_batches=mb)
+                                       micro_batches=mb, model_clip=spec.get("model_clip", 0.0))
         torch.save({"states": states, "reports": reports}, f"{out_dir}/spec{i}_rank{rank}.pt")
         opt.close()
 

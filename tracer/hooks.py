@@ -123,6 +123,9 @@ class PeriodHooks:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    # Run eagerly, never traced, inside a torch.compile'd model: the callback moves chunks and
+    # reads Python state (see [Note: hooks under torch.compile] in gemini/hooks.py).
+    @torch._disable_dynamo
     def _forward_pre(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         phase = Phase.RECOMPUTE if in_autograd_engine() else Phase.FORWARD
         if phase is Phase.FORWARD and module is self._module:
@@ -139,6 +142,7 @@ class PeriodHooks:
     # removed and one hook announces the parent, then the child. Outputs that only partly
     # overlap keep separate hooks (and the child-first order).
 
+    @torch._disable_dynamo
     def _forward_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         # A recomputed forward's outputs only feed the saved tensors of the original graph;
         # their gradients are never computed, so there is no backward to announce.

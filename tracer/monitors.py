@@ -199,6 +199,17 @@ class _AccountingMode(TorchDispatchMode):
                 self._monitor._see(kwargs)
         return out
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile skips every frame while a dispatch mode that does not say this is
+        # active, so with the monitor running (the CPU stand-in with a budget, or placement
+        # auto) nothing was compiled. Saying it keeps the mode off while dynamo traces and
+        # compiles, and on while the compiled code runs: with the "eager" and "aot_eager"
+        # backends every operator of the graphs reaches the mode, as in eager mode; inductor's
+        # generated code allocates some buffers below the dispatcher, which the mode then
+        # misses (a lower bound; on CUDA the allocator monitor sees every byte).
+        return True
+
 
 class TensorAccountingMonitor(MemoryMonitor):
     """Exact sum of the bytes of live tensor storages on one device; works on any device.

@@ -1,0 +1,128 @@
+"""``p.grad`` as views of the gradient chunks, so torch's own gradient tools see gemini's gradients.
+
+[Note: gradients exposed as p.grad]
+Gradients live in gradient chunks, not in ``p.grad`` (the hooks move each freshly accumulated
+gradient into its chunk slot and set ``p.grad`` back to None). Plain PyTorch code reads and
+writes ``p.grad`` between backward and step: ``torch.nn.utils.clip_grad_norm_``,
+``model.zero_grad()``, gradient logging. So after each backward pass (and after each step)
+every parameter with a gradient since ``zero_grad`` gets ``p.grad`` = a view of its slot:
+- torch requires ``p.grad`` on ``p``'s device. When the gradient chunk is on the host while
+  the parameter chunk also has a device copy (kept for the next forward), ``p.data`` is
+  pointed at the identical host copy for as long as the views are out; :meth:`GradViews.hide`
+  points it back. No byte moves either way.
+- Whatever torch does to the views is what the step sees: ``clip_grad_norm_`` scales the
+  chunk in place; ``p.grad = None`` (``nn.Module.zero_grad`` on the inner module, a torch
+  optimizer's ``zero_grad``) forgets that gradient; an in-place ``p.grad.zero_()`` zeroes it;
+  a tensor assigned to ``p.grad`` replaces it. :meth:`GradViews.hide` reads those changes back.
+- Where a view cannot be exact, ``p.grad`` is an :class:`UnavailableGrad`: under fp16 the
+  chunk holds loss-scaled gradients, and under ZeRO a rank holds 1/world of each reduced
+  gradient. Its shape, dtype and device are right, so code that only looks works; any
+  computation with it raises, naming ``model.clip_grad_norm_``.
+- Views are withdrawn (``p.grad = None``) before the next forward or backward pass, so
+  autograd never accumulates into them, and before the step moves chunks, so no view outlives
+  the payload it points into.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
+
+__all__ = ["GradViews", "UnavailableGrad"]
+
+
+class UnavailableGrad(torch.Tensor):
+    """Stands in ``p.grad`` where no exact view of the gradient exists; any use raises."""
+
+    reason: str
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, reason: str) -> UnavailableGrad:
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+        t.reason = reason
+        return t
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"UnavailableGrad(shape={tuple(self.shape)}, dtype={self.dtype}: {self.reason})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(t, UnavailableGrad):
+                raise RuntimeError(f"{t.reason} (while calling {func})")
+        raise RuntimeError(f"UnavailableGrad in {func}")
+
+
+class GradViews:
+    """Puts views of the gradient chunks into ``p.grad`` and takes them back (see the module note)."""
+
+    def __init__(self, manager: ChunkManager, *, unavailable_reason: str | None) -> None:
+        self.manager = manager
+        # Why no exact view exists (fp16, ZeRO), with a {name} field; None: views are exact.
+        self._unavailable_reason = unavailable_reason
+        # param -> (its group, its slot index, the tensor put into p.grad, the gradient's tier)
+        self._out: dict[nn.Parameter, tuple[ChunkGroup, int, torch.Tensor, Tier | None]] = {}
+        self._redirected: list[Chunk] = []  # param chunks whose params point at a non-primary copy
+
+    def expose(self) -> None:
+        """Every parameter with a gradient since zero_grad: ``p.grad`` = its gradient."""
+        self.hide()
+        for g in self.manager.trainable_groups:
+            if not g.any_grad_ready:
+                continue
+            reason = self._unavailable_reason
+            tier = None
+            if reason is None:
+                tier = g.grad.primary_tier if g.grad.state is not ChunkState.RELEASED else None
+                if tier is None or not g.param.is_on(tier):
+                    reason = (f"gemini: the gradient of {{name}} is not beside its parameter (gradient chunk "
+                              f"{g.grad.state.value}, parameter chunk {g.param.state.value})")
+                elif g.param.primary_tier is not tier:
+                    self._redirect(g, tier)
+            for slot, p in zip(g.slots, g.params):
+                if not g.grad_ready[slot.index]:
+                    continue
+                grad = g.grad.view(slot, tier) if reason is None else UnavailableGrad(p, reason.format(name=slot.name))
+                p.grad = grad
+                self._out[p] = (g, slot.index, grad, tier)
+
+    def _redirect(self, g: ChunkGroup, tier) -> None:
+        for slot, p in zip(g.param.slots, g.params):
+            p.data = g.param.view(slot, tier)
+        self._redirected.append(g.param)
+
+    def hide(self) -> None:
+        """Take the views back, keeping what was done to them (see the module note)."""
+        refused = []
+        for p, (g, index, grad, tier) in self._out.items():
+            now = p.grad
+            p.grad = None
+            if now is grad:
+                continue
+            if now is None:
+                self._forget(g, index)
+            elif isinstance(grad, UnavailableGrad):
+                refused.append(f"{g.slots[index].name}: {grad.reason}")
+            else:
+                g.grad.flat_view(g.slots[index], tier).copy_(now.reshape(-1))  # assigned: it replaces the gradient
+        self._out.clear()
+        for chunk in self._redirected:
+            self.manager.repoint(chunk)
+        self._redirected.clear()
+        if refused:
+            raise RuntimeError("gemini: tensors were assigned to p.grad where gemini's gradient cannot be replaced "
+                               "(it was kept): " + "; ".join(refused))
+
+    @staticmethod
+    def _forget(g: ChunkGroup, index: int) -> None:
+        """``p.grad = None`` for one parameter: it has no gradient until the next backward."""
+        g.grad_ready[index] = False
+        if g.grad_shard is not None and g.grad_shard.state is not ChunkState.RELEASED:
+            # ZeRO: the reduced shard accumulates across backward passes; clear this tensor's pieces.
+            for piece in g.os_slots:
+                if piece.index == index:
+                    for tier in g.grad_shard.tiers:
+                        g.grad_shard.payload(tier)[piece.offset : piece.end].zero_()

@@ -1,0 +1,129 @@
+"""GeminiTrainer: transformers.Trainer through gemini equals plain Trainer (the hf extra)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytest.importorskip("accelerate")
+
+import gemini  # noqa: E402
+from gemini.hf import GeminiTrainer  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+VOCAB, SEQ = 64, 16
+
+
+def _llama(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Causal-LM rows, with a padded tail (labels -100) so token counting matters."""
+
+    def __init__(self, n: int = 24):
+        g = torch.Generator().manual_seed(3)
+        self.rows = []
+        for i in range(n):
+            ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+            labels = ids.clone()
+            labels[SEQ - 1 - i % 5 :] = -100
+            self.rows.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                              "source": i})  # a column the model does not take: Trainer must drop it
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
+                learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
+                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=7, data_seed=7,
+                dataloader_num_workers=0, disable_tqdm=True)
+    base.update(kw)
+    return transformers.TrainingArguments(**base)
+
+
+def _load(folder):
+    return transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+
+
+def _assert_models_close(got: dict, want: dict, rel: float = 1e-5):
+    assert got.keys() == want.keys()
+    for k in want:
+        diff = (got[k].float() - want[k].float()).norm() / want[k].float().norm().clamp_min(1e-12)
+        assert diff < rel, f"{k}: relative difference {diff:.3e}"
+
+
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+def test_gemini_trainer_saves_the_same_model_as_plain_trainer(tmp_path, placement):
+    base = _llama()
+    plain = transformers.Trainer(model=copy.deepcopy(base), args=_args(tmp_path / "plain"), train_dataset=_Tokens())
+    plain.train()
+    plain.save_model(tmp_path / "plain")
+
+    cfg = gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=4096)
+    trainer = GeminiTrainer(model=copy.deepcopy(base), args=_args(tmp_path / "gemini"), train_dataset=_Tokens(),
+                            gemini_config=cfg)
+    # What Trainer learns from the model: label names, loss kwargs, the causal-LM label shift.
+    assert trainer.label_names == plain.label_names == ["labels"]
+    assert trainer.model_accepts_loss_kwargs == plain.model_accepts_loss_kwargs
+    assert trainer._loss_shifts_labels and plain._loss_shifts_labels
+    trainer.train()
+    trainer.save_model(tmp_path / "gemini")
+    _assert_models_close(_load(tmp_path / "gemini"), _load(tmp_path / "plain"))
+
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    plain_logs = [h for h in plain.state.log_history if "loss" in h]
+    assert len(logs) == len(plain_logs) == 6
+    for got, want in zip(logs, plain_logs):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert got["learning_rate"] == pytest.approx(want["learning_rate"], rel=1e-9)
+        assert got["gemini_device_peak_mib"] > 0 and "gemini_host_model_mib" in got
+    assert max(h["grad_norm"] for h in logs) > 0.5  # clipping was active
+
+
+def test_resume_from_checkpoint_restores_the_optimizer_exactly(tmp_path):
+    base = _llama()
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=4096)
+    straight = GeminiTrainer(model=copy.deepcopy(base), args=_args(tmp_path / "straight"), train_dataset=_Tokens(),
+                             gemini_config=cfg)
+    straight.train()
+    straight.save_model(tmp_path / "straight")
+
+    first = GeminiTrainer(model=copy.deepcopy(base), args=_args(tmp_path / "run", save_strategy="steps", save_steps=3),
+                          train_dataset=_Tokens(), gemini_config=cfg)
+    first.train()
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    assert (ckpt / "optimizer.pt").exists()
+    torch.load(ckpt / "optimizer.pt", weights_only=True)  # data only
+    resumed = GeminiTrainer(model=_llama(seed=99), args=_args(tmp_path / "run"), train_dataset=_Tokens(),
+                            gemini_config=cfg)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    resumed.save_model(tmp_path / "resumed")
+    _assert_models_close(_load(tmp_path / "resumed"), _load(tmp_path / "straight"), rel=1e-6)
+
+
+def test_precision_comes_from_the_training_arguments(tmp_path):
+    trainer = GeminiTrainer(model=_llama(), args=_args(tmp_path, bf16=True, max_steps=2), train_dataset=_Tokens(),
+                            gemini_config=gemini.GeminiConfig(device="cpu", placement="cpu"))
+    assert trainer.gemini_config.precision == "bf16"
+    assert not trainer.args.bf16  # Trainer's autocast is off: gemini computes in bf16 itself
+    trainer.train()
+    assert next(trainer.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="precision"):
+        GeminiTrainer(model=_llama(), args=_args(tmp_path, fp16=True),
+                      gemini_config=gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16"))

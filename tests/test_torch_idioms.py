@@ -1,0 +1,229 @@
+"""The loops people write: model.zero_grad(), torch's clip_grad_norm_, p.grad, model.to().
+
+Each training test runs the same loop on plain PyTorch (torch.optim.AdamW, fused) and through
+gemini, and compares parameters after every step (fp32, 1e-6).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import gemini
+from gemini.gpt import GPT, GPTConfig
+from gemini.grad_views import UnavailableGrad
+from helpers import assert_params_close, batches, clone_pair
+
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
+MODEL_DATA_BYTES = 16 * CFG.num_params()  # fp32 params, grads, m and v
+
+CONFIGS = {
+    "cuda": dict(placement="cuda", chunk_size=8192),
+    "cpu": dict(placement="cpu", chunk_size=8192),
+    "static": dict(placement="static", chunk_size=8192, static_param_device_fraction=0.5,
+                   static_optimizer_offload_fraction=0.5),
+    # Parameters stay cached on the device while gradients go to the host: p.grad needs the
+    # parameter pointed at its host copy (see [Note: gradients exposed as p.grad]).
+    "auto-evicting": dict(placement="auto", chunk_size=8192, device_memory=int(MODEL_DATA_BYTES / 2.5)),
+    "auto-margin": dict(placement="auto", chunk_size=8192, gpu_margin_mem_ratio=0.5),
+}
+STEPS = 4
+
+
+def _loop(model, opt, data, *, clip=None, zero=None, micro_batches=1):
+    """backward per micro-batch, optional clipping, step, then ``zero(model, opt)``."""
+    zero = zero or (lambda m, o: m.zero_grad())
+    norms, snapshots = [], []
+    for i in range(0, len(data), micro_batches):
+        for x, y in data[i : i + micro_batches]:
+            (GPT.loss(model(x), y) / micro_batches).backward()
+        if clip is not None:
+            norms.append(clip(model).item())
+        opt.step()
+        zero(model, opt)
+        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return norms, snapshots
+
+
+def _pair(name, **extra):
+    base, ref = clone_pair(CFG)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", **CONFIGS[name], **extra),
+                                    lr=1e-2, weight_decay=0.1)
+    return (ref, ref_opt), (gmodel, opt)
+
+
+def _assert_same_run(got, want):
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, step=step)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_model_zero_grad_clears_gradients_like_torch(name):
+    """The issue's loop: without a working model.zero_grad() gradients pile up across steps."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+    _, want = _loop(ref, ref_opt, data)
+    _, got = _loop(gmodel, opt, data)
+    _assert_same_run(got, want)
+    assert all(p.grad is None for p in gmodel.parameters())
+    assert not any(any(g.grad_ready) for g in opt._rt.manager.trainable_groups)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_torch_clip_grad_norm_clips_like_torch(name):
+    """torch.nn.utils.clip_grad_norm_ on model.parameters() sees the gradients (views of their
+    chunk slots), returns the same norm and clips them, with gradient accumulation."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, 2 * STEPS, batch=2, seq=16)
+    clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # noqa: E731
+    want_norms, want = _loop(ref, ref_opt, data, clip=clip, micro_batches=2)
+    got_norms, got = _loop(gmodel, opt, data, clip=clip, micro_batches=2)
+    assert min(want_norms) > 0.05  # clipping was active at every step
+    assert got_norms == want_norms
+    _assert_same_run(got, want)
+
+
+@pytest.mark.parametrize("name", ["cpu", "auto-evicting"])
+def test_model_clip_grad_norm_equals_torch_clipping(name):
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+    want_norms, want = _loop(ref, ref_opt, data, clip=lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+    got_norms, got = _loop(gmodel, opt, data, clip=lambda m: m.clip_grad_norm_(0.05))
+    assert got_norms == want_norms
+    _assert_same_run(got, want)
+
+
+@pytest.mark.parametrize("name", ["cpu", "auto-evicting", "static"])
+def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
+    """After backward p.grad equals torch's gradient, on the parameter's device; setting some to
+    None (a torch optimizer's zero_grad, the inner module's zero_grad) skips them at the step,
+    as torch's AdamW does; a tensor assigned to p.grad replaces the gradient."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+    ref_params = dict(ref.named_parameters())
+    got_params = dict(gmodel.module.named_parameters())
+
+    def edit(model, params):
+        params["blocks.1.attn.qkv.weight"].grad = None  # skipped this step
+        g = params["blocks.2.mlp.fc.bias"].grad
+        params["blocks.2.mlp.fc.bias"].grad = g * 3  # replaced
+        params["blocks.0.ln1.weight"].grad.mul_(0.5)  # edited in place
+
+    # The CPU stands in for the device: the reference's tensors are not the device's.
+    outside = opt._rt.memory.quiet
+    for step, (x, y) in enumerate(data):
+        GPT.loss(gmodel(x), y).backward()
+        with outside():
+            GPT.loss(ref(x), y).backward()
+            for n, p in ref_params.items():
+                q = got_params[n]
+                assert q.grad is not None and q.grad.device == q.device, n
+                torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"step {step} {n}: {m}")
+            edit(ref, ref_params)
+        edit(gmodel, got_params)
+        with outside():
+            ref_opt.step()
+        opt.step()
+        if step % 2:
+            ref.zero_grad()
+            gmodel.module.zero_grad()  # the inner module's own zero_grad: p.grad = None
+        else:
+            ref_opt.zero_grad()
+            opt.zero_grad()
+        assert_params_close({k: v.detach() for k, v in gmodel.state_dict().items()}, ref.state_dict(), step=step)
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_zero_grad_set_to_none_false_keeps_zeros_like_torch(name):
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+    zero = lambda m, o: m.zero_grad(set_to_none=False)  # noqa: E731
+    _, want = _loop(ref, ref_opt, data, zero=zero)
+    _, got = _loop(gmodel, opt, data, zero=zero)
+    _assert_same_run(got, want)
+    for p in gmodel.parameters():
+        assert p.grad is not None and not p.grad.any()
+
+
+def test_fp16_gradients_are_refused_loudly_and_model_clip_works():
+    """Under fp16 the chunks hold loss-scaled gradients: torch's clip must fail loudly instead of
+    clipping scaled values (or returning 0); model.clip_grad_norm_ returns the unscaled norm."""
+    (ref, _), (gmodel, opt) = _pair("cpu", precision="fp16")
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    opt.backward(GPT.loss(gmodel(x), y))
+    p = next(gmodel.parameters())
+    assert isinstance(p.grad, UnavailableGrad) and p.grad.shape == p.shape
+    with pytest.raises(RuntimeError, match=r"loss-scaled.*model\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(gmodel.parameters(), 1.0)
+    GPT.loss(ref(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+    got = gmodel.clip_grad_norm_(float("inf"))
+    assert got.item() == pytest.approx(want.item(), rel=2e-2)  # fp16 compute vs fp32
+
+
+def test_model_clip_grad_norm_rejects_bad_values():
+    _, (gmodel, opt) = _pair("cpu")
+    with pytest.raises(ValueError, match="max_norm"):
+        gmodel.clip_grad_norm_(-1.0)
+
+
+def test_gradient_views_are_withdrawn_before_the_next_pass():
+    """Autograd never accumulates into a view: p.grad is None from the next forward on, and
+    the accumulated gradient is still right after the second backward."""
+    (ref, ref_opt), (gmodel, opt) = _pair("auto-evicting")
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    with opt._rt.memory.quiet():  # the CPU stands in for the device: the reference's tensors are not the device's
+        GPT.loss(ref(x), y).backward()
+        GPT.loss(ref(x), y).backward()
+    GPT.loss(gmodel(x), y).backward()
+    out = gmodel(x)
+    assert all(p.grad is None for p in gmodel.parameters())
+    GPT.loss(out, y).backward()
+    for (n, p), q in zip(ref.named_parameters(), gmodel.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+    # Parameters point back at their device copies once the views are withdrawn.
+    gmodel(x)
+    rt = opt._rt
+    for g in rt.manager.groups:
+        for slot, param in zip(g.slots, g.params):
+            assert param.data.data_ptr() == g.param.view(slot).data_ptr()
+
+
+class _Net(nn.Module):
+    """A model with keyword inputs and attributes callers inspect."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+        self.loss_type = "ForCausalLM"
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.head(self.embed(input_ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None else logits
+
+
+def test_wrapper_shows_the_wrapped_signature_class_and_attributes():
+    gmodel, _ = gemini.initialize(_Net(), gemini.GeminiConfig(device="cpu", placement="cpu"))
+    assert list(inspect.signature(gmodel.forward).parameters) == ["input_ids", "attention_mask", "labels"]
+    assert type(gmodel).__name__ == "_Net" and isinstance(gmodel, gemini.GeminiModel)
+    assert "labels" in inspect.signature(type(gmodel).forward).parameters  # what Trainer's find_labels reads
+    assert gmodel.main_input_name == "input_ids" and gmodel.loss_type == "ForCausalLM"
+    with pytest.raises(AttributeError):
+        gmodel.no_such_attribute  # noqa: B018
+    ids = torch.randint(0, 16, (2, 5))
+    assert gmodel(input_ids=ids, labels=ids).ndim == 0
+    # Same device and precision: a no-op; anything else is refused before a byte moves.
+    assert gmodel.to("cpu") is gmodel and gmodel.cpu() is gmodel and gmodel.float() is gmodel
+    with pytest.raises(RuntimeError, match="GeminiConfig"):
+        gmodel.half()
+    with pytest.raises(RuntimeError, match="GeminiConfig"):
+        gmodel.to("meta")
+    with pytest.raises(RuntimeError, match="chunks"):
+        gmodel.double()
