@@ -127,3 +127,22 @@ def test_precision_comes_from_the_training_arguments(tmp_path):
     with pytest.raises(ValueError, match="precision"):
         GeminiTrainer(model=_llama(), args=_args(tmp_path, fp16=True),
                       gemini_config=gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16"))
+
+
+def test_fp16_overflow_skips_the_step_and_holds_the_scheduler(tmp_path):
+    """fp16 goes through gemini's loss scaler: an overflowing step is skipped, Trainer is told
+    (its scheduler does not advance), and the scale backs off until steps land."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", initial_scale=2.0**32, hysteresis=1,
+                              backoff_factor=2.0**-12)
+    trainer = GeminiTrainer(model=_llama(), args=_args(tmp_path, fp16=True, warmup_steps=0, max_steps=4),
+                            train_dataset=_Tokens(), gemini_config=cfg)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    skipped = [not torch.isfinite(torch.tensor(h["grad_norm"])) for h in logs]
+    assert skipped[0] and not skipped[-1], skipped
+    # The linear schedule starts at the full rate and advances only on steps that landed.
+    lrs = [h["learning_rate"] for h in logs]
+    assert lrs[0] == pytest.approx(3e-3) and lrs[skipped.index(False)] == pytest.approx(3e-3)
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(after[k], before[k]) for k in before)
