@@ -54,14 +54,20 @@ class ModuleHooks:
         # Forward hooks are never traced by torch.compile: see [Note: hooks under torch.compile].
         root_pre = torch._disable_dynamo(lambda m, args, kwargs: on_root_forward(args, kwargs))
         self._handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(self._root_post_forward))
+        # always_call: the post-hooks run even when the forward raises, so every module entered
+        # is left again. Non-reentrant activation checkpointing stops its recompute with an
+        # exception (_StopRecomputationError) inside the last module it needs; without this,
+        # that module's compute references leaked, one per iteration, and its chunks could
+        # never be evicted again.
+        self._handles.append(module.register_forward_hook(self._root_post_forward, always_call=True))
         for sub in module.modules():
             groups = manager.groups_of(sub.parameters(recurse=False))
             if not groups:
                 continue
             placement.count_uses(groups)
             self._handles.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
-            self._handles.append(sub.register_forward_hook(functools.partial(self._post_forward, groups)))
+            self._handles.append(sub.register_forward_hook(functools.partial(self._post_forward, groups),
+                                                           always_call=True))
         for group in manager.trainable_groups:
             for p in group.params:
                 if p.requires_grad:

@@ -522,10 +522,13 @@ class AutoPlacement(PlacementPolicy):
                 victims = self._any_victims(candidates, over)
         except EvictionError as e:
             short = over - sum(candidates.values())
+            # Raised in forward or backward, before the step: parameters, optimizer states and
+            # step counts are untouched; only this iteration's gradients are partial.
             raise DeviceBudgetError(
                 f"the device budget cannot hold this period: {short} bytes are missing even after evicting every "
-                f"chunk not in use ({e}). Raise GeminiConfig.device_memory, lower gpu_margin_mem_ratio, or use a "
-                f"smaller chunk_size or batch.",
+                f"chunk not in use ({e}). Nothing was updated: parameters and optimizer states are as before this "
+                f"iteration (call optimizer.zero_grad() before retrying: its gradients are partial). Raise "
+                f"GeminiConfig.device_memory, lower gpu_margin_mem_ratio, or use a smaller chunk_size or batch.",
                 missing_bytes=short,
             ) from None
         for i in victims:

@@ -111,6 +111,22 @@ def test_activation_checkpointing_under_auto():
     assert "recompute" in phases
 
 
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+def test_checkpointing_leaves_no_compute_reference_behind(placement):
+    """Non-reentrant checkpointing stops its recompute early with an exception inside the last
+    module it needs: that module must still be left, or its chunk groups stay "in use" (never
+    evictable), one more reference each iteration."""
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64, activation_checkpointing=True)
+    base, _ = clone_pair(cfg)
+    gcfg = gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=CHUNK)
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2)
+    for x, y in batches(cfg, 3, batch=2, seq=16):
+        opt.backward(GPT.loss(gmodel(x), y))
+        assert not any(opt._rt.placement._compute_refs.values()), opt._rt.placement._compute_refs
+        opt.step()
+        opt.zero_grad()
+
+
 def test_bf16_under_auto_stays_under_budget():
     budget = int(_model_data_bytes() / 2.5)
     base, _ = clone_pair(CFG)
@@ -184,3 +200,22 @@ def test_a_budget_that_fits_everything_needs_no_period_tracking():
 def test_a_tight_budget_follows_periods():
     _, _, _, opt = _run_auto(int(_model_data_bytes() / 2.5), steps=2)
     assert opt._rt.placement.track_periods and opt._rt._period_hooks is not None
+
+
+def test_budget_error_in_the_warmup_backward_says_and_keeps_nothing_updated():
+    """One Linear in one chunk group: its parameters fit the budget, parameters plus gradients
+    do not, so the warm-up's backward runs out of room. The error says nothing was updated, and
+    nothing was: parameters, optimizer state and step counts are as before."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 64)
+    param_bytes = 4 * 8192
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=8192, device_memory=int(1.5 * param_bytes))
+    gmodel, opt = gemini.initialize(net, gcfg, lr=1e-2)
+    before = gmodel.state_dict()
+    loss = gmodel(torch.randn(2, 64)).sum()  # the forward fits
+    with pytest.raises(DeviceBudgetError, match="Nothing was updated") as err:
+        loss.backward()
+    assert err.value.missing_bytes > 0
+    assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
+    assert opt.state_dict()["state"] == {}
+    assert all(not g.steps.any() for g in opt._rt.manager.trainable_groups)
