@@ -110,7 +110,7 @@ class HybridAdam(torch.optim.Optimizer):
             if rt.hooks.backward_passes == rt._backward_passes_at_trace:
                 raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
             rt.finish_warmup()  # may raise DeviceBudgetError: nothing has been updated yet
-        rt.check_first_step()
+        rt.check_step_peak()  # may raise DeviceBudgetError: nothing has been updated yet
         self._check_fp16_backward()
         zero = rt.zero
         if zero is not None:

@@ -223,16 +223,17 @@ class GeminiRuntime:
         return {tier.value: {kind.value: nbytes for kind, nbytes in self.manager.bytes_by_kind(tier).items()}
                 for tier in Tier}
 
-    def check_first_step(self) -> None:
-        """The budget promise for placements without a plan: the first iteration must fit."""
-        if self._first_step_checked:
+    def check_step_peak(self) -> None:
+        """The budget promise on every step: the measured peak of this iteration's forward and
+        backward stays under ``device_memory``, checked before the step changes anything (a
+        tensor the caller keeps alive counts too). The warm-up step is checked, with its safety
+        reserve, where the trace ends."""
+        first, self._first_step_checked = not self._first_step_checked, True
+        if self.config.device_memory is None or not self.memory.measuring or self._unreported_plan is not None:
             return
-        self._first_step_checked = True
-        if self.config.device_memory is None or not self.memory.measuring or self.plan is not None:
-            return
-        peak = self.memory.peak_bytes()
         try:
-            check_peak(peak, self.memory.budget_bytes, what="the first iteration", placement=self.config.placement,
+            check_peak(self.memory.peak_bytes(), self.memory.budget_bytes,
+                       what="the first iteration" if first else "this iteration", placement=self.config.placement,
                        chunk_peak_bytes=self.storage.stats[Tier.DEVICE].peak_bytes)
         except Exception:
             self.end_window()
