@@ -173,11 +173,12 @@ class GeminiRuntime:
         return self.warmup is not None and self.warmup.tracing
 
     # ------------------------------------------------------------------------------ NVMe
-    def resident(self, group, *, modify: bool):
-        """A context in which ``group``'s optimizer states are in host memory (checkpoints)."""
+    def resident(self, group, *, modify: bool, chunks=None):
+        """A context in which ``group``'s optimizer states (or only ``chunks`` of them) are in
+        host memory (checkpoints)."""
         if self.nvme is None:
             return contextlib.nullcontext()
-        return self.nvme.resident(group, modify=modify)
+        return self.nvme.resident(group, modify=modify, chunks=chunks)
 
     def close(self) -> None:
         if self.nvme is not None:

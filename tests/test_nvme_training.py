@@ -64,11 +64,17 @@ def test_low_precision_with_masters_on_nvme_is_bit_identical_to_host_states(tmp_
     _, want, _, _ = train_gemini(base, data, host_cfg, lr=1e-2)
     base, _ = clone_pair()
     cfg = _cfg(tmp_path, placement="cpu", precision=precision, nvme_offload_fraction=1.0, nvme_pipeline_depth=2)
-    _, got, _, opt = train_gemini(base, data, cfg, lr=1e-2)
+    _, got, model, opt = train_gemini(base, data, cfg, lr=1e-2)
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, w, rtol=0, atol=0, step=step)
-    g0 = opt._rt.manager.trainable_groups[0]
-    assert g0.master.state is ChunkState.NVME  # masters, m and v all streamed
+    groups = opt._rt.manager.trainable_groups
+    assert groups[0].master.state is ChunkState.NVME  # masters, m and v all streamed
+    # The model's state_dict reads the masters from NVMe, and nothing else (not m and v).
+    transfers = opt._rt.storage.transfers
+    transfers.reset()
+    model.state_dict()
+    assert transfers.nvme_read_bytes == sum(g.master.nbytes for g in groups)
+    assert transfers.nvme_write_bytes == 0
     opt.close()
 
 
