@@ -57,18 +57,15 @@ class MemoryPlan:
 
     @property
     def margin_bytes(self) -> int:
-        """Budget left after the reserve, the largest non-model peak and the working set.
+        """Budget left after the reserve and the warm-up's measured peak.
 
-        The largest non-model peak and the warm-up's chunk peak are added although they need
-        not coincide: an upper bound, so what the margin admits always fits.
+        The peak is of everything on the device at one moment (chunks, buffers, non-model
+        memory), not a sum of peaks from different moments. It bounds each period of later
+        iterations: a period needs its own chunks and non-model memory, which the warm-up held
+        at that period too, so optimizer-state groups kept on the device in this margin fit
+        next to every period (the eviction policy makes room for the rest).
         """
-        return (
-            self.budget_bytes
-            - self.reserve_bytes
-            - self.fixed_bytes
-            - self.max_non_model_bytes
-            - self.warmup_model_peak_bytes
-        )
+        return self.budget_bytes - self.reserve_bytes - self.warmup_peak_bytes
 
     def timeline(self) -> WarmupTimeline:
         """The plan as a report shows it: per period, its non-model peak and chunk groups."""

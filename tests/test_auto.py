@@ -219,3 +219,28 @@ def test_budget_error_in_the_warmup_backward_says_and_keeps_nothing_updated():
     assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
     assert opt.state_dict()["state"] == {}
     assert all(not g.steps.any() for g in opt._rt.manager.trainable_groups)
+
+
+def test_margin_is_measured_at_one_moment_not_summed_across_moments():
+    """The margin subtracts the warm-up's measured peak, not the largest non-model peak plus the
+    largest chunk working set (peaks of two moments): the margin is larger, and training with
+    all of it on the device stays under the budget on every step and equals AdamW."""
+    budget = int(1.2 * _model_data_bytes())
+    base, ref = clone_pair(CFG)
+    data = batches(CFG, 4, batch=2, seq=16)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=4096, device_memory=budget,
+                               gpu_margin_mem_ratio=1.0)
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert opt.report.device_peak_bytes <= budget
+        assert_params_close(gmodel.state_dict(), want[step], step=step)
+    plan = opt._rt.plan
+    assert plan.margin_bytes == plan.budget_bytes - plan.reserve_bytes - plan.warmup_peak_bytes
+    summed = (plan.budget_bytes - plan.reserve_bytes - plan.fixed_bytes - plan.max_non_model_bytes
+              - plan.warmup_model_peak_bytes)
+    assert plan.margin_bytes > summed
+    assert opt.report.os_chunks_on_device > 0
