@@ -104,6 +104,18 @@ class ModuleHooks:
     def _pre_forward(self, groups: list[ChunkGroup], module: nn.Module, args) -> None:
         with self._phase("gemini::pre_forward"):
             self.placement.before_compute(groups)
+            # This module's backward is done once its inputs' gradients are (see [Note: a group
+            # between its uses in backward]); a recompute's inputs never get gradients.
+            if (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                    and self.placement.track_backward_uses(groups)):
+                tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, functools.partial(self._backward_use_done, groups), mode="all")
+
+    def _backward_use_done(self, groups: list[ChunkGroup], grads) -> None:
+        with self._phase("gemini::backward_use_done"):
+            self.placement.backward_use_done(groups)
 
     @torch._disable_dynamo
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):

@@ -51,6 +51,9 @@ class PlacementPolicy:
         # of the root module) how many of them have yet to run. See [Note: one fetch per pass].
         self._uses_per_forward: dict[int, int] = {}
         self._uses_left: dict[int, int] | None = None
+        # Per chunk group: modules whose backward finished in this backward pass (see
+        # [Note: a group between its uses in backward]).
+        self._backward_uses_done: dict[int, int] = {}
         # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
         self.nvme: NvmeTier | None = None
         # ZeRO (None without data parallelism): the gradient reduce-scatter, and with
@@ -163,11 +166,38 @@ class PlacementPolicy:
 
     def end_backward(self) -> None:
         """The backward pass is over (after ``after_backward`` of every group it touched)."""
+        self._backward_uses_done.clear()
         if self.reducer is not None:
             self.reducer.end_backward()
         if self.gatherer is not None:
             busy = {i for i, refs in self._compute_refs.items() if refs > 0} | self._fetched_for_backward
             self.gatherer.release_all(busy)
+
+    # [Note: a group between its uses in backward]
+    # A group fetched for backward is held until all its gradients are in (``after_backward``),
+    # because autograd reads its parameters through saved views. Gradients arrive once per
+    # backward pass, after every use: with two forwards before one backward, autograd runs the
+    # second forward's whole backward before the first's, so every group fetched in the
+    # first half waited for the second half and the device held every parameter chunk at
+    # once. The hooks therefore report each module's backward as done once its inputs'
+    # gradients are computed (as FSDP2 does): when one forward's every use of a group (its
+    # ``_uses_per_forward`` modules) has finished, the group is released until another
+    # forward's backward fetches it again. A group counted over several forwards' backward
+    # passes still crosses once per forward; a module whose inputs need no gradient (the
+    # embedding) never reports, and its group waits for its gradients as before.
+    def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
+        """Whether releasing ``groups`` between uses in backward can free anything."""
+        return any(not self.keep_params_on_device(g) for g in groups)
+
+    def backward_use_done(self, groups: list[ChunkGroup]) -> None:
+        """One module using ``groups`` has finished its backward for one of its forward calls."""
+        for g in groups:
+            done = self._backward_uses_done.get(g.index, 0) + 1
+            self._backward_uses_done[g.index] = done
+            if done % self._uses_per_forward.get(g.index, 1) == 0 and g.index in self._fetched_for_backward:
+                self._fetched_for_backward.discard(g.index)
+                if self._compute_refs.get(g.index, 0) == 0:
+                    self._maybe_drop_params(g)
 
     def groups_fetched_for_backward(self) -> list[ChunkGroup]:
         return [self.manager.groups[i] for i in sorted(self._fetched_for_backward)]
@@ -392,6 +422,7 @@ class AutoPlacement(PlacementPolicy):
         self.os_on_device: set[int] = set()
         self.period = -1
         self._diverged = False
+        self._iteration_open = False  # a forward with grad ran and its backward has not
         self.record_access = lambda group_index: None  # set by the runtime during warm-up
         self.evictions = 0
         self.track_periods = True  # decided by adopt()
@@ -461,8 +492,17 @@ class AutoPlacement(PlacementPolicy):
     # ------------------------------------------------------------------------ hooks' side
     def begin_forward(self) -> None:
         super().begin_forward()
-        self.period = -1
-        self._diverged = False
+        # Periods count from the first forward of an iteration: a second forward before the
+        # backward (a loss over two half batches) continues the traced sequence, as in the
+        # warm-up. A forward without grad (evaluation) ends no iteration of its own.
+        if not self._iteration_open:
+            self.period = -1
+            self._diverged = False
+        self._iteration_open = torch.is_grad_enabled()
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self._iteration_open = False
 
     def on_boundary(self, boundary: Boundary) -> None:
         plan = self.plan
@@ -489,6 +529,11 @@ class AutoPlacement(PlacementPolicy):
         for g in groups:
             self.record_access(g.index)
         super().before_backward(groups)
+
+    def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
+        # Released groups are dropped in the warm-up and evictable after it; with nothing ever
+        # evicted (periods not followed) there is nothing to gain.
+        return self.plan is None or self.track_periods
 
     # ------------------------------------------------------------------------- eviction
     def _device_bytes(self) -> int:

@@ -35,14 +35,21 @@ class MemoryPlan:
         # [Note: the root's period] The root module's forward pre-hook runs before the
         # engine can count boundaries in later iterations (a trace begun inside it misses
         # it), so a root FORWARD period is merged into the next one: the later period then
-        # covers both, with the larger non-model peak and both chunk sets.
-        keys = [r.key for r in records]
-        non_model = [r.non_model_peak_bytes for r in records]
-        access = [tuple(r.chunk_ids) for r in records]
-        if len(records) > 1 and records[0].phase is Phase.FORWARD and records[0].module_name == "":
-            non_model[1] = max(non_model[0], non_model[1])
-            access[1] = tuple(dict.fromkeys(access[0] + access[1]))
-            keys, non_model, access = keys[1:], non_model[1:], access[1:]
+        # covers both, with the larger non-model peak and both chunk sets. Every one of them:
+        # an iteration may run several forwards before its backward.
+        keys, non_model, access = [], [], []
+        carry: tuple[int, tuple] | None = None  # a root FORWARD period waiting for the next one
+        for r in records:
+            nm, acc = r.non_model_peak_bytes, tuple(r.chunk_ids)
+            if carry is not None:
+                nm, acc = max(carry[0], nm), tuple(dict.fromkeys(carry[1] + acc))
+                carry = None
+            if r.phase is Phase.FORWARD and r.module_name == "" and r is not records[-1]:
+                carry = (nm, acc)
+                continue
+            keys.append(r.key)
+            non_model.append(nm)
+            access.append(acc)
         return cls(
             keys=tuple(keys),
             non_model_bytes=tuple(non_model),

@@ -244,3 +244,46 @@ def test_margin_is_measured_at_one_moment_not_summed_across_moments():
               - plan.warmup_model_peak_bytes)
     assert plan.margin_bytes > summed
     assert opt.report.os_chunks_on_device > 0
+
+
+def _two_forward_run(placement: str, halves: int, **config):
+    """Each step: the batch in ``halves`` forwards, one backward of their mean loss."""
+    base, ref = clone_pair(CFG)
+    data = batches(CFG, 3, batch=4, seq=16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=CHUNK,
+                                                              **config), lr=1e-2, weight_decay=0.1)
+    reports = []
+    for x, y in data:
+        for model, o in ((ref, ref_opt), (gmodel, opt)):
+            n = x.shape[0] // halves
+            loss = sum(GPT.loss(model(x[i * n : (i + 1) * n]), y[i * n : (i + 1) * n]) for i in range(halves)) / halves
+            (opt.backward(loss) if o is opt else loss.backward())
+            o.step()
+            o.zero_grad()
+        reports.append(opt.report)
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), step=len(reports))
+    return reports, opt
+
+
+def test_two_forwards_before_one_backward_hold_no_more_chunks_than_one():
+    """Autograd runs the second forward's backward before the first's, and a parameter's
+    gradient arrives only after both: groups are released between their uses in backward (see
+    [Note: a group between its uses in backward]), so the chunks on the device at once are
+    those of one forward's modules, and each group crosses once per forward."""
+    one, _ = _two_forward_run("cpu", 1, device_memory=2**40)
+    two, opt = _two_forward_run("cpu", 2, device_memory=2**40)
+    assert two[-1].device_model_peak_bytes <= one[-1].device_model_peak_bytes
+    assert two[-1].h2d_bytes == 2 * one[-1].h2d_bytes
+    assert not opt._rt.placement._fetched_for_backward and not any(opt._rt.placement._compute_refs.values())
+
+
+def test_two_forwards_follow_the_traced_iteration_under_auto():
+    """The traced iteration had two forwards: later iterations match it period by period (the
+    period count restarts per iteration, not per forward), stay under the budget and equal AdamW."""
+    budget = int(_model_data_bytes() / 1.2)
+    reports, opt = _two_forward_run("auto", 2, device_memory=budget)
+    assert not opt._rt.placement._diverged
+    assert opt._rt.placement.period == len(opt._rt.plan.keys) - 1  # every traced period was seen
+    assert all(r.device_peak_bytes <= budget for r in reports)
+    assert opt._rt.placement.evictions > 0
