@@ -184,7 +184,10 @@ class PlacementPolicy:
     # ``_uses_per_forward`` modules) has finished, the group is released until another
     # forward's backward fetches it again. A group counted over several forwards' backward
     # passes still crosses once per forward; a module whose inputs need no gradient (the
-    # embedding) never reports, and its group waits for its gradients as before.
+    # embedding) never reports, and its group waits for its gradients as before. This
+    # assumes, like FSDP2, that a module's parameters are read by backward only on the way
+    # from its outputs to its inputs; a parameter saved by an op off that path (``x + w * w``)
+    # could be read after the release: a loud error (its storage is gone), never a wrong value.
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
         """Whether releasing ``groups`` between uses in backward can free anything."""
         return any(not self.keep_params_on_device(g) for g in groups)
