@@ -357,11 +357,26 @@ class ChunkManager:
     def _fill(chunk: Chunk, values: dict[int, tuple[int, torch.Tensor]], tier: Tier) -> None:
         # Padding is zeroed so that whole-chunk reductions (norms, Adam) see zeros there.
         chunk.allocate(tier, zero=True)
+        ChunkManager._write_values(chunk, values)
+
+    @staticmethod
+    def _write_values(chunk: Chunk, values: dict[int, tuple[int, torch.Tensor]]) -> None:
+        """Write ``_read_values``' output into every copy of ``chunk``, cast to its dtype."""
         with torch.no_grad():
             for slot in chunk.slots:
                 lo, value = values[slot.index]
                 start = slot.tensor_offset - lo
-                chunk.flat_view(slot, tier).copy_(value[start : start + slot.numel])  # casts to the chunk's dtype
+                chunk.write_range(slot.offset, value[start : start + slot.numel])
+
+    def refill(self, group: ChunkGroup, source: ValueSource) -> None:
+        """Overwrite ``group``'s parameter values as ``register`` first filled them — its param
+        chunk (or ZeRO-3 shard) and fp32 master, each tensor read from ``source`` once — on
+        every copy they have now. Adam's states are untouched."""
+        chunks = [c for c in (group.param, group.param_shard, group.master)
+                  if c is not None and c.state is not ChunkState.RELEASED]
+        values = self._read_values(chunks, group.params, source)
+        for chunk in chunks:
+            self._write_values(chunk, values)
 
     @staticmethod
     def _materialize(params: Sequence[nn.Parameter], slots: Sequence[TensorSlot]) -> None:

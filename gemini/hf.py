@@ -45,6 +45,7 @@ from gemini.initialize import initialize
 from gemini.module import GeminiModel
 from gemini.optimizer import HybridAdam
 from gemini.pretrained import load_pretrained_into, save_pretrained
+from gemini.zero import resolve_group
 
 __all__ = ["GeminiTrainer"]
 
@@ -94,6 +95,10 @@ class GeminiTrainer(transformers.Trainer):
             raise ValueError(f"TrainingArguments.optim={args.optim!r} is not supported by GeminiTrainer: gemini "
                              f"trains with AdamW (HybridAdam); use optim='adamw_torch_fused' (the default)")
         config = _resolve_config(gemini_config, args)
+        if resolve_group(config.process_group) is not None:
+            # Trainer saves optimizer.pt on rank 0 alone; under ZeRO state_dict() is a collective.
+            raise ValueError("GeminiTrainer runs in one process: ZeRO (a process group of several ranks) is not "
+                             "supported under Trainer yet; train with gemini.initialize and your own loop")
         # Trainer's mixed precision would autocast and scale on top of gemini's own (see the note).
         args = dataclasses.replace(args, bf16=False, fp16=False)
         groups = self._param_groups(model, args)

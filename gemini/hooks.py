@@ -106,12 +106,8 @@ class ModuleHooks:
             self.placement.before_compute(groups)
             # This module's backward is done once its inputs' gradients are (see [Note: a group
             # between its uses in backward]); a recompute's inputs never get gradients.
-            if (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-                    and self.placement.track_backward_uses(groups)):
-                tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, functools.partial(self._backward_use_done, groups), mode="all")
+            if torch._C._current_graph_task_id() == -1 and self.placement.track_backward_uses(groups):
+                self._hook_grads_of(args, functools.partial(self._backward_use_done, groups), mode="all")
 
     def _backward_use_done(self, groups: list[ChunkGroup], grads) -> None:
         with self._phase("gemini::backward_use_done"):
@@ -121,7 +117,7 @@ class ModuleHooks:
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):
         with torch.profiler.record_function("gemini::post_forward"):
             self.placement.after_compute(groups)
-            self._hook_outputs(output, functools.partial(self._pre_backward, groups))
+            self._hook_grads_of(output, functools.partial(self._pre_backward, groups))
         return None
 
     @torch._disable_dynamo
@@ -130,13 +126,16 @@ class ModuleHooks:
         # The root's outputs get their gradients before any parameter of the model does (a
         # parameter's gradient flows through them), so the backward pass begins here: the
         # gradient views are withdrawn before autograd could accumulate into one.
-        self._hook_outputs(output, lambda grad: self._begin_backward_pass())
+        self._hook_grads_of(output, lambda grad: self._begin_backward_pass())
 
-    def _hook_outputs(self, output, hook) -> None:
+    @staticmethod
+    def _hook_grads_of(tree, hook, *, mode: str = "any") -> None:
+        """``hook`` on the gradients of the tensors in ``tree`` that need one (see
+        ``torch.autograd.graph.register_multi_grad_hook`` for ``mode``)."""
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
 
     # -------------------------------------------------------------------------- backward
     def _begin_backward_pass(self) -> None:

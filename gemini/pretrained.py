@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from chunks import ChunkState, TensorSlot, ValueSource, values_of_params
+from chunks import TensorSlot, ValueSource, values_of_params
 from gemini.module import GeminiModel
 from gemini.zero import gather_state
 from offload import byte_view, format_size, parse_size
@@ -371,20 +371,7 @@ def load_pretrained_into(model: GeminiModel, weights: str | os.PathLike) -> None
             resident = (runtime.nvme.resident(group, modify=True, chunks=(group.master,))
                         if runtime.nvme is not None and group.master is not None else contextlib.nullcontext())
             with resident:
-                chunks = [c for c in (group.param, group.param_shard, group.master)
-                          if c is not None and c.state is not ChunkState.RELEASED]
-                for slot, p in zip(group.slots, group.params):
-                    # The pieces of this tensor the chunks hold: whole, or a shard chunk's part.
-                    pieces = [(c, piece) for c in chunks for piece in c.slots if piece.index == slot.index]
-                    if not pieces:
-                        continue
-                    lo = min(piece.tensor_offset for _, piece in pieces)
-                    hi = max(piece.tensor_offset + piece.numel for _, piece in pieces)
-                    value = ckpt.read(key_of[id(p)], lo, hi)
-                    for c, piece in pieces:
-                        start = piece.tensor_offset - lo
-                        c.write_range(piece.offset, value[start : start + piece.numel])  # casts
-
+                manager.refill(group, lambda p, slot, start, stop: ckpt.read(key_of[id(p)], start, stop))
 
 def _reset_source(model: nn.Module) -> ValueSource:
     """Values of parameters on the meta device from their module's ``reset_parameters()``, run

@@ -146,3 +146,13 @@ def test_fp16_overflow_skips_the_step_and_holds_the_scheduler(tmp_path):
     assert lrs[0] == pytest.approx(3e-3) and lrs[skipped.index(False)] == pytest.approx(3e-3)
     after = trainer.model.state_dict()
     assert any(not torch.equal(after[k], before[k]) for k in before)
+
+
+def test_zero_under_trainer_is_refused_loudly(tmp_path, monkeypatch):
+    """Trainer saves optimizer.pt on rank 0 alone, a collective under ZeRO: refused, not a hang."""
+    import gemini.hf
+
+    monkeypatch.setattr(gemini.hf, "resolve_group", lambda group: object())  # as with 2 ranks
+    with pytest.raises(ValueError, match="one process"):
+        GeminiTrainer(model=_llama(), args=_args(tmp_path), train_dataset=_Tokens(),
+                      gemini_config=gemini.GeminiConfig(device="cpu", placement="cpu"))
