@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
-from bench_step import RESULTS, machine_info  # noqa: E402
+from bench_step import RESULTS, machine_info, pyplot, save_figure  # noqa: E402
 from gemini.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
@@ -102,13 +102,8 @@ def interleaved(cfg: GPTConfig, args, *, budget: int, rounds: int = 9) -> tuple[
 
 def plot(result: dict, path: Path) -> None:
     """Step time against the budget and against the margin ratio, as PNG (matplotlib optional)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install 'gemini-offload[plot]')")
+    plt = pyplot()
+    if plt is None:
         return
     ok = [r for r in result["budget_sweep"] if "error" not in r]
     ratios = result["margin_ratio_sweep"]["rows"]
@@ -122,9 +117,7 @@ def plot(result: dict, path: Path) -> None:
     b.set_xlabel("gpu_margin_mem_ratio")
     b.set_ylabel("step time, s")
     b.set_title(f"budget {result['margin_ratio_sweep']['budget_bytes'] / 2**20:.0f} MiB")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"plot: {path}")
+    save_figure(fig, path)
 
 
 def main() -> int:

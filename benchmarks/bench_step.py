@@ -39,6 +39,25 @@ from gemini.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (and a hint) when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'gemini-offload[plot]')")
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
 def machine_info(device: str) -> dict:
     info = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -1,12 +1,14 @@
 """Chunks: flat buffers holding many tensors as views, and the manager that moves them."""
 
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
-from chunks.manager import ChunkGroup, ChunkManager, ValueSource, plan_layout, values_of_params
+from chunks.manager import (CAPACITY_ALIGN_ELEMENTS, ChunkGroup, ChunkManager, ValueSource, chunk_capacity, plan_layout,
+                            values_of_params)
 from chunks.shard import Shard, round_up
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
 from chunks.storage import ChunkStorage, StorageObserver, Tier
 
 __all__ = [
+    "CAPACITY_ALIGN_ELEMENTS",
     "Chunk",
     "ChunkGroup",
     "ChunkKind",
@@ -19,6 +21,7 @@ __all__ = [
     "TensorSlot",
     "Tier",
     "ValueSource",
+    "chunk_capacity",
     "default_search_range",
     "plan_layout",
     "round_up",

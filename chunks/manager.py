@@ -16,7 +16,8 @@ from chunks.storage import ChunkStorage, Tier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChunkGroup", "ChunkManager", "ValueSource", "plan_layout", "values_of_params"]
+__all__ = ["CAPACITY_ALIGN_ELEMENTS", "ChunkGroup", "ChunkManager", "ValueSource", "chunk_capacity", "plan_layout",
+           "values_of_params"]
 
 NamedParams = Sequence[tuple[str, nn.Parameter]]
 
@@ -64,6 +65,24 @@ def plan_layout(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
             chunks[-1].append(i)
             fill += n
     return chunks
+
+
+# [Note: chunks sized to their content]
+# Next-fit packing closes a chunk when the next tensor does not fit, so a chunk may hold far
+# less than ``chunk_size`` (the last of a group, or a LayerNorm before a large Linear). Such a
+# chunk is allocated for what it holds, rounded up to CAPACITY_ALIGN_ELEMENTS (4 KiB of fp32:
+# aligned views, whole pages for NVMe's direct I/O) and never beyond ``chunk_size``: a full
+# ``chunk_size`` buffer cost a nearly empty chunk the device memory and the copies of a full
+# one. Host buffers still come from the pinned pool's size classes, so chunks of nearby sizes
+# reuse each other's buffers.
+CAPACITY_ALIGN_ELEMENTS = 1024
+
+
+def chunk_capacity(used_numel: int, chunk_size: int, *, world: int = 1) -> int:
+    """Elements allocated for a chunk holding ``used_numel`` (see [Note: chunks sized to their
+    content]); a multiple of ``world``, so that every rank's shard is equal."""
+    capacity = min(max(chunk_size, used_numel), round_up(used_numel, CAPACITY_ALIGN_ELEMENTS))
+    return round_up(capacity, world)
 
 
 @dataclass(eq=False)
@@ -276,8 +295,8 @@ class ChunkManager:
         for pg_index, named in [*enumerate(param_groups), (-1, frozen)]:
             numels = [p.numel() for _, p in named]
             for members in plan_layout(numels, self.chunk_size):
-                capacity = max(self.chunk_size, sum(numels[i] for i in members))
-                out.append((members, pg_index, round_up(capacity, self.world)))
+                used = sum(numels[i] for i in members)
+                out.append((members, pg_index, chunk_capacity(used, self.chunk_size, world=self.world)))
         return out
 
     def _build_group(self, slots, params, capacity, pg_index, initial_tier, source: ValueSource) -> None:

@@ -1,4 +1,10 @@
-"""Chunk-size search: the size with the least padding waste over a range of candidates."""
+"""Chunk-size search: the size whose chunks tensors fill best, over a range of candidates.
+
+Chunks are allocated for their content (see [Note: chunks sized to their content] in
+chunks/manager.py), so the room a size leaves free is no longer memory; it still measures how
+well the tensors fill chunks of that size: less of it means fewer chunks closed early, so fewer
+and fuller transfers, and modules split over fewer chunks.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ MAX_CANDIDATES = 4096
 @dataclass(frozen=True)
 class ChunkSizeSearch:
     chunk_size: int  # elements
-    waste: int  # padding elements summed over the chunks of every group
+    waste: int  # room (elements) chunks of this size leave free, summed over every group
     n_chunks: int
     candidates: int  # how many sizes were scored
 
@@ -27,8 +33,8 @@ def waste_for(groups: Sequence[Sequence[int]], chunk_size: int) -> tuple[int, in
     """(waste, chunk count) of next-fit packing each group's tensors into ``chunk_size``.
 
     Mirrors :func:`chunks.manager.plan_layout` without building the layout: a tensor larger
-    than the chunk gets a chunk of exactly its size (no waste); every other chunk is
-    ``chunk_size`` long and wastes what its tensors leave free.
+    than the chunk gets a chunk of exactly its size (no waste); every other chunk wastes the
+    room its tensors leave free of ``chunk_size``.
     """
     waste = count = 0
     for numels in groups:

@@ -92,6 +92,15 @@ class GeminiConfig:
     max_scale: float = 2.0**32
     """fp16 loss scaler: the scale never grows above this."""
 
+    offload_activations: bool = False
+    """Tensors autograd saves for backward (at least ``activation_offload_min_bytes``) wait in
+    host memory between forward and backward instead of on the device; under "auto" the budget's
+    margin keeps the last ones on the device (see gemini/activations.py)."""
+
+    activation_offload_min_bytes: int = 64 * 1024
+    """With ``offload_activations``: smaller saved tensors stay on the device (a copy costs more
+    than it frees), an int >= 1."""
+
     report_path: str | os.PathLike | None = None
     """JSON Lines file receiving one MemoryReport per step; None writes no file."""
 
@@ -143,6 +152,11 @@ class GeminiConfig:
         if not _is_real(self.clip_grad_norm) or self.clip_grad_norm < 0 or not math.isfinite(self.clip_grad_norm):
             _fail("clip_grad_norm", self.clip_grad_norm, "a finite number >= 0 (0 = off)")
         self._check_scaler()
+        if not isinstance(self.offload_activations, bool):
+            _fail("offload_activations", self.offload_activations, "True or False")
+        m = self.activation_offload_min_bytes
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            _fail("activation_offload_min_bytes", m, "an int >= 1 (bytes)")
         if not isinstance(self.shard_params, bool):
             _fail("shard_params", self.shard_params, "True or False")
         if self.report_path is not None and not isinstance(self.report_path, (str, os.PathLike)):

@@ -26,6 +26,25 @@ logger = logging.getLogger(__name__)
 __all__ = ["ModuleHooks"]
 
 
+class _BackwardUse:
+    """One forward call of a module, seen from the backward pass: ``begun`` when its outputs'
+    gradients arrive (its backward starts), ``done`` when its inputs' gradients are computed."""
+
+    __slots__ = ("groups", "begun", "done", "via_inputs")
+
+    def __init__(self, groups: list[ChunkGroup]) -> None:
+        self.groups = groups
+        self.begun = False
+        self.done = False
+        self.via_inputs = False  # done is reported by its inputs' gradients (else by its nodes)
+
+
+# A call whose inputs need no gradient reports done through the autograd nodes of its graph;
+# beyond this many nodes, hooking them all costs more than holding its chunks until its
+# gradients are in.
+_MAX_NODES_FOLLOWED = 64
+
+
 class ModuleHooks:
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
@@ -39,13 +58,16 @@ class ModuleHooks:
         on_budget_error: Callable[[], None],
         on_backward_begin: Callable[[], None] = lambda: None,
         on_backward_end: Callable[[], None] = lambda: None,
+        on_root_forward_end: Callable[[], None] = lambda: None,
     ) -> None:
         self.manager = manager
         self.placement = placement
         self._on_budget_error = on_budget_error
         self._on_backward_begin = on_backward_begin
         self._on_backward_end = on_backward_end
+        self._on_root_forward_end = on_root_forward_end
         self._handles: list = []
+        self._open_uses: dict[nn.Module, list[_BackwardUse | None]] = {}
         self._backward_queued = False
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
@@ -102,26 +124,70 @@ class ModuleHooks:
     # in the autograd engine, outside any compiled frame. See the README's "torch.compile".
     @torch._disable_dynamo
     def _pre_forward(self, groups: list[ChunkGroup], module: nn.Module, args) -> None:
+        # Handed to this call's post-hook, which runs even if this hook raises (a stack: a
+        # module may run inside itself).
+        uses = self._open_uses.setdefault(module, [])
+        uses.append(None)
         with self._phase("gemini::pre_forward"):
             self.placement.before_compute(groups)
-            # This module's backward is done once its inputs' gradients are (see [Note: a group
+            # This call's backward is done once its inputs' gradients are (see [Note: a group
             # between its uses in backward]); a recompute's inputs never get gradients.
             if torch._C._current_graph_task_id() == -1 and self.placement.track_backward_uses(groups):
-                self._hook_grads_of(args, functools.partial(self._backward_use_done, groups), mode="all")
+                use = uses[-1] = _BackwardUse(groups)
+                use.via_inputs = self._hook_grads_of(args, functools.partial(self._backward_use_done, use),
+                                                     mode="all")
 
-    def _backward_use_done(self, groups: list[ChunkGroup], grads) -> None:
-        with self._phase("gemini::backward_use_done"):
-            self.placement.backward_use_done(groups)
+    def _backward_use_done(self, use: _BackwardUse, grads) -> None:
+        if use.begun and not use.done:  # inputs that got gradients along another path: not this use's
+            use.done = True
+            with self._phase("gemini::backward_use_done"):
+                self.placement.backward_use_done(use.groups)
 
     @torch._disable_dynamo
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):
         with torch.profiler.record_function("gemini::post_forward"):
+            use = self._open_uses[module].pop()
             self.placement.after_compute(groups)
-            self._hook_grads_of(output, functools.partial(self._pre_backward, groups))
+            # Under ZeRO-3 a released group's parameters become empty tensors, which the
+            # parameters' AccumulateGrad (run after the call's own nodes) cannot take a
+            # gradient into: such calls are held until their gradients are in.
+            if use is not None and not use.via_inputs and self.placement.gatherer is None:
+                self._hook_nodes_of(output, use)
+            self._hook_grads_of(output, functools.partial(self._pre_backward, groups, use))
         return None
+
+    def _hook_nodes_of(self, output, use: _BackwardUse) -> None:
+        """A call whose inputs need no gradient (an embedding) is done once every autograd node
+        between its outputs and its parameters has run: then nothing of its backward is left
+        to read them. A call with a larger graph than this is worth is held until its groups'
+        gradients are in."""
+        nodes: list = []
+        seen: set = set()
+        stack = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a parameter
+                continue
+            seen.add(node)
+            nodes.append(node)
+            if len(nodes) > _MAX_NODES_FOLLOWED:
+                return
+            stack.extend(fn for fn, _ in node.next_functions)
+        if not nodes:
+            return
+        left = [len(nodes)]
+
+        def ran(grad_inputs, grad_outputs) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self._backward_use_done(use, grad_inputs)
+
+        for node in nodes:
+            node.register_hook(ran)
 
     @torch._disable_dynamo
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
+        self._on_root_forward_end()
         self.placement.end_forward()
         # The root's outputs get their gradients before any parameter of the model does (a
         # parameter's gradient flows through them), so the backward pass begins here: the
@@ -129,13 +195,15 @@ class ModuleHooks:
         self._hook_grads_of(output, lambda grad: self._begin_backward_pass())
 
     @staticmethod
-    def _hook_grads_of(tree, hook, *, mode: str = "any") -> None:
+    def _hook_grads_of(tree, hook, *, mode: str = "any") -> bool:
         """``hook`` on the gradients of the tensors in ``tree`` that need one (see
-        ``torch.autograd.graph.register_multi_grad_hook`` for ``mode``)."""
+        ``torch.autograd.graph.register_multi_grad_hook`` for ``mode``); False if none does."""
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
+                return True
+        return False
 
     # -------------------------------------------------------------------------- backward
     def _begin_backward_pass(self) -> None:
@@ -144,15 +212,19 @@ class ModuleHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._on_backward_begin()
 
-    def _pre_backward(self, groups: list[ChunkGroup], grad) -> None:
+    def _pre_backward(self, groups: list[ChunkGroup], use: _BackwardUse | None, grad) -> None:
         with self._phase("gemini::pre_backward"):
             self._begin_backward_pass()
+            if use is not None:
+                use.begun = True
             self.placement.before_backward(groups)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
         with self._phase("gemini::grad_to_chunk"):
             group, slot = self.manager.locate(param)
+            if group.grads_this_backward == 0:
+                self.placement.mark()  # the group's first gradient of this backward
             grad = self.placement.grad_buffer(group)
             dst = grad.flat_view(slot)
             src = param.grad.reshape(-1)

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunks import ChunkManager, ChunkStorage, plan_layout, round_up, search_chunk_size
+from chunks import ChunkManager, ChunkStorage, chunk_capacity, plan_layout, round_up, search_chunk_size
 from offload import NvmeStore
+from gemini.activations import ActivationOffload
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceBudgetError, DeviceMemory
@@ -123,9 +124,12 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
         module=model, module_params=tuple(model.parameters()), fixed_bytes=fixed_bytes, report_writer=writer,
         nvme=nvme, zero=zero,
     )
+    if config.offload_activations:
+        runtime.activations = ActivationOffload(storage, min_bytes=config.activation_offload_min_bytes)
     runtime.hooks = ModuleHooks(
         model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window,
-        on_backward_begin=runtime.grad_views.hide, on_backward_end=runtime.grad_views.expose,
+        on_backward_begin=runtime.grad_views.hide, on_backward_end=runtime.on_backward_end,
+        on_root_forward_end=runtime.on_root_forward_end,
     )
     wrapped = GeminiModel(model, runtime)
     optimizer = HybridAdam(
@@ -216,7 +220,7 @@ def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_si
     for i, group in enumerate(numels):
         frozen = i == len(numels) - 1
         for members in plan_layout(group, chunk_size):
-            capacity = round_up(max(chunk_size, sum(group[j] for j in members)), world)
+            capacity = chunk_capacity(sum(group[j] for j in members), chunk_size, world=world)
             need += int(capacity * (param if frozen else per_trainable))
     if need > config.device_memory:
         raise ValueError(

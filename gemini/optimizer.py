@@ -297,6 +297,7 @@ class HybridAdam(torch.optim.Optimizer):
             rank=rt.manager.rank,
             grad_reduce_bytes=rt.placement.reducer.reduced_bytes if rt.placement.reducer is not None else 0,
             param_gathers=rt.placement.gatherer.gathers if rt.placement.gatherer is not None else 0,
+            **_activation_fields(rt.activations),
         )
         self.report = report
         self.reports_made += 1
@@ -440,3 +441,12 @@ class HybridAdam(torch.optim.Optimizer):
                 with self._rt.resident(g, modify=True):
                     self._load_group_state(g, state, saved_index)
         self._load_hyper_state(saved_groups, state_dict.get("gemini", {}))
+
+
+def _activation_fields(activations) -> dict[str, int]:
+    """The report's activation-offload figures (zeros without it)."""
+    if activations is None:
+        return {}
+    s = activations.stats
+    return {"activation_offload_bytes": s.offloaded_bytes, "activation_host_peak_bytes": s.host_peak_bytes,
+            "activation_kept_bytes": s.kept_bytes}

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
+from gemini.activations import ActivationOffload
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.plan import MemoryPlan
@@ -51,9 +52,12 @@ class PlacementPolicy:
         # of the root module) how many of them have yet to run. See [Note: one fetch per pass].
         self._uses_per_forward: dict[int, int] = {}
         self._uses_left: dict[int, int] | None = None
-        # Per chunk group: modules whose backward finished in this backward pass (see
-        # [Note: a group between its uses in backward]).
-        self._backward_uses_done: dict[int, int] = {}
+        # Per chunk group: module calls whose backward has begun and not finished in this
+        # backward pass (see [Note: a group between its uses in backward]).
+        self._backward_uses_open: dict[int, int] = {}
+        # Released in backward, dropped when the next module's compute begins without them.
+        self._release_pending: set[int] = set()
+        self._latest_backward_groups: list[ChunkGroup] = []  # of the call whose backward began last
         # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
         self.nvme: NvmeTier | None = None
         # ZeRO (None without data parallelism): the gradient reduce-scatter, and with
@@ -93,6 +97,13 @@ class PlacementPolicy:
     def _make_room(self, nbytes: int, keep: set[int]) -> None:
         """Before ``nbytes`` more land on the device: evict what the policy may evict."""
 
+    def mark(self) -> None:
+        """A decision point inside a period: a group's first gradient arrives, or a module's
+        backward is done (see [Note: segments of a period] in tracer/runtime.py)."""
+
+    def _after_release(self) -> None:
+        """Groups were released inside a period: make room for the rest of it."""
+
     def on_boundary(self, boundary: Boundary) -> None:
         """A period boundary of a steady-state iteration (policies that plan by period)."""
 
@@ -115,6 +126,7 @@ class PlacementPolicy:
                 self._maybe_drop_params(g)
 
     def before_compute(self, groups: list[ChunkGroup]) -> None:
+        self._drop_released(groups)
         for g in groups:
             self._compute_refs[g.index] = self._compute_refs.get(g.index, 0) + 1
         self._make_resident(groups)
@@ -133,8 +145,12 @@ class PlacementPolicy:
 
     # ----------------------------------------------------------------------- backward pass
     def before_backward(self, groups: list[ChunkGroup]) -> None:
+        """A module call using ``groups`` begins its backward."""
+        self._drop_released(groups)
+        self._latest_backward_groups = groups
         for g in groups:
             self._fetched_for_backward.add(g.index)
+            self._backward_uses_open[g.index] = self._backward_uses_open.get(g.index, 0) + 1
         self._make_resident(groups)
 
     def grad_buffer(self, group: ChunkGroup):
@@ -157,6 +173,7 @@ class PlacementPolicy:
     def after_backward(self, group: ChunkGroup) -> None:
         """``group``'s backward is over: every gradient it will get has arrived."""
         self._fetched_for_backward.discard(group.index)
+        self._backward_uses_open.pop(group.index, None)
         if self._compute_refs.get(group.index, 0) == 0:
             self._maybe_drop_params(group)
         if group.trainable and self.reducer is not None:
@@ -166,7 +183,9 @@ class PlacementPolicy:
 
     def end_backward(self) -> None:
         """The backward pass is over (after ``after_backward`` of every group it touched)."""
-        self._backward_uses_done.clear()
+        self._backward_uses_open.clear()
+        self._drop_released([])
+        self._latest_backward_groups = []
         if self.reducer is not None:
             self.reducer.end_backward()
         if self.gatherer is not None:
@@ -177,30 +196,58 @@ class PlacementPolicy:
     # A group fetched for backward is held until all its gradients are in (``after_backward``),
     # because autograd reads its parameters through saved views. Gradients arrive once per
     # backward pass, after every use: with two forwards before one backward, autograd runs the
-    # second forward's whole backward before the first's, so every group fetched in the
-    # first half waited for the second half and the device held every parameter chunk at
-    # once. The hooks therefore report each module's backward as done once its inputs'
-    # gradients are computed (as FSDP2 does): when one forward's every use of a group (its
-    # ``_uses_per_forward`` modules) has finished, the group is released until another
-    # forward's backward fetches it again. A group counted over several forwards' backward
-    # passes still crosses once per forward; a module whose inputs need no gradient (the
-    # embedding) never reports, and its group waits for its gradients as before. This
-    # assumes, like FSDP2, that a module's parameters are read by backward only on the way
-    # from its outputs to its inputs; a parameter saved by an op off that path (``x + w * w``)
-    # could be read after the release: a loud error (its storage is gone), never a wrong value.
+    # second forward's whole backward before the first's; a tied weight (embedding and head)
+    # is read at the start of backward and gets its gradient at the very end; a group that
+    # straddles two blocks waits for the second. Held until then, each of these kept chunks on
+    # the device through stretches of backward that never read them. So each module call is
+    # followed through backward (as FSDP2 does): it *begins* when its outputs' gradients
+    # arrive (the pre-backward hook, which fetches its groups) and is *done* when its inputs'
+    # gradients are computed. A group whose begun calls are all done is released — dropped
+    # (when the next module's compute begins without it) in the warm-up, evictable after it —
+    # until a later call's backward begins and fetches it again; a call that has not begun cannot read it (its backward has not started). A call
+    # whose inputs need no gradient (the embedding) is done once every autograd node between
+    # its outputs and its parameters has run (see ``ModuleHooks._hook_nodes_of``); one that
+    # cannot report done holds its groups until their gradients are in. This assumes, like FSDP2, that a
+    # module's parameters are read by backward only on the way from its outputs to its inputs;
+    # a parameter saved by an op off that path (``x + w * w``) could be read after the
+    # release: a loud error (its storage is gone), never a wrong value.
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
         """Whether releasing ``groups`` between uses in backward can free anything."""
         return any(not self.keep_params_on_device(g) for g in groups)
 
     def backward_use_done(self, groups: list[ChunkGroup]) -> None:
-        """One module using ``groups`` has finished its backward for one of its forward calls."""
+        """A module call using ``groups`` whose backward began has finished it."""
+        self.mark()
+        released = False
         for g in groups:
-            done = self._backward_uses_done.get(g.index, 0) + 1
-            self._backward_uses_done[g.index] = done
-            if done % self._uses_per_forward.get(g.index, 1) == 0 and g.index in self._fetched_for_backward:
+            left = self._backward_uses_open.get(g.index, 0) - 1
+            if left < 0:
+                continue  # released already: every gradient of the group is in
+            self._backward_uses_open[g.index] = left
+            if left == 0 and g.index in self._fetched_for_backward:
                 self._fetched_for_backward.discard(g.index)
-                if self._compute_refs.get(g.index, 0) == 0:
-                    self._maybe_drop_params(g)
+                self._release_pending.add(g.index)
+                released = True
+        if released:
+            # Normally the call that began last is this one, which keeps what it released for
+            # the next call; but when the next call began first (hooks on one tensor: the head's
+            # inputs are the final norm's outputs), what it does not use is dropped now.
+            self._drop_released(self._latest_backward_groups)
+            self._after_release()
+
+    def _drop_released(self, needed: list[ChunkGroup]) -> None:
+        """Drop the groups released in backward that the compute beginning now does not use.
+
+        A released group is not dropped at once: a group that straddles two modules is often
+        released by one and used by the very next (block i+1's first module, then block i's
+        last), and dropping it in between bought no memory for a second copy."""
+        if not self._release_pending:
+            return
+        keep = {g.index for g in needed}
+        for i in self._release_pending - keep:
+            if self._compute_refs.get(i, 0) == 0 and i not in self._fetched_for_backward:
+                self._maybe_drop_params(self.manager.groups[i])
+        self._release_pending &= keep
 
     def groups_fetched_for_backward(self) -> list[ChunkGroup]:
         return [self.manager.groups[i] for i in sorted(self._fetched_for_backward)]
@@ -427,10 +474,13 @@ class AutoPlacement(PlacementPolicy):
         self._diverged = False
         self._iteration_open = False  # a forward with grad ran and its backward has not
         self.record_access = lambda group_index: None  # set by the runtime during warm-up
+        self.record_mark = lambda: None  # likewise
+        self._segment = 0  # marks passed in the current period
         self.evictions = 0
         self.track_periods = True  # decided by adopt()
         # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
         self.prefetch_reserve_bytes = 0
+        self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST
@@ -442,10 +492,15 @@ class AutoPlacement(PlacementPolicy):
         return self.plan is not None
 
     # -------------------------------------------------------------------------- planning
-    def adopt(self, plan: MemoryPlan) -> None:
-        """Take the warm-up's plan: choose the optimizer-state groups that live on the device."""
+    def adopt(self, plan: MemoryPlan, *, activations: ActivationOffload | None = None) -> None:
+        """Take the warm-up's plan: choose the optimizer-state groups that live on the device,
+        and (with activation offload) the saved activations that stay there."""
         self.plan = plan
-        room = int(self.margin_ratio * max(0, plan.margin_bytes))
+        margin = max(0, plan.margin_bytes)
+        room = int(self.margin_ratio * margin)
+        # The rest of the margin keeps the last saved activations on the device; those bytes
+        # are then part of every period's non-model memory (see [Note: activation offload]).
+        self.activation_bytes = activations.plan(margin - room) if activations is not None else 0
         if self.manager.param_dtype != torch.float32:
             # Device Adam converts one bf16/fp16 gradient chunk at a time to fp32.
             room -= max((g.param.capacity * 4 for g in self.manager.trainable_groups), default=0)
@@ -466,7 +521,8 @@ class AutoPlacement(PlacementPolicy):
             else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0)
             for g in self.manager.groups
         )
-        self.track_periods = most + self.fixed_bytes + plan.max_non_model_bytes + plan.reserve_bytes > plan.budget_bytes
+        self.track_periods = (most + self.fixed_bytes + plan.max_non_model_bytes + self.activation_bytes
+                              + plan.reserve_bytes > plan.budget_bytes)
         logger.info(
             "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
             plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
@@ -475,6 +531,7 @@ class AutoPlacement(PlacementPolicy):
     def abandon_plan(self) -> None:
         """Back to warm-up behaviour: optimizer states to the host, nothing kept resident."""
         self.plan = None
+        self.activation_bytes = 0
         for i in sorted(self.os_on_device):
             for chunk in self.manager.groups[i].chunks:
                 if chunk.state is not ChunkState.RELEASED:
@@ -490,7 +547,10 @@ class AutoPlacement(PlacementPolicy):
             return 0  # warm-up: unknown, and the conservative schedule keeps little resident
         if self._diverged or not 0 <= self.period < len(plan.non_model_bytes):
             return plan.max_non_model_bytes
-        return plan.non_model_bytes[self.period]
+        segments = plan.segment_non_model_bytes[self.period]
+        if self._segment < len(segments):
+            return segments[self._segment]
+        return plan.non_model_bytes[self.period]  # more marks than traced: the whole period's
 
     # ------------------------------------------------------------------------ hooks' side
     def begin_forward(self) -> None:
@@ -500,6 +560,7 @@ class AutoPlacement(PlacementPolicy):
         # warm-up. A forward without grad (evaluation) ends no iteration of its own.
         if not self._iteration_open:
             self.period = -1
+            self._segment = 0
             self._diverged = False
         self._iteration_open = torch.is_grad_enabled()
 
@@ -512,6 +573,7 @@ class AutoPlacement(PlacementPolicy):
         if plan is None or (boundary.module_name == "" and boundary.phase is Phase.FORWARD):
             return
         self.period += 1
+        self._segment = 0
         if not self._diverged and (self.period >= len(plan.keys) or plan.keys[self.period] != (boundary.phase, boundary.module_name)):
             self._diverged = True
             logger.warning(
@@ -522,6 +584,17 @@ class AutoPlacement(PlacementPolicy):
         needed = set(plan.access[self.period]) if not self._diverged else set()
         self._make_room(0, keep=needed)
         self._prefetch()
+
+    def mark(self) -> None:
+        self.record_mark()
+        if self.plan is not None:
+            self._segment += 1
+
+    def _after_release(self) -> None:
+        # The rest of the period may need what the released groups hold (an activation peak
+        # the warm-up reached after dropping them): evict for the new segment now.
+        if self.plan is not None and not self._diverged and 0 <= self.period < len(self.plan.access):
+            self._make_room(0, keep=set(self.plan.access[self.period]))
 
     def before_compute(self, groups: list[ChunkGroup]) -> None:
         for g in groups:
@@ -544,7 +617,8 @@ class AutoPlacement(PlacementPolicy):
 
     def _room_limit(self, non_model: int) -> int:
         reserve = self.plan.reserve_bytes if self.plan is not None else 0
-        return self.memory.budget_bytes - reserve - non_model - self.prefetch_reserve_bytes
+        return (self.memory.budget_bytes - reserve - non_model - self.activation_bytes
+                - self.prefetch_reserve_bytes)
 
     def _make_room(self, nbytes: int, keep: set[int]) -> None:
         over = self._device_bytes() + nbytes - self._room_limit(self._non_model_now())

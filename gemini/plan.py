@@ -21,6 +21,11 @@ class MemoryPlan:
 
     keys: tuple[tuple[Phase, str], ...]  # (phase, module name) starting each period
     non_model_bytes: tuple[int, ...]  # per period: peak device bytes besides model data
+    # per period: the peak of each segment between marks (see [Note: segments of a period] in
+    # tracer/runtime.py); a decision at the period's k-th mark is charged the k-th
+    segment_non_model_bytes: tuple[tuple[int, ...], ...]
+    # per period and segment: the most model data the warm-up held on the device then
+    segment_model_bytes: tuple[tuple[int, ...], ...]
     access: tuple[tuple[int, ...], ...]  # per period: chunk-group indices used
     order: AccessOrder
     warmup_peak_bytes: int  # the device's measured peak over the warm-up iteration
@@ -37,22 +42,30 @@ class MemoryPlan:
         # it), so a root FORWARD period is merged into the next one: the later period then
         # covers both, with the larger non-model peak and both chunk sets. Every one of them:
         # an iteration may run several forwards before its backward.
-        keys, non_model, access = [], [], []
+        keys, non_model, segments, seg_model, access = [], [], [], [], []
         carry: tuple[int, tuple] | None = None  # a root FORWARD period waiting for the next one
         for r in records:
             nm, acc = r.non_model_peak_bytes, tuple(r.chunk_ids)
+            segs = list(r.segment_non_model_peak_bytes or (nm,))
+            models = list(r.segment_model_bytes or (r.model_bytes,))
             if carry is not None:
                 nm, acc = max(carry[0], nm), tuple(dict.fromkeys(carry[1] + acc))
+                # The carried period comes before the first mark.
+                segs[0], models[0] = max(segs[0], carry[0]), max(models[0], carry[2])
                 carry = None
             if r.phase is Phase.FORWARD and r.module_name == "" and r is not records[-1]:
-                carry = (nm, acc)
+                carry = (nm, acc, max(models))
                 continue
             keys.append(r.key)
             non_model.append(nm)
+            segments.append(tuple(segs))
+            seg_model.append(tuple(models))
             access.append(acc)
         return cls(
             keys=tuple(keys),
             non_model_bytes=tuple(non_model),
+            segment_non_model_bytes=tuple(segments),
+            segment_model_bytes=tuple(seg_model),
             access=tuple(access),
             order=AccessOrder([list(a) for a in access]),
             **kwargs,
@@ -61,6 +74,17 @@ class MemoryPlan:
     @property
     def max_non_model_bytes(self) -> int:
         return max(self.non_model_bytes, default=0)
+
+    @property
+    def planned_peak_bytes(self) -> int:
+        """The most the device needs at any decision of a later iteration that, after evicting
+        every chunk not in use, holds what the warm-up held there: per segment, the model data
+        the warm-up held plus the segment's non-model peak (never below the measured peak).
+        Each is charged at its own decision, so a budget that holds this trains every later
+        iteration, not only the warm-up (see [Note: segments of a period])."""
+        planned = max((m + n for ms, ns in zip(self.segment_model_bytes, self.segment_non_model_bytes)
+                       for m, n in zip(ms, ns)), default=0)
+        return max(planned, self.warmup_peak_bytes)
 
     @property
     def margin_bytes(self) -> int:
@@ -72,7 +96,7 @@ class MemoryPlan:
         at that period too, so optimizer-state groups kept on the device in this margin fit
         next to every period (the eviction policy makes room for the rest).
         """
-        return self.budget_bytes - self.reserve_bytes - self.warmup_peak_bytes
+        return self.budget_bytes - self.reserve_bytes - self.planned_peak_bytes
 
     def timeline(self) -> WarmupTimeline:
         """The plan as a report shows it: per period, its non-model peak and chunk groups."""

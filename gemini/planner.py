@@ -206,6 +206,12 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
             + (f"gpu_margin_mem_ratio={config.gpu_margin_mem_ratio:g} also moves optimizer states into the margin "
                "the warm-up measures (host and NVMe shrink by what moves)" if config.gpu_margin_mem_ratio > 0
                else "optimizer states stay on the host (gpu_margin_mem_ratio=0)"))
+    if config.offload_activations:
+        plan.notes.append(
+            f"offload_activations: saved activations of at least {format_size(config.activation_offload_min_bytes)} "
+            "wait in host memory between forward and backward (their bytes are measured at warm-up and reported as "
+            "activation_offload_bytes)" + ("; the margin left by gpu_margin_mem_ratio keeps the last ones on the "
+                                            "device" if config.placement == "auto" else ""))
     if config.placement in ("cpu", "auto"):
         # Chunks visit the device for compute: at least the largest group's parameters and gradients.
         device_bytes += plan.device_working_set_bytes

@@ -102,6 +102,12 @@ class MemoryReport:
     rank: int = 0
     grad_reduce_bytes: int = 0
     param_gathers: int = 0
+    # GeminiConfig.offload_activations: saved activations copied to host memory this step (each
+    # comes back once for backward), the most held there at once, and the bytes the budget
+    # kept on the device instead (see gemini/activations.py).
+    activation_offload_bytes: int = 0
+    activation_host_peak_bytes: int = 0
+    activation_kept_bytes: int = 0
     # Only on the report of a step that ended a warm-up trace (the first step under
     # placement="auto", and any step traced again after input shapes changed).
     timeline: WarmupTimeline | None = None

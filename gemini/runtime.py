@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from chunks import ChunkManager, ChunkState, ChunkStorage, Tier
+from gemini.activations import ActivationOffload
 from gemini.clipping import clip_coefficient, grad_norm, scale_grads_
 from gemini.collectives import Collectives
 from gemini.config import GeminiConfig
@@ -44,6 +45,7 @@ class GeminiRuntime:
     nvme: NvmeTier | None = None
     zero: Collectives | None = None  # the data-parallel group ZeRO shards across (None: one rank)
     hooks: ModuleHooks | None = None
+    activations: ActivationOffload | None = None  # GeminiConfig.offload_activations
     grad_views: GradViews | None = None  # p.grad between backward and the next pass; made in __post_init__
     scaler: DynamicLossScaler | None = None  # fp16: the optimizer's loss scaler
     report_writer: ReportWriter | None = None
@@ -132,12 +134,26 @@ class GeminiRuntime:
                 logger.info("auto placement: input shapes changed; tracing this iteration again")
                 self._retrace(args, kwargs)
         self.placement.begin_forward()
+        if self.activations is not None:
+            self.activations.begin_forward()
+
+    def on_root_forward_end(self) -> None:
+        """The root module's forward is over (also when it raised)."""
+        if self.activations is not None:
+            self.activations.end_forward()
+
+    def on_backward_end(self) -> None:
+        """A backward pass is over: gradients are in their chunks."""
+        if self.activations is not None:
+            self.activations.end_backward()
+        self.grad_views.expose()
 
     def _begin_warmup(self, args: tuple, kwargs: dict) -> None:
         self._signature = input_signature(args, kwargs)
         self._backward_passes_at_trace = self.hooks.backward_passes
         self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes)
         self.placement.record_access = self.warmup.tracer.record_access
+        self.placement.record_mark = self.warmup.tracer.mark
         self.warmup.begin()
 
     def finish_warmup(self) -> None:
@@ -145,6 +161,7 @@ class GeminiRuntime:
         warmup = self.warmup
         assert warmup is not None and warmup.tracing, "no warm-up in progress"
         self.placement.record_access = lambda group_index: None
+        self.placement.record_mark = lambda: None
         try:
             self.plan = warmup.end()
         except Exception:
@@ -152,7 +169,9 @@ class GeminiRuntime:
             raise
         self._warmup_peak_bytes = self.plan.warmup_peak_bytes
         self._unreported_plan = self.plan
-        self.placement.adopt(self.plan)
+        if self.activations is not None:
+            self.activations.record_trace()
+        self.placement.adopt(self.plan, activations=self.activations)
         self.placement.rebalance_nvme()
         if self.placement.track_periods:
             self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
@@ -165,6 +184,8 @@ class GeminiRuntime:
             self._period_hooks = None
         self.placement.abandon_plan()
         self.placement.rebalance_nvme()
+        if self.activations is not None:
+            self.activations.forget_plan()
         self.plan = None
         self._begin_warmup(args, kwargs)
 
@@ -181,6 +202,8 @@ class GeminiRuntime:
         return self.nvme.resident(group, modify=modify, chunks=chunks)
 
     def close(self) -> None:
+        if self.activations is not None:
+            self.activations.close()
         if self.nvme is not None:
             self.nvme.close()
         self.system.close()
@@ -245,6 +268,8 @@ class GeminiRuntime:
         self.end_window()
         self.storage.reset_peaks()
         self.storage.transfers.reset()
+        if self.activations is not None:
+            self.activations.stats.reset()
         self.memory.reset_peak()
         self._warmup_peak_bytes = 0
         self.system.reset_peak()

@@ -85,9 +85,10 @@ class Warmup:
             len(plan.keys), plan.warmup_peak_bytes, plan.warmup_model_peak_bytes, plan.max_non_model_bytes,
             plan.reserve_bytes, plan.budget_bytes, plan.margin_bytes,
         )
-        # Later iterations keep the reserve free on top of what the warm-up needed (they can
-        # always fall back to its schedule), so the promise is checked with it, here.
-        check_peak(warmup_peak + plan.reserve_bytes, self.memory.budget_bytes, placement="auto",
+        # Later iterations keep the reserve free on top of what the warm-up's schedule needs at
+        # each of its decisions (they can always fall back to that schedule: see
+        # MemoryPlan.planned_peak_bytes), so the promise is checked with both, here.
+        check_peak(plan.planned_peak_bytes + plan.reserve_bytes, self.memory.budget_bytes, placement="auto",
                    what=f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve)",
                    chunk_peak_bytes=plan.warmup_model_peak_bytes)
         return plan

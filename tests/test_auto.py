@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import gemini
+from chunks import Tier, chunk_capacity
 from gemini.gpt import GPT, GPTConfig
 from gemini.memory import DeviceBudgetError
 from helpers import assert_params_close, batches, clone_pair, train_gemini, train_reference
@@ -208,7 +211,7 @@ def test_budget_error_in_the_warmup_backward_says_and_keeps_nothing_updated():
     nothing was: parameters, optimizer state and step counts are as before."""
     torch.manual_seed(0)
     net = torch.nn.Linear(64, 64)
-    param_bytes = 4 * 8192
+    param_bytes = 4 * chunk_capacity(64 * 64 + 64, 8192)  # one chunk, sized to its content
     gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=8192, device_memory=int(1.5 * param_bytes))
     gmodel, opt = gemini.initialize(net, gcfg, lr=1e-2)
     before = gmodel.state_dict()
@@ -239,7 +242,8 @@ def test_margin_is_measured_at_one_moment_not_summed_across_moments():
         assert opt.report.device_peak_bytes <= budget
         assert_params_close(gmodel.state_dict(), want[step], step=step)
     plan = opt._rt.plan
-    assert plan.margin_bytes == plan.budget_bytes - plan.reserve_bytes - plan.warmup_peak_bytes
+    assert plan.margin_bytes == plan.budget_bytes - plan.reserve_bytes - plan.planned_peak_bytes
+    assert plan.planned_peak_bytes >= plan.warmup_peak_bytes
     summed = (plan.budget_bytes - plan.reserve_bytes - plan.fixed_bytes - plan.max_non_model_bytes
               - plan.warmup_model_peak_bytes)
     assert plan.margin_bytes > summed
@@ -274,16 +278,113 @@ def test_two_forwards_before_one_backward_hold_no_more_chunks_than_one():
     one, _ = _two_forward_run("cpu", 1, device_memory=2**40)
     two, opt = _two_forward_run("cpu", 2, device_memory=2**40)
     assert two[-1].device_model_peak_bytes <= one[-1].device_model_peak_bytes
-    assert two[-1].h2d_bytes == 2 * one[-1].h2d_bytes
+    assert two[-1].h2d_bytes <= 2 * one[-1].h2d_bytes  # at most once per forward
     assert not opt._rt.placement._fetched_for_backward and not any(opt._rt.placement._compute_refs.values())
 
 
 def test_two_forwards_follow_the_traced_iteration_under_auto():
     """The traced iteration had two forwards: later iterations match it period by period (the
     period count restarts per iteration, not per forward), stay under the budget and equal AdamW."""
-    budget = int(_model_data_bytes() / 1.2)
+    budget = int(_model_data_bytes() / 2)
     reports, opt = _two_forward_run("auto", 2, device_memory=budget)
     assert not opt._rt.placement._diverged
     assert opt._rt.placement.period == len(opt._rt.plan.keys) - 1  # every traced period was seen
     assert all(r.device_peak_bytes <= budget for r in reports)
     assert opt._rt.placement.evictions > 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_tied_weight_leaves_the_device_between_its_uses_in_backward(checkpointing):
+    """The head, tied to the embedding, is the first module in backward and the embedding the
+    last; the tied weight's gradient arrives only after both. Between them its chunk group is
+    released (see [Note: a group between its uses in backward]), not held through the whole
+    backward; fetched again for the embedding, it still trains exactly like AdamW."""
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64,
+                    activation_checkpointing=checkpointing)
+    base, ref = clone_pair(cfg)
+    data = batches(cfg, 3, batch=2, seq=16)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK),
+                                    lr=1e-2, weight_decay=0.1)
+    tied, _ = opt._rt.manager.locate(base.wte.weight)
+    assert tied is opt._rt.manager.locate(base.lm_head.weight)[0]
+    on_device_in_block_backward = []
+
+    def watch(module, args, out):
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad: on_device_in_block_backward.append(tied.param.is_on(Tier.DEVICE)))
+
+    for block in base.blocks:  # inside each block's backward (a released group lingers until the next module's)
+        block.attn.qkv.register_forward_hook(watch)
+    for step, (x, y) in enumerate(data):
+        on_device_in_block_backward.clear()
+        opt.backward(GPT.loss(gmodel(x), y))
+        assert on_device_in_block_backward and not any(on_device_in_block_backward)
+        assert not opt._rt.placement._fetched_for_backward and not any(opt._rt.placement._compute_refs.values())
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(gmodel.state_dict(), want[step], step=step)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_every_budget_the_warmup_accepts_trains_to_the_end(ratio):
+    """The steady state charges each allocation the non-model bytes that can still be live
+    with it: a gradient chunk allocated inside a period is charged the period's peak from that
+    moment on, not the peak the period had before it (see [Note: the tail of a period]).
+    Charged the whole period's peak, steady-state steps ran out of room at budgets whose
+    warm-up had made the very same allocations, with the margin full of optimizer states."""
+    data = batches(CFG, 3, batch=2, seq=16)
+    base, ref = clone_pair(CFG)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    accepted = 0
+    for frac in (1 / 1.5, 1 / 2, 1 / 3, 1 / 5, 1 / 8):
+        budget = int(frac * _model_data_bytes())
+        base, _ = clone_pair(CFG)
+        gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=budget,
+                                   gpu_margin_mem_ratio=ratio)
+        gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+        for step, (x, y) in enumerate(data):
+            try:
+                opt.backward(GPT.loss(gmodel(x), y))
+                opt.step()
+            except DeviceBudgetError:
+                assert step == 0, f"budget {budget} passed the warm-up but step {step} ran out of room"
+                break
+            opt.zero_grad()
+            assert opt.report.device_peak_bytes <= budget
+        else:
+            accepted += 1
+            assert_params_close(gmodel.state_dict(), want[-1])
+    assert 2 <= accepted < 5  # the sweep reaches budgets the warm-up refuses
+
+
+def test_the_least_budget_the_warmup_accepts_trains_every_later_step():
+    """The warm-up accepts a budget only if its schedule fits at each of its decisions
+    (``MemoryPlan.planned_peak_bytes``), which later iterations can always fall back to: at the
+    very least budget it accepts, every later step trains under it. (Checked against the
+    measured peak alone, a chain of five Linears passed the warm-up and ran out of room at step
+    2, a few bytes short.)"""
+    net = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Tanh())
+                                for _ in range(5)))
+
+    def run(budget: int | None, steps: int):
+        torch.manual_seed(0)
+        model = copy.deepcopy(net)
+        gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=4096,
+                                                                   device_memory=budget), lr=1e-2)
+        x = torch.randn(2, 64)
+        for _ in range(steps):
+            opt.backward(gmodel(x).square().mean())
+            opt.step()
+            opt.zero_grad()
+            assert budget is None or opt.report.device_peak_bytes <= budget
+        return opt
+
+    timeline = run(None, 1).timeline
+    probe = timeline.warmup_peak_bytes + timeline.reserve_bytes - 1
+    with pytest.raises(DeviceBudgetError) as err:
+        run(probe, 1)
+    least = probe + err.value.missing_bytes
+    run(least, 4)
+    with pytest.raises(DeviceBudgetError, match="1 bytes are missing"):
+        run(least - 1, 1)

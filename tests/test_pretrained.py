@@ -130,7 +130,7 @@ def test_trains_exactly_like_from_pretrained_with_adamw(checkpoints, tmp_path, c
     extra = {
         "cpu": dict(placement="cpu"),
         "cuda": dict(placement="cuda"),
-        "auto": dict(placement="auto", device_memory="900KiB"),
+        "auto": dict(placement="auto", device_memory="600KiB"),
         "nvme": dict(placement="cpu", cpu_memory="600KiB", nvme_dir=tmp_path, nvme_offload_fraction=0.5),
     }[case.split("-")[0]]
     data = _batches(3)

@@ -42,10 +42,13 @@ def test_cpu_placement_counts_every_byte(precision, tmp_path):
         opt.step()
         opt.zero_grad()
         reports.append(opt.report)
+    # The tied embedding's chunk is released between the head's backward and the embedding's
+    # (see [Note: a group between its uses in backward]), so it crosses once more.
+    tied, _ = mgr.locate(model.wte.weight)
     for r in reports:
-        # Each param chunk crosses once for forward and once for backward; each grad chunk
-        # comes back once; nothing else moves.
-        assert r.h2d_bytes == 2 * param_bytes
+        # Each param chunk crosses once for forward and once for backward (the tied one once
+        # more); each grad chunk comes back once; nothing else moves.
+        assert r.h2d_bytes == 2 * param_bytes + tied.param.capacity * elem
         assert r.d2h_bytes == grad_bytes
         assert r.device_model_bytes == 0 and r.chunks_on_device == 0 and r.os_chunks_on_device == 0
         assert r.host_model_bytes == host_bytes
@@ -79,7 +82,7 @@ def test_cuda_placement_keeps_everything_on_device():
 
 
 # ----------------------------------------------------------------- reports of a real run
-AUTO_BUDGET = 2_500_000  # bytes: room for the warm-up, and a margin that holds some optimizer states
+AUTO_BUDGET = 2_200_000  # bytes: room for the warm-up, and a margin that holds some optimizer states
 
 
 @pytest.fixture(scope="module")

@@ -70,6 +70,13 @@ class PeriodRecord:
     model_bytes: int
     non_model_peak_bytes: int
     chunk_ids: tuple[int, ...]
+    # The non-model peak of each segment of the period: segment 0 from its boundary to the
+    # first ``mark()``, segment k from mark k on (see [Note: segments of a period]); their
+    # maximum is ``non_model_peak_bytes``. Empty: one segment.
+    segment_non_model_peak_bytes: tuple[int, ...] = ()
+    # Per segment, the most model data held on the device during it: a later iteration that
+    # holds no more chunks at that point needs no more than their sum.
+    segment_model_bytes: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[Phase, str]:
@@ -101,6 +108,8 @@ class _PeriodMeter:
         self.peak_bytes = 0
         self.model_bytes = model_bytes_at_start
         self.non_model_peak_bytes: int | None = None
+        self.segment_peaks: list[int | None] = [None]  # the current segment last
+        self.segment_model: list[int] = [model_bytes_at_start]
         self._interval_model_bytes = model_bytes_at_start
         self._chunk_ids: dict[int, None] = {}  # an ordered set: first access first
 
@@ -115,7 +124,14 @@ class _PeriodMeter:
         if self.non_model_peak_bytes is None or non_model > self.non_model_peak_bytes:
             self.non_model_peak_bytes = non_model
             self.model_bytes = subtracted
+        current = self.segment_peaks[-1]
+        self.segment_peaks[-1] = non_model if current is None else max(current, non_model)
+        self.segment_model[-1] = max(self.segment_model[-1], hi)
         self._interval_model_bytes = model_bytes_now
+
+    def new_segment(self) -> None:
+        self.segment_peaks.append(None)
+        self.segment_model.append(self._interval_model_bytes)
 
     @property
     def chunk_ids(self) -> tuple[int, ...]:
@@ -291,6 +307,28 @@ class RuntimeTracer:
                 if self._move_depth == 0 and self._state is TracerState.TRACING:
                     self._cut_interval(moving=True)
 
+    # [Note: segments of a period]
+    # A period's non-model peak is what its chunks must coexist with when they are fetched at
+    # its start. But inside a period the engine also releases chunks (a module's backward is
+    # done) and allocates gradient chunks, and activations are freed and made in between: a
+    # peak after a release need not coexist with the released chunks, and a gradient chunk
+    # allocated late need not coexist with a peak before it. Charging every decision the whole
+    # period's peak refused steady-state schedules that the warm-up itself had just run. So the
+    # engine calls ``mark()`` at each such point, in the warm-up and later alike (the same
+    # hooks fire in the same order), and each segment between marks records its own peak, the
+    # live bytes at its mark included: a decision at mark k is charged segment k's peak, and
+    # the next mark looks again.
+    def mark(self) -> None:
+        """A decision point inside the current period: a new segment begins here. Does nothing
+        outside ``trace()``."""
+        if self._state is not TracerState.TRACING:
+            return
+        with self._lock:
+            assert self._meter is not None, "tracing without a period meter"
+            assert self._move_depth == 0, "mark() inside a model data move"
+            self._cut_interval(moving=False)
+            self._meter.new_segment()
+
     # ---- internals -----------------------------------------------------------------
 
     def _on_boundary(self, boundary: Boundary) -> None:
@@ -343,6 +381,10 @@ class RuntimeTracer:
             model_bytes=meter.model_bytes,
             non_model_peak_bytes=non_model,
             chunk_ids=meter.chunk_ids,
+            # A segment that closed no interval (two marks in a row) saw nothing new: its start
+            # is the previous one's end, so it inherits that peak (the safe side).
+            segment_non_model_peak_bytes=_segment_peaks(meter.segment_peaks, non_model),
+            segment_model_bytes=tuple(meter.segment_model),
         )
         logger.debug(
             "period %d %s %r: peak %d model %d non-model %d chunks %s",
@@ -398,3 +440,12 @@ class RuntimeTracer:
         self._move_depth = 0
         self._signature = None
         self._clamped_periods = 0
+
+
+def _segment_peaks(peaks: list[int | None], period_peak: int) -> tuple[int, ...]:
+    """Per segment, its peak (clamped like the period's to [0, the period's peak])."""
+    out, last = [], period_peak
+    for p in peaks:
+        last = last if p is None else max(0, min(p, period_peak))
+        out.append(last)
+    return tuple(out)

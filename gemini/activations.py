@@ -1,0 +1,274 @@
+"""Activation offload: tensors autograd saves for backward wait in host memory, not on the device.
+
+[Note: activation offload]
+Gemini and PatrickStar move model data only; with activation checkpointing the tensors left on
+the device between forward and backward are the checkpointed blocks' inputs, one per block, and
+without it every activation a block saves. ``GeminiConfig(offload_activations=True)`` installs
+``torch.autograd.graph.saved_tensors_hooks`` around the root module's forward: each saved
+tensor of at least ``activation_offload_min_bytes`` (not a parameter or a view of one: those
+are chunk data, which the placement moves) is copied into a host buffer when autograd saves
+it, and its device memory is freed as soon as nothing else holds it. In backward it is copied
+back when autograd unpacks it; the device copy lives as long as autograd needs it.
+
+- Host buffers come from the chunk storage's pinned pool (page-locked on CUDA), recycled by
+  size class: the same shapes every iteration reuse the same buffers, nothing is pinned per
+  tensor. A buffer returns to the pool when autograd drops the saved tensor.
+- On CUDA both copies run on one side stream, so the forward's compute never waits for a
+  copy out (``record_stream`` keeps a tensor's memory from reuse until its copy is done), and
+  copies into and out of a recycled buffer stay in order. The order in which backward unpacks
+  is recorded in the traced iteration; later iterations start copying the next tensor back
+  while the current one is in use (one ahead), when the budget has room for it.
+- The same tensor saved twice (a LayerNorm's input is also the residual) is offloaded once,
+  and both unpacks get one device copy.
+- The budget decides, not a size heuristic: the warm-up offloads every eligible tensor and
+  measures that peak. Under placement "auto", the part of the margin that
+  ``gpu_margin_mem_ratio`` leaves to activations keeps the *last* saved tensors on the device
+  (the first backward needs: their round trip would buy the least), as many as it holds; the
+  auto policy then plans every period with those bytes added, so the promise holds.
+- On the CPU stand-in the host buffers are allocated and used out of the device monitor's
+  sight, like host chunk payloads, so the device's measured peak is what a GPU would hold.
+  Copies there are synchronous and nothing is prefetched (there is no compute to overlap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from chunks import ChunkStorage
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ActivationOffload", "ActivationStats"]
+
+
+@dataclass
+class ActivationStats:
+    """Per step: what activation offload moved and held."""
+
+    offloaded_bytes: int = 0  # saved tensors copied to host memory this step
+    offloaded_tensors: int = 0
+    restored_bytes: int = 0  # copied back to the device for backward
+    host_bytes: int = 0  # offloaded bytes held in host memory now
+    host_peak_bytes: int = 0  # the most held at once this step
+    kept_bytes: int = 0  # eligible bytes the budget let stay on the device this step
+
+    def reset(self) -> None:
+        self.offloaded_bytes = self.offloaded_tensors = self.restored_bytes = self.kept_bytes = 0
+        self.host_peak_bytes = self.host_bytes
+
+
+class _Offloaded:
+    """A saved tensor in host memory: its buffer, its shape, and its device copy while one lives."""
+
+    __slots__ = ("index", "host", "shape", "stride", "dtype", "nbytes", "device_copy", "event", "__weakref__")
+
+    def __init__(self, index: int, host: torch.Tensor, shape: torch.Size, stride: tuple[int, ...],
+                 dtype: torch.dtype, nbytes: int) -> None:
+        self.index = index  # position in its iteration's pack order
+        self.host = host  # the pool's 1-D buffer
+        self.shape = shape
+        self.stride = stride
+        self.dtype = dtype
+        self.nbytes = nbytes
+        self.device_copy: weakref.ref | torch.Tensor | None = None  # a tensor while prefetched
+        self.event: torch.cuda.Event | None = None
+
+
+class ActivationOffload:
+    """Offloads saved activations of one model; see [Note: activation offload]."""
+
+    def __init__(self, storage: ChunkStorage, *, min_bytes: int) -> None:
+        self.storage = storage
+        self.device = storage.device
+        self.min_bytes = min_bytes
+        self.stats = ActivationStats()
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._depth = 0  # root forwards entered and not left
+        self._iteration_over = True  # a backward ended since the last forward began
+        # This iteration: eligible tensors in pack order (their sizes), offloaded ones by
+        # index, the order backward unpacked them, and de-duplication of repeated saves.
+        self._sizes: list[int] = []
+        self._packed: dict[int, weakref.ref] = {}
+        self._unpack_order: list[int] = []
+        self._seen: dict[tuple, tuple[weakref.ref, _Offloaded]] = {}
+        # The traced iteration's eligible sizes and unpack order, and the plan made from them.
+        self.traced_sizes: tuple[int, ...] | None = None
+        self.traced_unpack_order: tuple[int, ...] = ()
+        self.keep_from: int | None = None  # eligible tensors from this index on stay (None: all go)
+        self.prefetch = False
+        self._following = False  # this iteration matches the traced one so far
+
+    # ------------------------------------------------------------------------ the plan
+    def record_trace(self) -> None:
+        """The warm-up's iteration ends: its sizes and unpack order are the reference."""
+        self.traced_sizes = tuple(self._sizes)
+        self.traced_unpack_order = tuple(self._unpack_order)
+
+    def plan(self, room_bytes: int) -> int:
+        """Keep on the device the last saved tensors that fit in ``room_bytes`` (after, on CUDA,
+        room for one prefetched tensor); returns the bytes this commits in every period."""
+        sizes = self.traced_sizes or ()
+        committed = 0
+        self.prefetch = False
+        if self._cuda and sizes and len(self.traced_unpack_order) > 1 and max(sizes) <= room_bytes:
+            self.prefetch = True
+            committed = max(sizes)
+        keep_from = len(sizes)
+        while keep_from > 0 and committed + sizes[keep_from - 1] <= room_bytes:
+            keep_from -= 1
+            committed += sizes[keep_from]
+        self.keep_from = keep_from if keep_from < len(sizes) else None
+        kept = sum(sizes[keep_from:])
+        logger.info("activation offload: %d of %d saved tensors (%d bytes) stay on the device, %d offloaded; "
+                    "prefetch %s", len(sizes) - keep_from, len(sizes), kept, keep_from, self.prefetch)
+        return committed
+
+    def forget_plan(self) -> None:
+        self.traced_sizes, self.traced_unpack_order = None, ()
+        self.keep_from, self.prefetch = None, False
+
+    # -------------------------------------------------------------------- forward/backward
+    def begin_forward(self) -> None:
+        """The root module's forward begins: saved tensors from here on are ours to place."""
+        if self._iteration_over:
+            self._iteration_over = False
+            self._sizes, self._packed, self._unpack_order, self._seen = [], {}, [], {}
+            self._following = self.traced_sizes is not None
+        if self._depth == 0 and torch.is_grad_enabled():
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+        self._depth += 1
+
+    def end_forward(self) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+
+    def end_backward(self) -> None:
+        self._iteration_over = True
+        self._seen = {}
+
+    # ------------------------------------------------------------------------- hooks
+    def _eligible(self, t: torch.Tensor) -> bool:
+        if t.device != self.device or t.layout is not torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
+            return False
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return False  # chunk data: the placement moves it
+        return t.numel() * t.element_size() >= self.min_bytes
+
+    def _pack(self, t: torch.Tensor):
+        if not self._eligible(t):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is t:
+            return seen[1]
+        nbytes = t.numel() * t.element_size()
+        index = len(self._sizes)
+        self._sizes.append(nbytes)
+        if self._following and (index >= len(self.traced_sizes) or self.traced_sizes[index] != nbytes):
+            self._following = False  # not the traced iteration: offload everything from here
+        if self._following and self.keep_from is not None and index >= self.keep_from:
+            self.stats.kept_bytes += nbytes
+            return t
+        with torch.profiler.record_function("gemini::offload_activation"):
+            packed = self._copy_out(index, t, nbytes)
+        self._packed[index] = weakref.ref(packed)
+        self._seen[key] = (weakref.ref(t), packed)
+        return packed
+
+    def _copy_out(self, index: int, t: torch.Tensor, nbytes: int) -> _Offloaded:
+        storage = self.storage
+        observer = storage.observer
+        # The restored tensor keeps the original's memory layout (a transposed activation stays
+        # transposed), so backward runs the very kernels it would have run: bit-identical results.
+        # empty_like keeps the strides of a dense tensor and makes others (gaps, overlaps) contiguous.
+        stride = torch.empty_like(t, device="meta").stride()
+        with observer.quiet() if observer is not None else contextlib.nullcontext():
+            buffer = storage.pool.acquire(t.numel(), t.dtype)
+            host = buffer.as_strided(t.shape, stride)
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    host.copy_(t, non_blocking=True)
+                t.record_stream(self._stream)  # its memory is not reused before the copy is done
+            else:
+                host.copy_(t)
+        if observer is not None:
+            observer.exclude(buffer)
+        packed = _Offloaded(index, buffer, t.shape, stride, t.dtype, nbytes)
+        weakref.finalize(packed, self._release, buffer, nbytes)
+        s = self.stats
+        s.offloaded_bytes += nbytes
+        s.offloaded_tensors += 1
+        s.host_bytes += nbytes
+        s.host_peak_bytes = max(s.host_peak_bytes, s.host_bytes)
+        return packed
+
+    def _release(self, buffer: torch.Tensor, nbytes: int) -> None:
+        # Copies out of and into a buffer all run on the one side stream, so a recycled buffer
+        # is never overwritten before an earlier copy from it is done.
+        self.storage.pool.release(buffer)
+        self.stats.host_bytes -= nbytes
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Offloaded):
+            return packed
+        with torch.profiler.record_function("gemini::restore_activation"):
+            self._unpack_order.append(packed.index)
+            out = self._device_copy(packed)
+            if self.prefetch and self._following:
+                self._prefetch_after(len(self._unpack_order))
+        return out
+
+    def _device_copy(self, packed: _Offloaded) -> torch.Tensor:
+        held = packed.device_copy
+        if isinstance(held, torch.Tensor):  # prefetched
+            packed.device_copy = weakref.ref(held)
+            torch.cuda.current_stream(self.device).wait_event(packed.event)
+            return held
+        if held is not None and held() is not None:  # unpacked before and still alive
+            return held()
+        out = self._start_copy_in(packed)
+        if packed.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(packed.event)
+        packed.device_copy = weakref.ref(out)
+        return out
+
+    def _start_copy_in(self, packed: _Offloaded) -> torch.Tensor:
+        out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=self.device)
+        host = packed.host.as_strided(packed.shape, packed.stride)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # ``out`` is free to write
+            with torch.cuda.stream(self._stream):
+                out.copy_(host, non_blocking=True)
+            packed.event = torch.cuda.Event()
+            packed.event.record(self._stream)
+        else:
+            out.copy_(host)
+        self.stats.restored_bytes += packed.nbytes
+        return out
+
+    def _prefetch_after(self, unpacked: int) -> None:
+        """Start copying back the tensor the traced backward unpacked next."""
+        order = self.traced_unpack_order
+        if unpacked >= len(order):
+            return
+        ref = self._packed.get(order[unpacked])
+        nxt = ref() if ref is not None else None
+        if nxt is not None and nxt.device_copy is None:
+            nxt.device_copy = self._start_copy_in(nxt)
+
+    def close(self) -> None:
+        if self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)

@@ -1,0 +1,153 @@
+"""Activation offload: saved activations wait in host memory, training is unchanged, the budget decides."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import gemini
+from gemini.gpt import GPT, GPTConfig
+from helpers import assert_params_close, batches, clone_pair, train_reference
+
+MIN_BYTES = 4096  # the test model's activations are small
+
+
+def _cfg(checkpointing: bool) -> GPTConfig:
+    return GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64,
+                     activation_checkpointing=checkpointing)
+
+
+def _train(cfg: GPTConfig, data, *, offload: bool, autocast: bool = False, steps_check=None, **config):
+    base, _ = clone_pair(cfg)
+    gcfg = gemini.GeminiConfig(device="cpu", chunk_size=8192, offload_activations=offload,
+                               activation_offload_min_bytes=MIN_BYTES, **config)
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+    reports, states = [], []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = GPT.loss(gmodel(x), y)
+        opt.backward(loss)
+        if steps_check is not None:
+            steps_check(opt)
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+        states.append(gmodel.state_dict())
+    return reports, states, opt
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("placement", ["cpu", "static", "auto"])
+def test_offloaded_training_equals_adamw_and_lowers_the_device_peak(placement, checkpointing):
+    """Every step equals fused AdamW; the device's measured peak falls by what waits on the host
+    (with checkpointing, the blocks' inputs that checkpoint saves); every host buffer returns to
+    the pool once backward is over, and the pool stops growing after the first step."""
+    cfg = _cfg(checkpointing)
+    data = batches(cfg, 3, batch=4, seq=32)
+    _, ref = clone_pair(cfg)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    budget = dict(device_memory=2**40) if placement != "auto" else {}
+    held_after_backward, pool_allocations = [], []
+
+    def after_backward(opt):
+        held_after_backward.append(opt._rt.activations.stats.host_bytes)
+        pool_allocations.append(opt._rt.storage.pool.stats().allocations)
+
+    plain, _, _ = _train(cfg, data, offload=False, placement=placement, **budget)
+    reports, states, opt = _train(cfg, data, offload=True, placement=placement, steps_check=after_backward, **budget)
+    for step, state in enumerate(states):
+        assert_params_close(state, want[step], step=step)
+    first = reports[0]
+    assert first.activation_offload_bytes > 0 and first.activation_host_peak_bytes > 0
+    # Without checkpointing every block's activations wait on the host; with it, its inputs.
+    expect_saved = 4 * (4 * 32 * 64 * 4) if checkpointing else None
+    if expect_saved is not None:
+        assert first.activation_offload_bytes >= expect_saved - 4 * 32 * 64 * 4  # all but perhaps the last block's
+    if placement != "static":  # static's peak is its optimizer step on the device, after backward
+        assert first.device_peak_bytes <= plain[0].device_peak_bytes - first.activation_host_peak_bytes // 2
+    assert held_after_backward == [0] * len(data)  # every buffer went back to the pool
+    assert pool_allocations[1] == pool_allocations[-1]  # from the second step on, buffers recycled, not re-pinned
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_offload_under_bf16_autocast_changes_nothing(checkpointing):
+    """The copies are exact: under bf16 autocast, offloaded training is bit-identical to the
+    same training without offload, and close to AdamW on the same autocast model."""
+    cfg = _cfg(checkpointing)
+    data = batches(cfg, 3, batch=4, seq=32)
+    _, plain, _ = _train(cfg, data, offload=False, autocast=True, placement="cpu")
+    reports, offloaded, _ = _train(cfg, data, offload=True, autocast=True, placement="cpu")
+    assert reports[0].activation_offload_bytes > 0
+    for step, (a, b) in enumerate(zip(offloaded, plain)):
+        assert_params_close(a, b, rtol=0, atol=0, step=step)
+
+
+def test_the_budget_decides_how_much_stays_on_the_device():
+    """Under auto the warm-up offloads everything it may; then the margin keeps the last saved
+    tensors on the device: all of them with a large budget, none at the smallest budget the
+    warm-up accepts, some in between. Every step stays under its budget and equals AdamW."""
+    cfg = _cfg(False)
+    data = batches(cfg, 3, batch=4, seq=32)
+    _, ref = clone_pair(cfg)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    warm, _, _ = _train(cfg, data[:1], offload=True, placement="auto", device_memory=2**40)
+    warm_peak = warm[0].device_peak_bytes
+    offloaded = warm[0].activation_offload_bytes
+    reserve = warm[0].timeline.reserve_bytes
+    kept = {}
+    for name, budget in (("none", warm_peak + reserve), ("some", warm_peak + reserve + offloaded // 2),
+                         ("all", 2**40)):
+        reports, states, _ = _train(cfg, data, offload=True, placement="auto", device_memory=budget)
+        for step, (r, state) in enumerate(zip(reports, states)):
+            assert r.device_peak_bytes <= budget, (name, step)
+            assert_params_close(state, want[step], step=step)
+        kept[name] = reports[-1].activation_kept_bytes
+        assert reports[-1].activation_kept_bytes + reports[-1].activation_offload_bytes == offloaded
+    assert kept["none"] == 0 < kept["some"] < kept["all"] == offloaded
+
+
+def test_config_fields_are_validated():
+    with pytest.raises(ValueError, match="offload_activations"):
+        gemini.GeminiConfig(offload_activations="yes")
+    with pytest.raises(ValueError, match="activation_offload_min_bytes"):
+        gemini.GeminiConfig(activation_offload_min_bytes=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_cuda_stream_path_equals_adamw_and_prefetches(checkpointing):
+    """On CUDA the copies run on a side stream from pinned buffers and, under auto, later
+    iterations copy the next tensor back ahead of its use: every step still equals AdamW and
+    stays under the budget, and the offloaded bytes all come back."""
+    cfg = _cfg(checkpointing)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(cfg, 4, batch=4, seq=32)]
+    _, ref = clone_pair(cfg)
+    _, want, _ = train_reference(ref.cuda(), data, lr=1e-2, weight_decay=0.1)
+
+    def run(placement: str, budget: int):
+        base, _ = clone_pair(cfg)
+        gcfg = gemini.GeminiConfig(device="cuda", placement=placement, chunk_size=8192, offload_activations=True,
+                                   activation_offload_min_bytes=MIN_BYTES, device_memory=budget)
+        gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+        reports = []
+        for step, (x, y) in enumerate(data):
+            opt.backward(GPT.loss(gmodel(x), y))
+            opt.step()
+            opt.zero_grad()
+            reports.append(opt.report)
+            assert opt.report.device_peak_bytes <= budget
+            assert_params_close({k: v.cpu() for k, v in gmodel.state_dict().items()},
+                                {k: v.cpu() for k, v in want[step].items()}, rtol=1e-5, atol=1e-6, step=step)
+        return reports, opt
+
+    reports, opt = run("cpu", 2**34)
+    assert opt._rt.storage.pin_host and reports[-1].activation_offload_bytes > 0
+    assert opt._rt.activations.stats.restored_bytes == reports[-1].activation_offload_bytes
+    first = reports[0]
+    budget = first.device_peak_bytes + first.timeline.reserve_bytes + first.activation_offload_bytes // 2 \
+        if first.timeline is not None else 2**34
+    reports, opt = run("auto", max(budget, 64 * 2**20))
+    assert opt._rt.activations.traced_unpack_order
