@@ -1,9 +1,16 @@
-"""The device budget is a promise on every step: exact at the byte, and checked before any update."""
+"""The device budget is a promise on every step: exact at the byte, checked before any update,
+and kept by the auto policy at the least traffic its traced order allows."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+import re
+
 import pytest
 import torch
+from torch import nn
 
 import gemini
 from gemini.gpt import GPT, GPTConfig
@@ -12,32 +19,133 @@ from helpers import assert_params_close, batches, clone_pair
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 CHUNK = 8192
+# Every placement that measures the device when given a budget; static with a mix of groups
+# pinned on the device and groups offloaded.
+MEASURED = {
+    "cpu": {},
+    "static": dict(static_param_device_fraction=0.5, static_optimizer_offload_fraction=0.5),
+    "cuda": {},
+    "auto": {},
+}
 
 
-def _peak_of_one_step(budget: int | None) -> tuple[int, object]:
+def _config(placement: str, budget) -> gemini.GeminiConfig:
+    return gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=CHUNK, device_memory=budget,
+                               **MEASURED[placement])
+
+
+def _one_step(budget, placement: str = "cpu"):
     base, _ = clone_pair(CFG)
-    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK,
-                                                              device_memory=budget), lr=1e-2)
+    gmodel, opt = gemini.initialize(base, _config(placement, budget), lr=1e-2)
     x, y = batches(CFG, 1, batch=2, seq=16)[0]
     opt.backward(GPT.loss(gmodel(x), y))
     opt.step()
-    return opt.report.device_peak_bytes, gmodel
+    return opt.report
 
 
-def test_a_peak_exactly_at_the_budget_passes_and_one_byte_over_is_refused():
-    peak, _ = _peak_of_one_step(2**40)  # measured (a budget turns the monitor on), never binding
-    got, _ = _peak_of_one_step(peak)
-    assert got == peak  # the same step, the same bytes: exactly at the budget is within it
-    with pytest.raises(DeviceBudgetError, match="1 bytes are missing") as err:
-        _peak_of_one_step(peak - 1)
-    assert err.value.missing_bytes == 1
+def _peak_of_one_step(budget, placement: str = "cpu") -> int:
+    return _one_step(budget, placement).device_peak_bytes
+
+
+def _missing_bytes(err: Exception) -> int:
+    """The missing bytes an error names (a ValueError carries them only in its message)."""
+    named = [int(n) for n in re.findall(r"(\d+) bytes are missing", str(err))]
+    assert len(named) == 1 and "device_memory" in str(err), str(err)
+    if isinstance(err, DeviceBudgetError):
+        assert err.missing_bytes == named[0], str(err)
+    assert named[0] > 0
+    return named[0]
+
+
+def _optimizer_state(opt) -> list[torch.Tensor]:
+    """Step counts, Adam's m and v, read from the chunks themselves (``state_dict`` omits
+    parameters that never stepped, so it could not tell a first update from none)."""
+    out = []
+    for g in opt._rt.manager.trainable_groups:
+        out += [g.steps.clone(), g.exp_avg.payload().clone(), g.exp_avg_sq.payload().clone()]
+    return out
+
+
+def _refused(placement: str, budget) -> tuple[str, Exception]:
+    """Initialize and one step at ``budget``, which must be refused: at initialize, or in the
+    first iteration before anything is updated. Returns where ("initialize" or "iteration") and
+    the error."""
+    base, _ = clone_pair(CFG)
+    values = {k: v.clone() for k, v in base.state_dict().items()}
+    try:
+        gmodel, opt = gemini.initialize(base, _config(placement, budget), lr=1e-2)
+    except (DeviceBudgetError, ValueError) as err:
+        # Refused up front: the module keeps its values (chunks may already hold them).
+        assert_params_close(base.state_dict(), values, rtol=0, atol=0)
+        _missing_bytes(err)
+        return "initialize", err
+    params = gmodel.state_dict()
+    state = _optimizer_state(opt)
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    with pytest.raises(DeviceBudgetError, match="Nothing was updated") as err:
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+    _missing_bytes(err.value)
+    assert_params_close(gmodel.state_dict(), params, rtol=0, atol=0)
+    after = _optimizer_state(opt)
+    assert all(torch.equal(a, b) for a, b in zip(after, state, strict=True))
+    assert opt.report is None and opt.reports_made == 0  # no step was counted either
+    return "iteration", err.value
+
+
+@pytest.mark.parametrize("placement", list(MEASURED))
+def test_a_peak_exactly_at_the_budget_passes_and_one_byte_less_is_refused(placement):
+    """`<` for `<=` in a budget check refuses a step that fits to the byte; `<= budget + 1`
+    lets one through that does not fit. Under auto the warm-up's peak is checked with the
+    safety reserve on top: the boundary is where the refusal at the bare peak says it is."""
+    peak = _peak_of_one_step(2**40, placement)  # measured (a budget turns the monitor on), never binding
+    if placement == "auto":
+        with pytest.raises(DeviceBudgetError, match="safety reserve") as err:
+            _one_step(peak, placement)
+        boundary = peak + err.value.missing_bytes
+    else:
+        boundary = peak
+    # The same step, the same bytes: exactly at the budget is within it.
+    assert _peak_of_one_step(boundary, placement) == peak
+    where, err = _refused(placement, boundary - 1)
+    assert where == "iteration" and _missing_bytes(err) == 1
+
+
+@pytest.mark.parametrize("placement", ["cuda", "static"])
+def test_the_chunks_kept_on_the_device_fit_the_budget_to_the_byte(placement):
+    """cuda and static check at initialize that the chunks they keep on the device fit: a
+    refusal's missing bytes lead to a budget that fits exactly, and one byte less is refused."""
+    where, err = _refused(placement, 1)
+    assert where == "initialize"
+    boundary = 1 + _missing_bytes(err)
+    gemini.initialize(clone_pair(CFG)[0], _config(placement, boundary))
+    with pytest.raises((DeviceBudgetError, ValueError)) as err:
+        gemini.initialize(clone_pair(CFG)[0], _config(placement, boundary - 1))
+    assert _missing_bytes(err.value) == 1
+
+
+@pytest.mark.parametrize("placement, budget, refused_at", [
+    ("cuda", 1, "initialize"),  # the chunks alone do not fit
+    ("cuda", "chunks", "iteration"),  # the chunks fit exactly, the first iteration's activations do not
+    ("static", 1, "initialize"),
+    ("static", "chunks", "iteration"),
+    ("cpu", 64 * 1024, "iteration"),  # a module's parameters and activations do not fit
+    ("auto", 64 * 1024, "iteration"),  # refused in the warm-up's forward or backward
+])
+def test_every_placement_refuses_a_budget_it_cannot_meet_before_updating_anything(placement, budget, refused_at):
+    """A first step whose check is skipped would update parameters and Adam's states (and
+    count a step) at a budget the iteration overran; every placement refuses it instead."""
+    if budget == "chunks":
+        budget = 1 + _missing_bytes(_refused(placement, 1)[1])
+    where, _ = _refused(placement, budget)
+    assert where == refused_at
 
 
 def test_every_step_is_checked_before_anything_is_updated():
     """A tensor the caller keeps alive on the device in a later step pushes that step over the
     budget: the step raises before any update, and a retry without it gives the uninterrupted
     result."""
-    peak, _ = _peak_of_one_step(2**40)
+    peak = _peak_of_one_step(2**40)
     budget = peak + 4096
     data = batches(CFG, 3, batch=2, seq=16)
 
@@ -71,3 +179,167 @@ def test_every_step_is_checked_before_anything_is_updated():
         return gmodel.state_dict()
 
     assert_params_close(run(extra_at=1), run(extra_at=None), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------
+# Steady-state eviction under auto follows the traced order. The reference below replays one
+# iteration of the policy's schedule from the warm-up's timeline and finds, by brute force over
+# every choice of victims, the fewest parameter fetches that schedule allows; the engine's
+# measured traffic must be exactly that.
+
+WIDTH = 64
+GROUP_BYTES = 4 * WIDTH * WIDTH  # one Linear(WIDTH, WIDTH, bias=False) in fp32: one chunk group each
+CALLS = (0, 1, 2, 3, 4, 0)
+
+
+class _Chain(nn.Module):
+    """Five equal layers called 0, 1, 2, 3, 4, 0. Equal groups: a size-only rule (largest first)
+    takes its victims in group order, blind to when each is needed next. The reused layer's
+    group is used twice per pass, and its gradient arrives once, after both uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(max(CALLS) + 1))
+
+    def forward(self, x):
+        # A tanh after each layer: no module returns another's output as its own (as
+        # nn.Sequential does, which puts the last layer's backward fetch ahead of its period's
+        # boundary; see [Note: shared outputs] in tracer/hooks.py).
+        for i in CALLS:
+            x = torch.tanh(self.layers[i](x))
+        return x.square().mean()
+
+
+def _chain_run(budget, steps: int):
+    torch.manual_seed(0)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=WIDTH * WIDTH, device_memory=budget)
+    gmodel, opt = gemini.initialize(_Chain(), gcfg, lr=1e-2)
+    x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1))
+    reports = []
+    for _ in range(steps):
+        opt.backward(gmodel(x))
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+    return reports, opt
+
+
+def _moments(timeline):
+    """One steady-state iteration of the auto policy (see [Note: auto placement]), as the moments
+    at which the resident parameter groups must fit. Period p's room is the budget less the
+    reserve, the buffers and p's measured non-model peak. The iteration begins with no group on
+    the device (the step, Adam on the host, left none there). In period p:
+
+    1. at its boundary, the resident groups fit p's room; p's own groups are never evicted;
+    2. the next period's groups are prefetched when they fit under both rooms without evicting;
+    3. p's missing groups are fetched, evicting to make room for them;
+    4. in a group's last backward period (autograd hands over a parameter's gradient once, summed
+       over its uses) its gradient chunk, a group's size, needs room next to it; it then leaves
+       for the host, as these groups' optimizer states live there.
+
+    Yields ("fit", p, room, keep, new, extra): make room for ``extra`` bytes and the groups of
+    ``new`` not resident, evicting none of ``keep``; then ``new`` is resident. And
+    ("prefetch", p, room, groups).
+    """
+    periods = timeline.periods
+    rooms = [timeline.budget_bytes - timeline.reserve_bytes - timeline.fixed_bytes - p.non_model_bytes
+             for p in periods]
+    access = [frozenset(p.chunk_groups) for p in periods]
+    last_backward = {g: i for i, p in enumerate(periods) if p.phase == "backward" for g in p.chunk_groups}
+    for p, groups in enumerate(access):
+        yield "fit", p, rooms[p], groups, frozenset(), 0
+        if p + 1 < len(access):
+            yield "prefetch", p, min(rooms[p], rooms[p + 1]), access[p + 1]
+        yield "fit", p, rooms[p], groups, groups, 0
+        for g in sorted(groups):
+            if last_backward.get(g) == p:
+                yield "fit", p, rooms[p], frozenset({g}), frozenset(), GROUP_BYTES
+
+
+def _evictions_needed(resident: frozenset, new: frozenset, extra: int, room: int) -> int:
+    over = GROUP_BYTES * len(resident | new) + extra - room
+    return max(0, math.ceil(over / GROUP_BYTES))
+
+
+def _fewest_fetches(timeline) -> int:
+    """Brute force: the fewest fetches over every choice of victims at every moment (no policy)."""
+    moments = list(_moments(timeline))
+
+    @functools.cache
+    def best(i: int, resident: frozenset) -> float:
+        if i == len(moments):
+            return 0
+        kind, _, room, groups, *rest = moments[i]
+        if kind == "prefetch":
+            new = groups - resident
+            if new and GROUP_BYTES * len(resident | new) <= room:
+                return len(new) + best(i + 1, resident | new)
+            return best(i + 1, resident)
+        new, extra = rest
+        candidates = sorted(resident - groups)
+        k = _evictions_needed(resident, new, extra, room)
+        if k > len(candidates):
+            return math.inf
+        return len(new - resident) + min(
+            best(i + 1, (resident - frozenset(victims)) | new) for victims in itertools.combinations(candidates, k)
+        )
+
+    return best(0, frozenset())
+
+
+def _fetches(timeline, victim) -> int:
+    """Fetches when each eviction takes ``victim(candidates, period, access)``, one at a time."""
+    access = [set(p.chunk_groups) for p in timeline.periods]
+    resident, fetched = set(), 0
+    for kind, p, room, groups, *rest in _moments(timeline):
+        if kind == "prefetch":
+            new = groups - resident
+            if new and GROUP_BYTES * len(resident | new) <= room:
+                resident |= new
+                fetched += len(new)
+            continue
+        new, extra = rest
+        for _ in range(_evictions_needed(frozenset(resident), new, extra, room)):
+            resident.remove(victim(resident - groups, p, access))
+        fetched += len(new - resident)
+        resident |= new
+    return fetched
+
+
+def _furthest_next_use(candidates, p, access):
+    def next_use(g):
+        return next((q for q in range(p + 1, len(access)) if g in access[q]), math.inf)
+    return max(sorted(candidates), key=next_use)
+
+
+def _in_group_order(candidates, p, access):
+    return min(candidates)  # what largest-first does among equal groups (a stable sort)
+
+
+def test_steady_state_traffic_is_the_fewest_fetches_the_traced_order_allows():
+    """Evicting the largest group (among equal ones, the first in group order) instead of the one
+    needed furthest ahead evicts groups about to be used (here, in the backward, the group just
+    prefetched for the next period rather than one never used again) and fetches them again:
+    more host-to-device traffic per step at the same budget. Each steady-state step must move
+    exactly the optimum's bytes."""
+    # The budget: the reserve, the largest non-model peak and three and a quarter groups. Every
+    # period fits what it needs at once (a group and its gradient at most); the backward's
+    # periods cannot also keep every group fetched before.
+    _, probe = _chain_run(None, steps=1)
+    traced = probe.timeline
+    budget = traced.reserve_bytes + traced.fixed_bytes + traced.max_non_model_bytes + 3 * GROUP_BYTES + GROUP_BYTES // 4
+    reports, opt = _chain_run(budget, steps=3)
+    timeline = opt.timeline
+    groups = opt._rt.manager.groups
+    assert len(groups) == 5 and all(g.param.nbytes == GROUP_BYTES for g in groups)
+    assert [p.chunk_groups for p in timeline.periods] == [p.chunk_groups for p in traced.periods]
+
+    fewest = _fewest_fetches(timeline)
+    assert fewest > len(groups)  # the budget forces groups to be fetched again
+    assert _fetches(timeline, _furthest_next_use) == fewest  # Belady is optimal for equal sizes
+    assert _fetches(timeline, _in_group_order) > fewest  # and order-blind eviction is not
+    for r in reports[1:]:  # the first step is the warm-up
+        assert r.device_peak_bytes <= budget
+        assert r.h2d_bytes == fewest * GROUP_BYTES, (r.step, r.h2d_bytes // GROUP_BYTES, fewest)
+        # Each gradient chunk leaves once; an evicted parameter chunk has its host copy (no copy back).
+        assert r.d2h_bytes == len(groups) * GROUP_BYTES
