@@ -1,6 +1,7 @@
 """Chunks: flat buffers holding many tensors as views, and the manager that moves them."""
 
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
+from chunks.ledger import MemoryLedger, fits, missing_bytes
 from chunks.manager import ChunkGroup, ChunkManager, ValueSource, plan_layout, values_of_params
 from chunks.shard import Shard, round_up
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
@@ -14,12 +15,15 @@ __all__ = [
     "ChunkSizeSearch",
     "ChunkState",
     "ChunkStorage",
+    "MemoryLedger",
     "Shard",
     "StorageObserver",
     "TensorSlot",
     "Tier",
     "ValueSource",
     "default_search_range",
+    "fits",
+    "missing_bytes",
     "plan_layout",
     "round_up",
     "search_chunk_size",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunks import ChunkManager, ChunkStorage, plan_layout, round_up, search_chunk_size
+from chunks import ChunkManager, ChunkStorage, missing_bytes, plan_layout, round_up, search_chunk_size
 from offload import NvmeStore
 from gemini.config import GeminiConfig
 from gemini.hooks import ModuleHooks
@@ -109,7 +109,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
         if nvme is not None:
             nvme.finish_registration()
         if isinstance(placement, StaticPlacement) and config.device_memory is not None:
-            _check_static_budget(placement, config.device_memory - fixed_bytes)
+            _check_static_budget(placement, config.device_memory, fixed_bytes)
         if zero is not None:
             _attach_zero(zero, manager, placement)
         placement.setup()
@@ -218,22 +218,25 @@ def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_si
         for members in plan_layout(group, chunk_size):
             capacity = round_up(max(chunk_size, sum(group[j] for j in members)), world)
             need += int(capacity * (param if frozen else per_trainable))
-    if need > config.device_memory:
+    missing = missing_bytes(config.device_memory, need)
+    if missing:
         raise ValueError(
             f"placement='cuda' needs {need} bytes of chunks on the device but "
-            f"GeminiConfig.device_memory={config.device_memory}: {need - config.device_memory} bytes are missing; "
+            f"GeminiConfig.device_memory={config.device_memory}: {missing} bytes are missing; "
             f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size"
         )
 
 
-def _check_static_budget(placement: StaticPlacement, budget_bytes: int) -> None:
+def _check_static_budget(placement: StaticPlacement, budget_bytes: int, fixed_bytes: int) -> None:
+    """The chunks placement 'static' keeps on the device for good, next to the buffers, fit the budget."""
     pinned = placement.pinned_bytes()
-    if pinned > budget_bytes:
-        missing = pinned - budget_bytes
+    missing = missing_bytes(budget_bytes, pinned, fixed_bytes)
+    if missing:
         raise DeviceBudgetError(
             f"placement='static' keeps {pinned} bytes of chunks on the device for good but GeminiConfig.device_memory "
-            f"leaves {budget_bytes} for them: {missing} bytes are missing; lower static_param_device_fraction, raise "
-            f"static_optimizer_offload_fraction or device_memory, or use placement='auto'",
+            f"leaves {budget_bytes - fixed_bytes} for them: {missing} bytes are missing; lower "
+            f"static_param_device_fraction, raise static_optimizer_offload_fraction or device_memory, or use "
+            f"placement='auto'",
             missing_bytes=missing,
         )
 

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
+from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.plan import MemoryPlan
@@ -452,7 +452,7 @@ class AutoPlacement(PlacementPolicy):
         chosen = []
         for g in self.manager.trainable_groups:
             cost = self.group_device_bytes(g)
-            if cost <= room:
+            if fits(room, cost):
                 room -= cost
                 chosen.append(g)
         self.os_on_device = {g.index for g in chosen}
@@ -466,7 +466,8 @@ class AutoPlacement(PlacementPolicy):
             else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0)
             for g in self.manager.groups
         )
-        self.track_periods = most + self.fixed_bytes + plan.max_non_model_bytes + plan.reserve_bytes > plan.budget_bytes
+        self.track_periods = not fits(plan.budget_bytes, most, self.fixed_bytes, plan.max_non_model_bytes,
+                                      plan.reserve_bytes)
         logger.info(
             "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
             plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
@@ -539,16 +540,17 @@ class AutoPlacement(PlacementPolicy):
         return self.plan is None or self.track_periods
 
     # ------------------------------------------------------------------------- eviction
-    def _device_bytes(self) -> int:
-        return self.manager.storage.bytes_on(Tier.DEVICE) + self.fixed_bytes
-
-    def _room_limit(self, non_model: int) -> int:
+    def _missing_bytes(self, nbytes: int, non_model: int) -> int:
+        """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the
+        buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve
+        and (ZeRO-3) a prefetched group's parameters."""
         reserve = self.plan.reserve_bytes if self.plan is not None else 0
-        return self.memory.budget_bytes - reserve - non_model - self.prefetch_reserve_bytes
+        return missing_bytes(self.memory.budget_bytes, self.manager.storage.ledger.bytes_on(Tier.DEVICE),
+                             self.fixed_bytes, nbytes, non_model, reserve, self.prefetch_reserve_bytes)
 
     def _make_room(self, nbytes: int, keep: set[int]) -> None:
-        over = self._device_bytes() + nbytes - self._room_limit(self._non_model_now())
-        if over <= 0:
+        over = self._missing_bytes(nbytes, self._non_model_now())
+        if not over:
             return
         # In use, so never evicted: groups under a running forward, and groups fetched for a
         # backward whose gradients are not all in (their module's backward may not have run:
@@ -618,7 +620,7 @@ class AutoPlacement(PlacementPolicy):
         missing = [g for g in groups if g.param.state is ChunkState.HOST]
         need = sum(g.param.nbytes for g in missing)
         non_model = max(plan.non_model_bytes[self.period], plan.non_model_bytes[nxt])
-        if missing and self._device_bytes() + need <= self._room_limit(non_model):
+        if missing and not self._missing_bytes(need, non_model):
             for g in missing:
                 g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True)
 

@@ -19,7 +19,7 @@ import psutil
 import torch
 from torch import nn
 
-from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier
+from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
 from gemini.initialize import resolve_chunk_size, split_param_groups
 from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes
@@ -216,10 +216,11 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
         plan.notes.append(f"no device budget: the whole device; it needs {format_size(device_bytes)} for {what}, "
                           f"plus activations")
         return
-    if device_bytes > budget:
+    missing = missing_bytes(budget, device_bytes)
+    if missing:
         plan.problems.append(
             f"the device needs {format_size(device_bytes)} for {what} (with buffers) but device_memory is "
-            f"{format_size(budget)}: {format_size(device_bytes - budget)} are missing; raise device_memory, use a "
+            f"{format_size(budget)}: {format_size(missing)} are missing; raise device_memory, use a "
             f"smaller chunk_size, or placement 'cpu'/'auto'")
     else:
         plan.notes.append(f"the device keeps {format_size(budget - device_bytes)} of its {format_size(budget)} budget "

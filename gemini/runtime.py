@@ -207,7 +207,7 @@ class GeminiRuntime:
         if measured is not None:
             return max(measured, self._warmup_peak_bytes)
         # Not measured (the CPU stand-in without a budget): the chunk ledger's peak.
-        return self.storage.stats[Tier.DEVICE].peak_bytes + self.fixed_bytes
+        return self.storage.ledger.peak_bytes(Tier.DEVICE) + self.fixed_bytes
 
     def device_non_model_peak_bytes(self) -> int | None:
         if self.plan is not None:
@@ -220,7 +220,8 @@ class GeminiRuntime:
         return plan.timeline() if plan is not None else None
 
     def model_bytes_by_tier(self) -> dict[str, dict[str, int]]:
-        """Chunk payload bytes now: tier -> chunk kind -> bytes (a chunk in a file counts on NVMe)."""
+        """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a
+        file counts on NVMe)."""
         return {tier.value: {kind.value: nbytes for kind, nbytes in self.manager.bytes_by_kind(tier).items()}
                 for tier in Tier}
 
@@ -235,7 +236,7 @@ class GeminiRuntime:
         try:
             check_peak(self.memory.peak_bytes(), self.memory.budget_bytes,
                        what="the first iteration" if first else "this iteration", placement=self.config.placement,
-                       chunk_peak_bytes=self.storage.stats[Tier.DEVICE].peak_bytes)
+                       chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
         except Exception:
             self.end_window()
             raise
@@ -243,8 +244,7 @@ class GeminiRuntime:
     def start_new_step(self) -> None:
         """Reset the per-step peaks and transfer counters."""
         self.end_window()
-        self.storage.reset_peaks()
-        self.storage.transfers.reset()
+        self.storage.ledger.start_step()
         self.memory.reset_peak()
         self._warmup_peak_bytes = 0
         self.system.reset_peak()
