@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunks import ChunkManager, ChunkStorage, missing_bytes, plan_layout, round_up, search_chunk_size
+from chunks import ChunkManager, ChunkStorage, Tier, missing_bytes, round_up, search_chunk_size
 from offload import NvmeStore
 from gemini.config import GeminiConfig
+from gemini.footprint import Layout, chunk_bytes, device_groups
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
@@ -88,7 +89,6 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     torch_groups, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
     chunk_size = resolve_chunk_size(config, numels, world=world)
-    _check_device_budget(config, numels, chunk_size, world=world)
 
     # The device is measured on CUDA always (the allocator's counters cost nothing) and on
     # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
@@ -96,12 +96,14 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     # stand-in, against the machine's memory).
     memory = DeviceMemory(device, config.device_memory,
                           measure=config.device_memory is not None or config.placement == "auto")
-    fixed_bytes = _move_buffers(model, device, config.param_dtype)
     storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype, rank=rank, world=world,
                            shard_params=config.shard_params)
+    layout = manager.layout(named_groups, frozen)  # what register() will build; nothing allocated yet
+    _check_device_budget(config, layout, manager)
+    fixed_bytes = _move_buffers(model, device, config.param_dtype)
     placement = make_placement(config, manager, memory=memory, fixed_bytes=fixed_bytes)
-    nvme = _make_nvme_tier(config, manager, named_groups, frozen)
+    nvme = _make_nvme_tier(config, manager, layout)
     placement.nvme = nvme
     try:
         manager.register(named_groups, frozen, initial_tier=placement.initial_tier,
@@ -186,7 +188,7 @@ def _check_supported(config: GeminiConfig) -> None:
         )
 
 
-def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, named_groups, frozen) -> NvmeTier | None:
+def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout) -> NvmeTier | None:
     """The NVMe tier when a host budget or an NVMe folder is set; its store opens here."""
     if config.cpu_memory is None and config.nvme_dir is None:
         return None
@@ -195,29 +197,19 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, named_groups, f
     nvme = NvmeTier(manager, cpu_memory=config.cpu_memory, fraction=config.nvme_offload_fraction,
                     depth=config.nvme_pipeline_depth)
     try:
-        nvme.plan_registration(manager.layout(named_groups, frozen))
+        nvme.plan_registration(layout)
     except BaseException:
         manager.storage.close_nvme()
         raise
     return nvme
 
 
-def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_size: int, *, world: int = 1) -> None:
+def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkManager) -> None:
     """Under placement 'cuda' every chunk lives on the device: say before allocating if they can't."""
-    if config.placement != "cuda" or config.device_memory is None:
+    if config.placement != "cuda":
         return
-    param_bytes = torch.empty((), dtype=config.param_dtype).element_size()
-    low = config.param_dtype != torch.float32
-    sharded_params = config.shard_params and world > 1
-    param = param_bytes / world if sharded_params else param_bytes
-    # param (or its shard), grad (the full bucket, plus its reduced shard under ZeRO), master, m, v
-    per_trainable = param + param_bytes + ((param_bytes if world > 1 else 0) + (4 if low else 0) + 8) / world
-    need = 0
-    for i, group in enumerate(numels):
-        frozen = i == len(numels) - 1
-        for members in plan_layout(group, chunk_size):
-            capacity = round_up(max(chunk_size, sum(group[j] for j in members)), world)
-            need += int(capacity * (param if frozen else per_trainable))
+    need = sum(chunk_bytes(layout, device_groups(config, layout), param_dtype=manager.param_dtype,
+                           world=manager.world, shard_params=manager.shard_params)[Tier.DEVICE].values())
     missing = missing_bytes(config.device_memory, need)
     if missing:
         raise ValueError(

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
 import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
+from gemini.footprint import DeviceGroups, chunk_bytes, static_choice
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.plan import MemoryPlan
@@ -23,8 +24,7 @@ from tracer import Boundary, EvictionError, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "AutoPlacement", "StaticPlacement", "make_placement",
-           "static_choice"]
+__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "AutoPlacement", "StaticPlacement", "make_placement"]
 
 
 class PlacementPolicy:
@@ -323,18 +323,6 @@ class CpuPlacement(PlacementPolicy):
         return False
 
 
-def static_choice(
-    groups: Sequence[int], trainable: Sequence[int], *, param_device_fraction: float, optimizer_offload_fraction: float
-) -> tuple[set[int], set[int]]:
-    """placement="static"'s rule, on chunk-group indices in model order: (groups whose
-    parameters stay on the device, trainable groups whose optimizer states do). The first
-    groups stay, the last ones are offloaded. A pure function, so the planner applies the same
-    rule before any chunk exists."""
-    params_on_device = set(groups[: round(param_device_fraction * len(groups))])
-    n_offload = round(optimizer_offload_fraction * len(trainable))
-    return params_on_device, set(trainable[: len(trainable) - n_offload])
-
-
 class StaticPlacement(PlacementPolicy):
     """Fixed fractions, no warm-up heuristics.
 
@@ -373,15 +361,13 @@ class StaticPlacement(PlacementPolicy):
                 g.param.fetch(keep_host=True)
 
     def pinned_bytes(self) -> int:
-        """Chunk bytes this policy keeps on the device for good."""
+        """Chunk bytes this policy keeps on the device for good (at the end of every step)."""
         self._choose()
-        total = 0
-        for g in self.manager.groups:
-            if g.index in self.os_on_device:
-                total += self.group_device_bytes(g)
-            elif g.index in self.params_on_device:
-                total += g.param.nbytes
-        return total
+        m = self.manager
+        layout = [(range(len(g.slots)), g.param_group, g.param.capacity) for g in m.groups]
+        choice = DeviceGroups(whole=frozenset(self.os_on_device), params=frozenset(self.params_on_device))
+        return sum(chunk_bytes(layout, choice, param_dtype=m.param_dtype, world=m.world,
+                               shard_params=m.shard_params)[Tier.DEVICE].values())
 
     def optimizer_tier(self, group: ChunkGroup) -> Tier:
         return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST

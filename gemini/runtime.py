@@ -12,6 +12,7 @@ from chunks import ChunkManager, ChunkState, ChunkStorage, Tier
 from gemini.clipping import clip_coefficient, grad_norm, scale_grads_
 from gemini.collectives import Collectives
 from gemini.config import GeminiConfig
+from gemini.footprint import named_bytes
 from gemini.grad_views import GradViews
 from gemini.hooks import ModuleHooks
 from gemini.loss_scaler import DynamicLossScaler
@@ -222,8 +223,7 @@ class GeminiRuntime:
     def model_bytes_by_tier(self) -> dict[str, dict[str, int]]:
         """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a
         file counts on NVMe)."""
-        return {tier.value: {kind.value: nbytes for kind, nbytes in self.manager.bytes_by_kind(tier).items()}
-                for tier in Tier}
+        return named_bytes({tier: self.manager.bytes_by_kind(tier) for tier in Tier})
 
     def check_step_peak(self) -> None:
         """The budget promise on every step: the measured peak of this iteration's forward and
