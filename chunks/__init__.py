@@ -1,6 +1,7 @@
 """Chunks: flat buffers holding many tensors as views, and the manager that moves them."""
 
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
+from chunks.ledger import MemoryLedger, fits, missing_bytes
 from chunks.manager import (CAPACITY_ALIGN_ELEMENTS, ChunkGroup, ChunkManager, ValueSource, chunk_capacity, plan_layout,
                             values_of_params)
 from chunks.shard import Shard, round_up
@@ -16,6 +17,7 @@ __all__ = [
     "ChunkSizeSearch",
     "ChunkState",
     "ChunkStorage",
+    "MemoryLedger",
     "Shard",
     "StorageObserver",
     "TensorSlot",
@@ -23,6 +25,8 @@ __all__ = [
     "ValueSource",
     "chunk_capacity",
     "default_search_range",
+    "fits",
+    "missing_bytes",
     "plan_layout",
     "round_up",
     "search_chunk_size",

@@ -244,7 +244,8 @@ class Chunk:
         """RELEASED -> HOST or DEVICE: a fresh (zeroed) payload."""
         self._expect(ChunkState.RELEASED)
         shell = self._device_shell if tier is Tier.DEVICE else None
-        self._copies[tier] = self._storage.alloc(tier, self.capacity, self.dtype, zero=zero, shell=shell)
+        self._copies[tier] = self._storage.alloc(tier, self.capacity, self.dtype, kind=self.kind, zero=zero,
+                                                  shell=shell)
         self._set_state()
 
     @_move
@@ -257,7 +258,7 @@ class Chunk:
         self._expect(ChunkState.HOST)
         host = self._copies[Tier.HOST]
         self._copies[Tier.DEVICE], self._host_event = self._storage.transfer(
-            host, Tier.HOST, Tier.DEVICE, shell=self._device_shell
+            host, Tier.HOST, Tier.DEVICE, kind=self.kind, shell=self._device_shell
         )
         if not keep_host:
             self._drop(Tier.HOST)
@@ -269,7 +270,7 @@ class Chunk:
         self._expect(ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE)
         if self.state is ChunkState.DEVICE:
             self._copies[Tier.HOST], self._host_event = self._storage.transfer(
-                self._copies[Tier.DEVICE], Tier.DEVICE, Tier.HOST
+                self._copies[Tier.DEVICE], Tier.DEVICE, Tier.HOST, kind=self.kind
             )
         self._drop(Tier.DEVICE)
         self._set_state()
@@ -302,7 +303,7 @@ class Chunk:
         If the write failed, its error is raised and the chunk stays HOST, its data intact.
         """
         pending = self._take_pending(write=True)
-        self._storage.nvme_wait(pending.future, key=self.key, nbytes=self.nbytes, write=True)
+        self._storage.nvme_wait(pending.future, key=self.key, kind=self.kind, nbytes=self.nbytes, write=True)
         self._in_file = True
         if not keep_host:
             self._drop(Tier.HOST)
@@ -312,11 +313,11 @@ class Chunk:
         """NVME: allocate a host payload and start reading the file into it."""
         self._expect(ChunkState.NVME)
         with self._storage.move_context():
-            buffer = self._storage.alloc(Tier.HOST, self.capacity, self.dtype)
+            buffer = self._storage.alloc(Tier.HOST, self.capacity, self.dtype, kind=self.kind)
         try:
             future = self._storage.nvme_read(self.key, buffer)
         except BaseException:
-            self._storage.free(Tier.HOST, buffer)
+            self._storage.free(Tier.HOST, buffer, kind=self.kind)
             raise
         self._pending = _PendingIo(future, write=False, buffer=buffer)
 
@@ -329,9 +330,9 @@ class Chunk:
         """
         pending = self._take_pending(write=False)
         try:
-            self._storage.nvme_wait(pending.future, key=self.key, nbytes=self.nbytes, write=False)
+            self._storage.nvme_wait(pending.future, key=self.key, kind=self.kind, nbytes=self.nbytes, write=False)
         except BaseException:
-            self._storage.free(Tier.HOST, pending.buffer)
+            self._storage.free(Tier.HOST, pending.buffer, kind=self.kind)
             raise
         self._copies[Tier.HOST] = pending.buffer
         self._set_state()
@@ -396,7 +397,7 @@ class Chunk:
         if tier is Tier.HOST:
             self._wait_host()  # a DMA may still read it; the pool would hand it out again
         payload = self._copies.pop(tier)
-        self._storage.free(tier, payload)
+        self._storage.free(tier, payload, kind=self.kind)
         if tier is Tier.DEVICE:
             self._device_shell = payload
 

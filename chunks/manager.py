@@ -283,8 +283,8 @@ class ChunkManager:
             len(self.groups),
             self.chunk_size,
             sum(g.trainable for g in self.groups),
-            self.storage.bytes_on(Tier.HOST),
-            self.storage.bytes_on(Tier.DEVICE),
+            self.storage.ledger.bytes_on(Tier.HOST),
+            self.storage.ledger.bytes_on(Tier.DEVICE),
         )
 
     def layout(self, param_groups: Sequence[NamedParams], frozen: NamedParams) -> list[tuple[list[int], int, int]]:
@@ -445,12 +445,9 @@ class ChunkManager:
             yield from g.chunks
 
     def bytes_by_kind(self, tier: Tier) -> dict[ChunkKind, int]:
-        """Bytes of chunk payloads on ``tier``, by kind (a cross-check of the storage ledger)."""
-        out = {k: 0 for k in ChunkKind}
-        for c in self.chunks():
-            if c.is_on(tier):
-                out[c.kind] += c.nbytes
-        return out
+        """Bytes of chunk payloads on ``tier`` now, every kind (the storage's ledger's count; a
+        chunk in a file counts on NVMe)."""
+        return {k: self.storage.ledger.kind_bytes(tier, k) for k in ChunkKind}
 
     def waste_elements(self) -> int:
         """Elements allocated per chunk flavour but holding no tensor."""

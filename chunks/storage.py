@@ -1,11 +1,11 @@
-"""The one place that allocates and frees chunk storage and counts every byte.
+"""The one place that allocates and frees chunk storage, and tells the ledger of every byte.
 
 Every chunk payload is created by :meth:`ChunkStorage.alloc`, freed by :meth:`ChunkStorage.free`
 and moved between tiers by :meth:`ChunkStorage.transfer`; files on NVMe are written and read
 through :meth:`ChunkStorage.nvme_write` / :meth:`ChunkStorage.nvme_read` and counted when their
-I/O is confirmed. Each of them updates the per-tier byte counts and the transfer counters in
-the same call, so the figures in a memory report are sums of what really happened, never
-estimates.
+I/O is confirmed. Each of them updates the :class:`chunks.MemoryLedger` in the same call (see
+[Note: one ledger] in chunks/ledger.py), so the figures in a memory report are sums of what
+really happened, never estimates.
 """
 
 from __future__ import annotations
@@ -17,50 +17,19 @@ import time
 from collections.abc import Callable, Hashable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from chunks.ledger import MemoryLedger
 from offload import NvmeStore, PinnedHostPool, Tier
+
+if TYPE_CHECKING:
+    from chunks.chunk import ChunkKind
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tier", "TierStats", "ChunkStorage", "StorageObserver"]
-
-
-@dataclass
-class TierStats:
-    """Byte counters of one tier."""
-
-    current_bytes: int = 0
-    peak_bytes: int = 0
-    payloads: int = 0  # live payloads on the tier
-
-    def add(self, nbytes: int) -> None:
-        self.current_bytes += nbytes
-        self.payloads += 1
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-
-    def sub(self, nbytes: int) -> None:
-        self.current_bytes -= nbytes
-        self.payloads -= 1
-        assert self.current_bytes >= 0 and self.payloads >= 0, f"{self.current_bytes=} {self.payloads=} went negative"
-
-
-@dataclass
-class TransferStats:
-    """Bytes and time moved between tiers since the last reset."""
-
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    seconds: float = 0.0
-    nvme_read_bytes: int = 0  # confirmed (and verified) reads from NVMe files
-    nvme_write_bytes: int = 0  # confirmed writes to NVMe files
-    nvme_wait_seconds: float = 0.0  # time the caller waited for NVMe I/O to finish
-
-    def reset(self) -> None:
-        self.h2d_bytes = self.d2h_bytes = 0
-        self.nvme_read_bytes = self.nvme_write_bytes = 0
-        self.seconds = self.nvme_wait_seconds = 0.0
+__all__ = ["Tier", "ChunkStorage", "StorageObserver"]
 
 
 @dataclass
@@ -79,20 +48,21 @@ class StorageObserver:
 
 @dataclass
 class ChunkStorage:
-    """Allocator and ledger for chunk payloads on the device and host tiers, and files on NVMe.
+    """Allocator of chunk payloads on the device and host tiers, and of files on NVMe; each
+    byte is counted in :attr:`ledger` as it comes and goes.
 
     With ``device=cpu`` both tiers are CPU memory, and moves are still real copies into
     separate buffers: the CPU stands in for the accelerator, so every policy and report can be
     exercised without a GPU. Host payloads come from a :class:`PinnedHostPool` (page-locked on
     CUDA, 4 KiB-aligned so the NVMe store reads and writes them directly): a freed host payload
     goes back to the pool and serves the next one of its size, so nothing is pinned per step.
-    ``nvme`` is the store for chunks offloaded to files (None: no NVMe tier).
+    ``nvme`` is the store for chunks offloaded to files (None: no NVMe tier). Each call names
+    the chunk ``kind`` whose bytes it moves, so the ledger counts them per kind.
     """
 
     device: torch.device
     pin_host: bool = False
-    stats: dict[Tier, TierStats] = field(default_factory=lambda: {t: TierStats() for t in Tier})
-    transfers: TransferStats = field(default_factory=TransferStats)
+    ledger: MemoryLedger = field(default_factory=MemoryLedger)
     observer: StorageObserver | None = None
     # Called around every move of chunk data onto or off the device (the warm-up tracer
     # splits its measuring intervals there).
@@ -109,14 +79,16 @@ class ChunkStorage:
         self._copy_stream = (
             torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         )
-        self.pool = PinnedHostPool(pin_memory=self.pin_host)
-        self._nvme_files: dict[Hashable, int] = {}  # key -> bytes, for files whose write was confirmed
+        self.pool = PinnedHostPool(pin_memory=self.pin_host, on_reserve=self.ledger.count_pool_reserve)
+        # key -> (kind, bytes), for files whose write was confirmed
+        self._nvme_files: dict[Hashable, tuple[ChunkKind, int]] = {}
 
     def tier_device(self, tier: Tier) -> torch.device:
         return self.device if tier is Tier.DEVICE else torch.device("cpu")
 
     def alloc(
-        self, tier: Tier, numel: int, dtype: torch.dtype, *, zero: bool = False, shell: torch.Tensor | None = None
+        self, tier: Tier, numel: int, dtype: torch.dtype, *, kind: ChunkKind, zero: bool = False,
+        shell: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A new 1-D payload of ``numel`` elements on ``tier``, counted at once.
 
@@ -143,10 +115,10 @@ class ChunkStorage:
             assert tier is Tier.DEVICE, f"no payloads in memory on {tier}"
             make = torch.zeros if zero else torch.empty
             payload = make(numel, dtype=dtype, device=self.device)
-        self.stats[tier].add(nbytes)
+        self.ledger.add(tier, kind, nbytes)
         return payload
 
-    def free(self, tier: Tier, payload: torch.Tensor) -> None:
+    def free(self, tier: Tier, payload: torch.Tensor, *, kind: ChunkKind) -> None:
         """Release a payload allocated by :meth:`alloc`.
 
         [Note: device payloads are freed in place]
@@ -156,7 +128,7 @@ class ChunkStorage:
         in place, the memory is really returned, the payload can grow back into the same
         storage (``alloc(shell=...)``), and a view used while the chunk is away fails loudly.
         """
-        self.stats[tier].sub(payload.numel() * payload.element_size())
+        self.ledger.sub(tier, kind, payload.numel() * payload.element_size())
         if tier is Tier.DEVICE:
             payload.untyped_storage().resize_(0)
             if self.observer is not None:
@@ -165,7 +137,7 @@ class ChunkStorage:
             self.pool.release(payload)
 
     def transfer(
-        self, payload: torch.Tensor, src: Tier, dst: Tier, *, shell: torch.Tensor | None = None
+        self, payload: torch.Tensor, src: Tier, dst: Tier, *, kind: ChunkKind, shell: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A copy of ``payload`` (on ``src``) newly allocated on ``dst``; the source is kept.
 
@@ -173,7 +145,7 @@ class ChunkStorage:
         (see :meth:`copy_`).
         """
         assert src is not dst, f"transfer within {src}"
-        out = self.alloc(dst, payload.numel(), payload.dtype, shell=shell)
+        out = self.alloc(dst, payload.numel(), payload.dtype, kind=kind, shell=shell)
         return out, self.copy_(out, payload, src=src, dst=dst)
 
     def copy_(self, out: torch.Tensor, payload: torch.Tensor, *, src: Tier, dst: Tier) -> torch.cuda.Event | None:
@@ -211,11 +183,7 @@ class ChunkStorage:
                 event.record(self._copy_stream)
             else:
                 out.copy_(payload)
-        self.transfers.seconds += time.perf_counter() - start
-        if src is Tier.HOST and dst is Tier.DEVICE:
-            self.transfers.h2d_bytes += nbytes
-        elif src is Tier.DEVICE and dst is Tier.HOST:
-            self.transfers.d2h_bytes += nbytes
+        self.ledger.count_copy(src, dst, nbytes, time.perf_counter() - start)
         return event
 
     # ------------------------------------------------------------------------------ NVMe
@@ -233,7 +201,8 @@ class ChunkStorage:
         """Start reading the file of ``key`` into the host payload ``out``."""
         return self._store().read(key, out)
 
-    def nvme_wait(self, future: concurrent.futures.Future, *, key: Hashable, nbytes: int, write: bool) -> None:
+    def nvme_wait(self, future: concurrent.futures.Future, *, key: Hashable, kind: ChunkKind, nbytes: int,
+                  write: bool) -> None:
         """Wait for a read or write started above; count its bytes once it is confirmed.
 
         A failed request raises its error (``NvmeStoreError`` / ``NvmeCorruptionError``, which
@@ -244,32 +213,22 @@ class ChunkStorage:
             with torch.profiler.record_function("gemini::nvme_wait"):
                 future.result()
         finally:
-            self.transfers.nvme_wait_seconds += time.perf_counter() - start
-        if write:
-            self.transfers.nvme_write_bytes += nbytes
-            if key not in self._nvme_files:
-                self._nvme_files[key] = nbytes
-                self.stats[Tier.NVME].add(nbytes)
-        else:
-            self.transfers.nvme_read_bytes += nbytes
+            self.ledger.transfers.nvme_wait_seconds += time.perf_counter() - start
+        self.ledger.count_nvme_io(nbytes, write=write)
+        if write and key not in self._nvme_files:
+            self._nvme_files[key] = (kind, nbytes)
+            self.ledger.add(Tier.NVME, kind, nbytes)
 
     def nvme_delete(self, key: Hashable) -> None:
         """Remove the file of ``key``, if there is one (a chunk released for good)."""
         if key in self._nvme_files:
             self._store().delete(key).result()
-            self.stats[Tier.NVME].sub(self._nvme_files.pop(key))
+            self.ledger.sub(Tier.NVME, *self._nvme_files.pop(key))
 
     def close_nvme(self) -> None:
         """Delete every file and stop the store's I/O threads."""
         if self.nvme is not None:
             self.nvme.close()
-            for nbytes in self._nvme_files.values():
-                self.stats[Tier.NVME].sub(nbytes)
+            for kind, nbytes in self._nvme_files.values():
+                self.ledger.sub(Tier.NVME, kind, nbytes)
             self._nvme_files.clear()
-
-    def bytes_on(self, tier: Tier) -> int:
-        return self.stats[tier].current_bytes
-
-    def reset_peaks(self) -> None:
-        for s in self.stats.values():
-            s.peak_bytes = s.current_bytes

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunks import ChunkManager, ChunkStorage, chunk_capacity, plan_layout, round_up, search_chunk_size
+from chunks import ChunkManager, ChunkStorage, Tier, missing_bytes, round_up, search_chunk_size
 from offload import NvmeStore
 from gemini.activations import ActivationOffload
 from gemini.config import GeminiConfig
+from gemini.footprint import Layout, chunk_bytes, device_groups
 from gemini.hooks import ModuleHooks
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
@@ -89,7 +90,6 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     torch_groups, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
     chunk_size = resolve_chunk_size(config, numels, world=world)
-    _check_device_budget(config, numels, chunk_size, world=world)
 
     # The device is measured on CUDA always (the allocator's counters cost nothing) and on
     # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
@@ -97,12 +97,14 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     # stand-in, against the machine's memory).
     memory = DeviceMemory(device, config.device_memory,
                           measure=config.device_memory is not None or config.placement == "auto")
-    fixed_bytes = _move_buffers(model, device, config.param_dtype)
     storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype, rank=rank, world=world,
                            shard_params=config.shard_params)
+    layout = manager.layout(named_groups, frozen)  # what register() will build; nothing allocated yet
+    _check_device_budget(config, layout, manager)
+    fixed_bytes = _move_buffers(model, device, config.param_dtype)
     placement = make_placement(config, manager, memory=memory, fixed_bytes=fixed_bytes)
-    nvme = _make_nvme_tier(config, manager, named_groups, frozen)
+    nvme = _make_nvme_tier(config, manager, layout)
     placement.nvme = nvme
     try:
         manager.register(named_groups, frozen, initial_tier=placement.initial_tier,
@@ -110,7 +112,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
         if nvme is not None:
             nvme.finish_registration()
         if isinstance(placement, StaticPlacement) and config.device_memory is not None:
-            _check_static_budget(placement, config.device_memory - fixed_bytes)
+            _check_static_budget(placement, config.device_memory, fixed_bytes)
         if zero is not None:
             _attach_zero(zero, manager, placement)
         placement.setup()
@@ -190,7 +192,7 @@ def _check_supported(config: GeminiConfig) -> None:
         )
 
 
-def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, named_groups, frozen) -> NvmeTier | None:
+def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout) -> NvmeTier | None:
     """The NVMe tier when a host budget or an NVMe folder is set; its store opens here."""
     if config.cpu_memory is None and config.nvme_dir is None:
         return None
@@ -199,45 +201,38 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, named_groups, f
     nvme = NvmeTier(manager, cpu_memory=config.cpu_memory, fraction=config.nvme_offload_fraction,
                     depth=config.nvme_pipeline_depth)
     try:
-        nvme.plan_registration(manager.layout(named_groups, frozen))
+        nvme.plan_registration(layout)
     except BaseException:
         manager.storage.close_nvme()
         raise
     return nvme
 
 
-def _check_device_budget(config: GeminiConfig, numels: list[list[int]], chunk_size: int, *, world: int = 1) -> None:
+def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkManager) -> None:
     """Under placement 'cuda' every chunk lives on the device: say before allocating if they can't."""
-    if config.placement != "cuda" or config.device_memory is None:
+    if config.placement != "cuda":
         return
-    param_bytes = torch.empty((), dtype=config.param_dtype).element_size()
-    low = config.param_dtype != torch.float32
-    sharded_params = config.shard_params and world > 1
-    param = param_bytes / world if sharded_params else param_bytes
-    # param (or its shard), grad (the full bucket, plus its reduced shard under ZeRO), master, m, v
-    per_trainable = param + param_bytes + ((param_bytes if world > 1 else 0) + (4 if low else 0) + 8) / world
-    need = 0
-    for i, group in enumerate(numels):
-        frozen = i == len(numels) - 1
-        for members in plan_layout(group, chunk_size):
-            capacity = chunk_capacity(sum(group[j] for j in members), chunk_size, world=world)
-            need += int(capacity * (param if frozen else per_trainable))
-    if need > config.device_memory:
+    need = sum(chunk_bytes(layout, device_groups(config, layout), param_dtype=manager.param_dtype,
+                           world=manager.world, shard_params=manager.shard_params)[Tier.DEVICE].values())
+    missing = missing_bytes(config.device_memory, need)
+    if missing:
         raise ValueError(
             f"placement='cuda' needs {need} bytes of chunks on the device but "
-            f"GeminiConfig.device_memory={config.device_memory}: {need - config.device_memory} bytes are missing; "
+            f"GeminiConfig.device_memory={config.device_memory}: {missing} bytes are missing; "
             f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size"
         )
 
 
-def _check_static_budget(placement: StaticPlacement, budget_bytes: int) -> None:
+def _check_static_budget(placement: StaticPlacement, budget_bytes: int, fixed_bytes: int) -> None:
+    """The chunks placement 'static' keeps on the device for good, next to the buffers, fit the budget."""
     pinned = placement.pinned_bytes()
-    if pinned > budget_bytes:
-        missing = pinned - budget_bytes
+    missing = missing_bytes(budget_bytes, pinned, fixed_bytes)
+    if missing:
         raise DeviceBudgetError(
             f"placement='static' keeps {pinned} bytes of chunks on the device for good but GeminiConfig.device_memory "
-            f"leaves {budget_bytes} for them: {missing} bytes are missing; lower static_param_device_fraction, raise "
-            f"static_optimizer_offload_fraction or device_memory, or use placement='auto'",
+            f"leaves {budget_bytes - fixed_bytes} for them: {missing} bytes are missing; lower "
+            f"static_param_device_fraction, raise static_optimizer_offload_fraction or device_memory, or use "
+            f"placement='auto'",
             missing_bytes=missing,
         )
 

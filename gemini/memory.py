@@ -11,7 +11,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from chunks import StorageObserver
+from chunks import StorageObserver, fits
 from tracer import CudaAllocatorMonitor, MemoryMonitor, TensorAccountingMonitor
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class DeviceMemory:
 
     def start(self, tracked: list[torch.Tensor]) -> None:
         """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks)."""
-        if self.device.type == "cuda" and self.budget_bytes < self.total_bytes:
+        # A device larger than the budget: the allocator is capped at the budget.
+        if self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
             fraction = self.budget_bytes / self.total_bytes
             torch.cuda.set_per_process_memory_fraction(fraction, self.device)
             logger.info("device budget %d bytes enforced as memory fraction %.4f", self.budget_bytes, fraction)

@@ -262,32 +262,33 @@ class HybridAdam(torch.optim.Optimizer):
     def _finish_report(self, *, skipped: bool, grad_norm: float | None, seconds: dict[Tier, float], scale: float) -> None:
         rt = self._rt
         now = time.perf_counter()
-        storage = rt.storage
+        ledger = rt.storage.ledger
+        transfers = ledger.transfers
         report = MemoryReport(
             step=self.reports_made,
             device_peak_bytes=rt.device_peak_bytes(),
-            device_model_bytes=storage.bytes_on(Tier.DEVICE),
+            device_model_bytes=ledger.bytes_on(Tier.DEVICE),
             device_non_model_peak_bytes=rt.device_non_model_peak_bytes(),
-            host_model_bytes=storage.bytes_on(Tier.HOST),
-            nvme_bytes=storage.bytes_on(Tier.NVME),
-            h2d_bytes=storage.transfers.h2d_bytes,
-            d2h_bytes=storage.transfers.d2h_bytes,
-            nvme_read_bytes=storage.transfers.nvme_read_bytes,
-            nvme_write_bytes=storage.transfers.nvme_write_bytes,
-            chunks_on_device=storage.stats[Tier.DEVICE].payloads,
+            host_model_bytes=ledger.bytes_on(Tier.HOST),
+            nvme_bytes=ledger.bytes_on(Tier.NVME),
+            h2d_bytes=transfers.h2d_bytes,
+            d2h_bytes=transfers.d2h_bytes,
+            nvme_read_bytes=transfers.nvme_read_bytes,
+            nvme_write_bytes=transfers.nvme_write_bytes,
+            chunks_on_device=ledger.payloads(Tier.DEVICE),
             os_chunks_on_device=sum(g.exp_avg.is_on(Tier.DEVICE) for g in rt.manager.trainable_groups),
             step_seconds=now - self._step_started,
-            transfer_seconds=storage.transfers.seconds,
+            transfer_seconds=transfers.seconds,
             optimizer_cpu_seconds=seconds[Tier.HOST],
             optimizer_device_seconds=seconds[Tier.DEVICE],
             skipped=skipped,
             loss_scale=scale,
-            device_model_peak_bytes=storage.stats[Tier.DEVICE].peak_bytes,
+            device_model_peak_bytes=ledger.peak_bytes(Tier.DEVICE),
             device_budget_bytes=rt.config.device_memory,
             grad_norm=grad_norm,
             host_rss_bytes=rt.system.host_rss_bytes(),
-            nvme_wait_seconds=storage.transfers.nvme_wait_seconds,
-            host_pool_bytes=storage.pool.bytes_reserved,
+            nvme_wait_seconds=transfers.nvme_wait_seconds,
+            host_pool_bytes=ledger.host_pool_bytes,
             os_chunks_total=len(rt.manager.trainable_groups),
             model_bytes_by_tier=rt.model_bytes_by_tier(),
             host_available_bytes=rt.system.host_available_bytes(),
@@ -295,7 +296,7 @@ class HybridAdam(torch.optim.Optimizer):
             timeline=rt.take_timeline(),
             world_size=rt.manager.world,
             rank=rt.manager.rank,
-            grad_reduce_bytes=rt.placement.reducer.reduced_bytes if rt.placement.reducer is not None else 0,
+            grad_reduce_bytes=transfers.grad_reduce_bytes,
             param_gathers=rt.placement.gatherer.gathers if rt.placement.gatherer is not None else 0,
             **_activation_fields(rt.activations),
         )
@@ -303,8 +304,6 @@ class HybridAdam(torch.optim.Optimizer):
         self.reports_made += 1
         if rt.report_writer is not None:
             rt.report_writer.write(report)
-        if rt.placement.reducer is not None:
-            rt.placement.reducer.reduced_bytes = 0
         if rt.placement.gatherer is not None:
             rt.placement.gatherer.gathers = 0
         rt.start_new_step()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 
 import torch
 
-from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
+from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
 from gemini.activations import ActivationOffload
+from gemini.footprint import DeviceGroups, chunk_bytes, static_choice
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.plan import MemoryPlan
@@ -24,8 +25,7 @@ from tracer import Boundary, EvictionError, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "AutoPlacement", "StaticPlacement", "make_placement",
-           "static_choice"]
+__all__ = ["PlacementPolicy", "CudaPlacement", "CpuPlacement", "AutoPlacement", "StaticPlacement", "make_placement"]
 
 
 class PlacementPolicy:
@@ -370,18 +370,6 @@ class CpuPlacement(PlacementPolicy):
         return False
 
 
-def static_choice(
-    groups: Sequence[int], trainable: Sequence[int], *, param_device_fraction: float, optimizer_offload_fraction: float
-) -> tuple[set[int], set[int]]:
-    """placement="static"'s rule, on chunk-group indices in model order: (groups whose
-    parameters stay on the device, trainable groups whose optimizer states do). The first
-    groups stay, the last ones are offloaded. A pure function, so the planner applies the same
-    rule before any chunk exists."""
-    params_on_device = set(groups[: round(param_device_fraction * len(groups))])
-    n_offload = round(optimizer_offload_fraction * len(trainable))
-    return params_on_device, set(trainable[: len(trainable) - n_offload])
-
-
 class StaticPlacement(PlacementPolicy):
     """Fixed fractions, no warm-up heuristics.
 
@@ -420,15 +408,13 @@ class StaticPlacement(PlacementPolicy):
                 g.param.fetch(keep_host=True)
 
     def pinned_bytes(self) -> int:
-        """Chunk bytes this policy keeps on the device for good."""
+        """Chunk bytes this policy keeps on the device for good (at the end of every step)."""
         self._choose()
-        total = 0
-        for g in self.manager.groups:
-            if g.index in self.os_on_device:
-                total += self.group_device_bytes(g)
-            elif g.index in self.params_on_device:
-                total += g.param.nbytes
-        return total
+        m = self.manager
+        layout = [(range(len(g.slots)), g.param_group, g.param.capacity) for g in m.groups]
+        choice = DeviceGroups(whole=frozenset(self.os_on_device), params=frozenset(self.params_on_device))
+        return sum(chunk_bytes(layout, choice, param_dtype=m.param_dtype, world=m.world,
+                               shard_params=m.shard_params)[Tier.DEVICE].values())
 
     def optimizer_tier(self, group: ChunkGroup) -> Tier:
         return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
@@ -507,7 +493,7 @@ class AutoPlacement(PlacementPolicy):
         chosen = []
         for g in self.manager.trainable_groups:
             cost = self.group_device_bytes(g)
-            if cost <= room:
+            if fits(room, cost):
                 room -= cost
                 chosen.append(g)
         self.os_on_device = {g.index for g in chosen}
@@ -521,8 +507,8 @@ class AutoPlacement(PlacementPolicy):
             else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0)
             for g in self.manager.groups
         )
-        self.track_periods = (most + self.fixed_bytes + plan.max_non_model_bytes + self.activation_bytes
-                              + plan.reserve_bytes > plan.budget_bytes)
+        self.track_periods = not fits(plan.budget_bytes, most, self.fixed_bytes, plan.max_non_model_bytes,
+                                      self.activation_bytes, plan.reserve_bytes)
         logger.info(
             "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
             plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
@@ -612,17 +598,18 @@ class AutoPlacement(PlacementPolicy):
         return self.plan is None or self.track_periods
 
     # ------------------------------------------------------------------------- eviction
-    def _device_bytes(self) -> int:
-        return self.manager.storage.bytes_on(Tier.DEVICE) + self.fixed_bytes
-
-    def _room_limit(self, non_model: int) -> int:
+    def _missing_bytes(self, nbytes: int, non_model: int) -> int:
+        """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the
+        buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve
+        and (ZeRO-3) a prefetched group's parameters."""
         reserve = self.plan.reserve_bytes if self.plan is not None else 0
-        return (self.memory.budget_bytes - reserve - non_model - self.activation_bytes
-                - self.prefetch_reserve_bytes)
+        return missing_bytes(self.memory.budget_bytes, self.manager.storage.ledger.bytes_on(Tier.DEVICE),
+                             self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
+                             self.prefetch_reserve_bytes)
 
     def _make_room(self, nbytes: int, keep: set[int]) -> None:
-        over = self._device_bytes() + nbytes - self._room_limit(self._non_model_now())
-        if over <= 0:
+        over = self._missing_bytes(nbytes, self._non_model_now())
+        if not over:
             return
         # In use, so never evicted: groups under a running forward, and groups fetched for a
         # backward whose gradients are not all in (their module's backward may not have run:
@@ -692,7 +679,7 @@ class AutoPlacement(PlacementPolicy):
         missing = [g for g in groups if g.param.state is ChunkState.HOST]
         need = sum(g.param.nbytes for g in missing)
         non_model = max(plan.non_model_bytes[self.period], plan.non_model_bytes[nxt])
-        if missing and self._device_bytes() + need <= self._room_limit(non_model):
+        if missing and not self._missing_bytes(need, non_model):
             for g in missing:
                 g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True)
 

@@ -19,11 +19,11 @@ import psutil
 import torch
 from torch import nn
 
-from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier
+from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
+from gemini.footprint import chunk_bytes, device_groups, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
 from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes
-from gemini.placement import static_choice
 from gemini.summary import readable_unit
 from offload import format_size
 
@@ -114,41 +114,15 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     # The manager's layout needs no memory: the same groups register() will build.
     layout = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=chunk_size,
                           param_dtype=config.param_dtype).layout(named_groups, frozen)
-    groups = list(range(len(layout)))
     trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
-    params_on_device, os_on_device = _device_groups(config, groups, trainable)
+    choice = device_groups(config, layout)
+    os_on_device = [i for i in trainable if i in choice.whole]
     problems: list[str] = []
     notes: list[str] = []
-    nvme = _nvme_layout(config, layout, trainable, [i for i in trainable if i not in os_on_device], problems)
+    nvme = _nvme_layout(config, layout, trainable, [i for i in trainable if i not in choice.whole], problems)
+    by_tier = named_bytes(chunk_bytes(layout, choice, param_dtype=config.param_dtype, nvme_groups=nvme.nvme_groups))
 
     elem = torch.empty((), dtype=config.param_dtype).element_size()
-    low = config.param_dtype != torch.float32
-    by_tier = {t.value: {k.value: 0 for k in ChunkKind} for t in Tier}
-
-    def put(kind: ChunkKind, nbytes: int, *tiers: Tier) -> None:
-        for tier in tiers:
-            by_tier[tier.value][kind.value] += nbytes
-
-    for i, (_, pg, capacity) in enumerate(layout):
-        if i in os_on_device or config.placement == "cuda":
-            param_tiers = (Tier.DEVICE,)
-        elif i in params_on_device:
-            param_tiers = (Tier.HOST, Tier.DEVICE)  # a clean device copy next to the host one
-        else:
-            param_tiers = (Tier.HOST,)
-        put(ChunkKind.PARAM, capacity * elem, *param_tiers)
-        if pg < 0:
-            if low:  # frozen parameters keep their exact fp32 values on the host
-                put(ChunkKind.MASTER, capacity * 4, Tier.HOST)
-            continue
-        os_tier = Tier.DEVICE if i in os_on_device else Tier.HOST
-        offload_tier = Tier.NVME if i in nvme.nvme_groups else os_tier
-        put(ChunkKind.GRAD, capacity * elem, os_tier)  # gradients go where Adam updates
-        if low:
-            put(ChunkKind.MASTER, capacity * 4, offload_tier)
-        put(ChunkKind.EXP_AVG, capacity * 4, offload_tier)
-        put(ChunkKind.EXP_AVG_SQ, capacity * 4, offload_tier)
-
     buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
     working_set = max((capacity * elem * (2 if pg >= 0 else 1) for _, pg, capacity in layout), default=0)
     plan = PlacementPlan(
@@ -163,16 +137,6 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     _check_device(plan, config)
     _check_host_and_nvme(plan, config)
     return plan
-
-
-def _device_groups(config: GeminiConfig, groups: list[int], trainable: list[int]) -> tuple[set[int], set[int]]:
-    """(groups whose parameters stay on the device, groups whose optimizer states do)."""
-    if config.placement == "cuda":
-        return set(groups), set(trainable)
-    if config.placement == "static":
-        return static_choice(groups, trainable, param_device_fraction=config.static_param_device_fraction,
-                             optimizer_offload_fraction=config.static_optimizer_offload_fraction)
-    return set(), set()  # cpu; auto before its warm-up
 
 
 def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups: list[int],
@@ -222,10 +186,11 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
         plan.notes.append(f"no device budget: the whole device; it needs {format_size(device_bytes)} for {what}, "
                           f"plus activations")
         return
-    if device_bytes > budget:
+    missing = missing_bytes(budget, device_bytes)
+    if missing:
         plan.problems.append(
             f"the device needs {format_size(device_bytes)} for {what} (with buffers) but device_memory is "
-            f"{format_size(budget)}: {format_size(device_bytes - budget)} are missing; raise device_memory, use a "
+            f"{format_size(budget)}: {format_size(missing)} are missing; raise device_memory, use a "
             f"smaller chunk_size, or placement 'cpu'/'auto'")
     else:
         plan.notes.append(f"the device keeps {format_size(budget - device_bytes)} of its {format_size(budget)} budget "

@@ -13,6 +13,7 @@ from gemini.activations import ActivationOffload
 from gemini.clipping import clip_coefficient, grad_norm, scale_grads_
 from gemini.collectives import Collectives
 from gemini.config import GeminiConfig
+from gemini.footprint import named_bytes
 from gemini.grad_views import GradViews
 from gemini.hooks import ModuleHooks
 from gemini.loss_scaler import DynamicLossScaler
@@ -230,7 +231,7 @@ class GeminiRuntime:
         if measured is not None:
             return max(measured, self._warmup_peak_bytes)
         # Not measured (the CPU stand-in without a budget): the chunk ledger's peak.
-        return self.storage.stats[Tier.DEVICE].peak_bytes + self.fixed_bytes
+        return self.storage.ledger.peak_bytes(Tier.DEVICE) + self.fixed_bytes
 
     def device_non_model_peak_bytes(self) -> int | None:
         if self.plan is not None:
@@ -243,9 +244,9 @@ class GeminiRuntime:
         return plan.timeline() if plan is not None else None
 
     def model_bytes_by_tier(self) -> dict[str, dict[str, int]]:
-        """Chunk payload bytes now: tier -> chunk kind -> bytes (a chunk in a file counts on NVMe)."""
-        return {tier.value: {kind.value: nbytes for kind, nbytes in self.manager.bytes_by_kind(tier).items()}
-                for tier in Tier}
+        """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a
+        file counts on NVMe)."""
+        return named_bytes({tier: self.manager.bytes_by_kind(tier) for tier in Tier})
 
     def check_step_peak(self) -> None:
         """The budget promise on every step: the measured peak of this iteration's forward and
@@ -258,7 +259,7 @@ class GeminiRuntime:
         try:
             check_peak(self.memory.peak_bytes(), self.memory.budget_bytes,
                        what="the first iteration" if first else "this iteration", placement=self.config.placement,
-                       chunk_peak_bytes=self.storage.stats[Tier.DEVICE].peak_bytes)
+                       chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
         except Exception:
             self.end_window()
             raise
@@ -266,8 +267,7 @@ class GeminiRuntime:
     def start_new_step(self) -> None:
         """Reset the per-step peaks and transfer counters."""
         self.end_window()
-        self.storage.reset_peaks()
-        self.storage.transfers.reset()
+        self.storage.ledger.start_step()
         if self.activations is not None:
             self.activations.stats.reset()
         self.memory.reset_peak()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chunks import fits
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
 from gemini.loop import train_steps
@@ -97,7 +98,7 @@ class MarginTuning:
                 continue
             chunks = f"{t.os_chunks_on_device}/{t.os_chunks_total}"
             peak = f"{gib(t.device_peak_bytes, unit)} {unit} ({100 * t.device_peak_bytes / self.budget_bytes:.0f}%)"
-            ok = "yes" if t.device_peak_bytes <= self.limit_bytes else "no"
+            ok = "yes" if fits(self.limit_bytes, t.device_peak_bytes) else "no"
             rows.append(f"{mark} {t.ratio:5.2f}  {chunks:>19}  {t.step_seconds:8.3f}s  {peak:>20}  {ok}")
         return "\n".join(rows)
 
@@ -117,7 +118,7 @@ def limit_bytes(budget_bytes: int, headroom_fraction: float) -> int:
 def recommend(trials: Sequence[MarginTrial], *, limit_bytes: int) -> float | None:
     """The ratio of the fastest trial whose device peak is at most ``limit_bytes``; among equally
     fast ones the smallest ratio (it leaves more of the device free)."""
-    fitting = [t for t in trials if not t.failed and t.device_peak_bytes <= limit_bytes]
+    fitting = [t for t in trials if not t.failed and fits(limit_bytes, t.device_peak_bytes)]
     if not fitting:
         return None
     return min(fitting, key=lambda t: (t.step_seconds, t.ratio)).ratio

@@ -9,7 +9,7 @@ import logging
 import torch
 from torch import nn
 
-from chunks import ChunkStorage, Tier
+from chunks import ChunkStorage, Tier, missing_bytes
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.plan import MemoryPlan
 from tracer import RuntimeTracer
@@ -43,7 +43,7 @@ class Warmup:
         self.tracer = RuntimeTracer(
             module,
             memory.monitor,
-            model_bytes_fn=lambda: storage.bytes_on(Tier.DEVICE) + fixed_bytes,
+            model_bytes_fn=lambda: storage.ledger.bytes_on(Tier.DEVICE) + fixed_bytes,
             track_module_tensors=False,
         )
         self.state = WarmupState.DONE
@@ -58,7 +58,7 @@ class Warmup:
         self._trace = self.tracer.trace()
         self._trace.__enter__()
         self.storage.move_context = self.tracer.model_data_move
-        self.storage.stats[Tier.DEVICE].peak_bytes = self.storage.bytes_on(Tier.DEVICE)
+        self.storage.ledger.reset_peaks(Tier.DEVICE)
         self.state = WarmupState.TRACING
         logger.info("warm-up: tracing the first iteration")
 
@@ -75,7 +75,7 @@ class Warmup:
             plan = MemoryPlan.from_trace(
                 periods,
                 warmup_peak_bytes=warmup_peak,
-                warmup_model_peak_bytes=self.storage.stats[Tier.DEVICE].peak_bytes,
+                warmup_model_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE),
                 fixed_bytes=self.fixed_bytes,
                 reserve_bytes=self.memory.reserve_bytes(max(p.non_model_peak_bytes for p in periods)),
                 budget_bytes=self.memory.budget_bytes,
@@ -98,9 +98,9 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, placement: str,
                chunk_peak_bytes: int | None = None) -> None:
     """Raise DeviceBudgetError when a measured peak went over the budget, with advice that fits
     the placement in force (a user already on 'auto' is not told to use 'auto')."""
-    if peak_bytes <= budget_bytes:
+    missing = missing_bytes(budget_bytes, peak_bytes)
+    if not missing:
         return
-    missing = peak_bytes - budget_bytes
     split = ""
     if chunk_peak_bytes is not None:
         split = (f" (chunks at most {chunk_peak_bytes} bytes; the rest is activations, workspaces and "

@@ -79,7 +79,6 @@ class GradReducer:
         self._ready: set[int] = set()
         self._next = 0  # position in ``order`` of the next group to launch
         self._in_flight: deque[tuple[ChunkGroup, torch.Tensor, Pending]] = deque()
-        self.reduced_bytes = 0  # bytes of gradient buckets reduced (for reports)
 
     def group_done(self, group: ChunkGroup) -> None:
         """``group``'s backward is over on this rank: reduce it when its turn comes."""
@@ -108,7 +107,7 @@ class GradReducer:
                 bucket = g.grad.payload()
             out = torch.empty(g.shard.numel, dtype=bucket.dtype, device=bucket.device)
             self._in_flight.append((g, out, self.comm.reduce_scatter(out, bucket)))
-            self.reduced_bytes += bucket.numel() * bucket.element_size()
+            self.manager.storage.ledger.transfers.grad_reduce_bytes += bucket.numel() * bucket.element_size()
             while len(self._in_flight) > self.max_in_flight:
                 self._finish(*self._in_flight.popleft())
 

@@ -30,7 +30,7 @@ import torch
 from torch.profiler import record_function
 
 from offload.aligned import ALIGNMENT_BYTES, aligned_empty, byte_view, round_up, tensor_nbytes
-from offload.budgets import Tier, TierBudgets, format_size, parse_size
+from offload.sizes import format_size, parse_size
 from offload.errors import NvmeCorruptionError, NvmeStoreError
 from offload.io_loop import IoLoopThread
 from offload.stale import make_private_folder, remove_stale_folders
@@ -470,8 +470,7 @@ class NvmeStore:
                  block_bytes: int | str = 1 << 20, piece_bytes: int | str = 4 << 20,
                  use_direct_io: bool | None = None,
                  clean_stale: bool = True, verify_checksums: bool = True, preallocate: bool = True,
-                 checksum_workers: int | None = None, rank: int | None = None,
-                 budgets: TierBudgets | None = None) -> None:
+                 checksum_workers: int | None = None, rank: int | None = None) -> None:
         self.config = NvmeStoreConfig(max_in_flight=max_in_flight, block_bytes=block_bytes,
                                       piece_bytes=piece_bytes,
                                       use_direct_io=use_direct_io, clean_stale=clean_stale,
@@ -482,7 +481,6 @@ class NvmeStore:
         self._nvme_dir = os.path.abspath(os.fspath(nvme_dir))
         self._block_bytes: int = self.config.block_bytes  # type: ignore[assignment]
         self._piece_bytes: int = self.config.piece_bytes  # type: ignore[assignment]
-        self._budgets = budgets
 
         _check_nvme_dir(self._nvme_dir)
         self.stale_folders = remove_stale_folders(self._nvme_dir, remove=self.config.clean_stale)
@@ -618,8 +616,6 @@ class NvmeStore:
                                " future's done-callback?); call it from another thread")
         self._state = StoreState.CLOSED
         self._io.submit(self._drain()).result()
-        if self._budgets is not None and self._bytes_on_disk:
-            self._budgets.release(Tier.NVME, self._bytes_on_disk)
         self._bytes_on_disk = 0
         self._bytes_stored = 0
         self._entries.clear()
@@ -822,8 +818,6 @@ class NvmeStore:
                 f"NVMe write of key {key!r} needs {file_bytes} bytes in {path} but the drive has"
                 f" {free_bytes} bytes free ({format_size(file_bytes - free_bytes)} short)",
                 path=path, operation="write", errno=errno_codes.ENOSPC)
-        if self._budgets is not None:
-            self._budgets.reserve(Tier.NVME, file_bytes, what=f"NVMe key {key!r}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct_io else 0)
         try:
             try:
@@ -848,8 +842,6 @@ class NvmeStore:
                 await aiofiles.os.remove(path)
             except OSError:
                 pass
-            if self._budgets is not None:
-                self._budgets.release(Tier.NVME, file_bytes)
             raise
         entry = _Entry(path=path, nbytes=nbytes, file_bytes=file_bytes, dtype=tensor.dtype,
                        numel=tensor.numel(),
@@ -922,8 +914,6 @@ class NvmeStore:
     async def _discard_file(self, entry: _Entry) -> None:
         self._bytes_stored -= entry.nbytes
         self._bytes_on_disk -= entry.file_bytes
-        if self._budgets is not None:
-            self._budgets.release(Tier.NVME, entry.file_bytes)
         try:
             await aiofiles.os.remove(entry.path)
         except FileNotFoundError:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from offload.aligned import ALIGNMENT_BYTES, aligned_empty
-from offload.budgets import Tier, TierBudgets, format_size, parse_size
+from offload.sizes import format_size, parse_size
 
 __all__ = ["PinnedHostPool", "PoolStats", "size_class_bytes", "HOST_ALIGNMENT_BYTES"]
 
@@ -83,11 +84,12 @@ class PinnedHostPool:
     ``pin_memory``: None pins when CUDA is available; True demands pinning (raises on a
     CPU-only build, where torch cannot pin); False never pins.
     ``limit_bytes``: cap on the bytes the pool holds (int or "8GiB"); None is unlimited.
-    ``budgets``: optional ledger; the pool reserves its buffers there on the host tier.
+    ``on_reserve``: told every change of :attr:`bytes_reserved` (positive: a new buffer;
+    negative: idle buffers trimmed), so that a ledger can show what the pool holds.
     """
 
     def __init__(self, *, limit_bytes: int | str | None = None, pin_memory: bool | None = None,
-                 budgets: TierBudgets | None = None) -> None:
+                 on_reserve: Callable[[int], None] | None = None) -> None:
         self._limit_bytes = None if limit_bytes is None else parse_size(limit_bytes, field="limit_bytes")
         cuda = torch.cuda.is_available()
         if pin_memory is None:
@@ -98,7 +100,7 @@ class PinnedHostPool:
                 " torch build cannot pin memory); accepted here: None or False"
             )
         self._pin_memory = bool(pin_memory)
-        self._budgets = budgets
+        self._on_reserve = on_reserve
         self._lock = threading.Lock()
         self._free: dict[int, list[_Block]] = {}
         self._in_use: dict[int, _Block] = {}  # keyed by the handed-out tensor's data_ptr
@@ -196,15 +198,10 @@ class PinnedHostPool:
                     f" {self._bytes_reserved} bytes ({self._bytes_in_use} in use) and its limit is"
                     f" {self._limit_bytes} bytes: {missing} bytes short"
                 )
-        if self._budgets is not None:
-            self._budgets.reserve(Tier.HOST, class_bytes, what="a pinned host buffer")
-        try:
-            aligned = self._allocate_raw(class_bytes)
-        except BaseException:
-            if self._budgets is not None:
-                self._budgets.release(Tier.HOST, class_bytes)
-            raise
+        aligned = self._allocate_raw(class_bytes)
         self._bytes_reserved += class_bytes
+        if self._on_reserve is not None:
+            self._on_reserve(class_bytes)
         self._buffers_total += 1
         self._allocations += 1
         logger.debug("PinnedHostPool: new %s buffer (pinned=%s, reserved now %s)",
@@ -231,8 +228,8 @@ class PinnedHostPool:
                 freed += block.class_bytes
                 self._buffers_total -= 1
         self._bytes_reserved -= freed
-        if self._budgets is not None and freed:
-            self._budgets.release(Tier.HOST, freed)
+        if self._on_reserve is not None and freed:
+            self._on_reserve(-freed)
         return freed
 
     def __repr__(self) -> str:

@@ -20,28 +20,28 @@ def _chunk(storage, capacity=16, dtype=torch.float32):
 def test_moves_copy_real_bytes_and_count_them():
     storage = ChunkStorage(torch.device("cpu"))
     c = _chunk(storage)
-    assert c.state is ChunkState.RELEASED and storage.bytes_on(Tier.HOST) == 0
+    assert c.state is ChunkState.RELEASED and storage.ledger.bytes_on(Tier.HOST) == 0
     c.allocate(Tier.HOST)
     c.payload(Tier.HOST)[:10] = torch.arange(10.0)
-    assert storage.bytes_on(Tier.HOST) == 64 and c.nbytes == 64
+    assert storage.ledger.bytes_on(Tier.HOST) == 64 and c.nbytes == 64
     c.fetch(keep_host=True)
     assert c.state is ChunkState.HOST_AND_DEVICE
     host, dev = c.payload(Tier.HOST), c.payload(Tier.DEVICE)
     assert host.data_ptr() != dev.data_ptr()  # a real second buffer, even on the CPU stand-in
     assert torch.equal(host, dev)
-    assert storage.bytes_on(Tier.DEVICE) == 64 and storage.transfers.h2d_bytes == 64
+    assert storage.ledger.bytes_on(Tier.DEVICE) == 64 and storage.ledger.transfers.h2d_bytes == 64
     c.drop_device_copy()  # clean copy: no bytes move back
-    assert c.state is ChunkState.HOST and storage.transfers.d2h_bytes == 0 and storage.bytes_on(Tier.DEVICE) == 0
+    assert c.state is ChunkState.HOST and storage.ledger.transfers.d2h_bytes == 0 and storage.ledger.bytes_on(Tier.DEVICE) == 0
     c.move_to(Tier.DEVICE)
-    assert c.state is ChunkState.DEVICE and storage.bytes_on(Tier.HOST) == 0
+    assert c.state is ChunkState.DEVICE and storage.ledger.bytes_on(Tier.HOST) == 0
     c.payload(Tier.DEVICE)[0] = 42.0  # written on the device...
     c.offload()  # ...so it must be copied back
-    assert c.state is ChunkState.HOST and storage.transfers.d2h_bytes == 64
+    assert c.state is ChunkState.HOST and storage.ledger.transfers.d2h_bytes == 64
     assert c.view(c.slots[0])[0, 0].item() == 42.0
     assert torch.equal(c.view(c.slots[1]), torch.arange(6.0, 10.0))
-    assert storage.stats[Tier.DEVICE].peak_bytes == 64 and storage.stats[Tier.HOST].peak_bytes == 64
+    assert storage.ledger.peak_bytes(Tier.DEVICE) == 64 and storage.ledger.peak_bytes(Tier.HOST) == 64
     c.release()
-    assert c.state is ChunkState.RELEASED and storage.bytes_on(Tier.HOST) == 0
+    assert c.state is ChunkState.RELEASED and storage.ledger.bytes_on(Tier.HOST) == 0
 
 
 def test_invalid_transitions_raise_with_state():
@@ -81,7 +81,7 @@ def test_manager_params_are_views_and_follow_moves():
     group.param.drop_device_copy()
     assert lin.bias.data_ptr() == group.param.payload(Tier.HOST).data_ptr() + 12 * 4
     # Each flavour of the chunk is counted once on its tier: param 100, m 100, v 100 floats.
-    assert storage.bytes_on(Tier.HOST) == 3 * 100 * 4
+    assert storage.ledger.bytes_on(Tier.HOST) == 3 * 100 * 4
     assert mgr.bytes_by_kind(Tier.HOST)[ChunkKind.PARAM] == 400
 
 

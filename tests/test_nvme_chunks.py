@@ -32,8 +32,8 @@ def test_spill_and_load_round_trip_counts_every_byte(storage, capacity, dtype):
     c.start_spill()
     assert c.state is ChunkState.HOST and c.io_pending  # unchanged until the write is confirmed
     c.finish_spill()
-    assert c.state is ChunkState.NVME and storage.bytes_on(Tier.HOST) == 0
-    assert storage.bytes_on(Tier.NVME) == c.nbytes and storage.transfers.nvme_write_bytes == c.nbytes
+    assert c.state is ChunkState.NVME and storage.ledger.bytes_on(Tier.HOST) == 0
+    assert storage.ledger.bytes_on(Tier.NVME) == c.nbytes and storage.ledger.transfers.nvme_write_bytes == c.nbytes
     # The file holds the bytes: read them back from disk independently of the store.
     with open(storage.nvme.path_of(c.key), "rb") as f:
         raw = f.read(c.nbytes)
@@ -42,11 +42,11 @@ def test_spill_and_load_round_trip_counts_every_byte(storage, capacity, dtype):
     assert c.state is ChunkState.NVME
     c.finish_load()
     assert c.state is ChunkState.HOST_AND_NVME and torch.equal(c.payload(Tier.HOST), want)
-    assert storage.transfers.nvme_read_bytes == c.nbytes
+    assert storage.ledger.transfers.nvme_read_bytes == c.nbytes
     c.drop_host_copy()  # the file is current: nothing is written
-    assert c.state is ChunkState.NVME and storage.transfers.nvme_write_bytes == c.nbytes
+    assert c.state is ChunkState.NVME and storage.ledger.transfers.nvme_write_bytes == c.nbytes
     c.release()
-    assert c.state is ChunkState.RELEASED and storage.bytes_on(Tier.NVME) == 0 and len(storage.nvme) == 0
+    assert c.state is ChunkState.RELEASED and storage.ledger.bytes_on(Tier.NVME) == 0 and len(storage.nvme) == 0
 
 
 def test_invalid_moves_raise_with_the_state(storage):
@@ -83,7 +83,7 @@ def test_a_corrupted_file_is_an_error_and_the_chunk_stays_in_its_file(storage):
     with pytest.raises(NvmeCorruptionError, match="checksum") as err:
         c.finish_load()
     assert path in str(err.value) and "offset" in str(err.value)
-    assert c.state is ChunkState.NVME and storage.bytes_on(Tier.HOST) == 0  # the buffer was freed
+    assert c.state is ChunkState.NVME and storage.ledger.bytes_on(Tier.HOST) == 0  # the buffer was freed
 
 
 def test_host_payloads_come_from_the_pool_and_are_reused(storage):

@@ -70,7 +70,7 @@ def test_low_precision_with_masters_on_nvme_is_bit_identical_to_host_states(tmp_
     groups = opt._rt.manager.trainable_groups
     assert groups[0].master.state is ChunkState.NVME  # masters, m and v all streamed
     # The model's state_dict reads the masters from NVMe, and nothing else (not m and v).
-    transfers = opt._rt.storage.transfers
+    transfers = opt._rt.storage.ledger.transfers
     transfers.reset()
     model.state_dict()
     assert transfers.nvme_read_bytes == sum(g.master.nbytes for g in groups)

@@ -36,14 +36,20 @@ def _configs(tmp_path):
                                        nvme_dir=str(tmp_path), nvme_pipeline_depth=1),
         "cuda-bf16": dict(placement="cuda", precision="bf16"),
         "cuda-fp32": dict(placement="cuda"),
+        "cpu-fp32": dict(placement="cpu"),
+        "cpu-bf16": dict(placement="cpu", precision="bf16"),
         "static-fp32": dict(placement="static", static_param_device_fraction=0.5,
+                            static_optimizer_offload_fraction=0.5),
+        "static-bf16": dict(placement="static", precision="bf16", static_param_device_fraction=0.75,
                             static_optimizer_offload_fraction=0.5),
     }
 
 
 @pytest.mark.parametrize("name", ["cpu-fp32-nvme", "cpu-bf16-nvme", "cpu-bf16-nvme-fraction", "cuda-bf16",
-                                  "cuda-fp32", "static-fp32"])
+                                  "cuda-fp32", "cpu-fp32", "cpu-bf16", "static-fp32", "static-bf16"])
 def test_plan_agrees_with_what_a_real_run_measures(tmp_path, name):
+    """The plan's figures (gemini/footprint.py's pure function of the layout and the placement's
+    choice) equal the ledger's count after a real step, tier by tier and kind by kind."""
     config = gemini.GeminiConfig(device="cpu", chunk_size=2000, **_configs(tmp_path)[name])
     plan = gemini.plan_placement(_model(), config)
     r = _last_report(config)

@@ -13,6 +13,9 @@ import torch
 
 import gemini
 import zero_workers as zw
+from chunks import ChunkManager, ChunkStorage
+from gemini.footprint import chunk_bytes, device_groups, named_bytes
+from gemini.initialize import split_param_groups
 from multiprocess import run_ranks
 
 STEPS = 3
@@ -93,6 +96,21 @@ def test_optimizer_state_per_rank_is_half(two_rank_runs, name, tmp_path):
         assert _os_bytes(run["reports"][-1]) * 2 == single
         assert run["reports"][-1]["grad_reduce_bytes"] > 0
     opt.close()
+
+
+@pytest.mark.parametrize("name", [n for n, s in SPECS if s["config"]["placement"] != "auto"])
+def test_each_rank_measures_the_footprint_of_its_shards(two_rank_runs, name, tmp_path):
+    """gemini/footprint.py's figures for one of 2 ranks (shards, released gradient buckets, ZeRO-3's
+    parameter shards) equal what each rank's ledger counted after the last step."""
+    cfg = zw.config(_spec(dict(SPECS)[name]), str(tmp_path))
+    _, named, frozen = split_param_groups(zw.make_net(), None)
+    layout = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=CHUNK, world=2).layout(named, frozen)
+    assert cfg.nvme_offload_fraction in (0.0, 1.0)  # 1.0: every host-tier group's states in files
+    nvme = {i for i, (_, pg, _) in enumerate(layout) if pg >= 0} if cfg.nvme_offload_fraction else set()
+    want = named_bytes(chunk_bytes(layout, device_groups(cfg, layout), param_dtype=cfg.param_dtype, nvme_groups=nvme,
+                                   world=2, shard_params=cfg.shard_params))
+    for run in two_rank_runs[name]:
+        assert run["reports"][-1]["model_bytes_by_tier"] == want
 
 
 def test_ranks_agree_on_fp16_overflow_and_bf16_trains(tmp_path):

@@ -11,8 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from offload import (BudgetExceededError, IoMode, NvmeCorruptionError, NvmeStore, NvmeStoreConfig,
-                     NvmeStoreError, Tier, TierBudgets)
+from offload import IoMode, NvmeCorruptionError, NvmeStore, NvmeStoreConfig, NvmeStoreError
 from offload.aligned import aligned_empty
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -213,21 +212,6 @@ def test_full_disk_is_reported_before_writing(tmp_path, monkeypatch):
             s.write("k", src).result()
         assert info.value.errno == errno.ENOSPC and "k" not in s
         assert [p for p in os.listdir(s.folder) if p.endswith(".bin")] == []
-
-
-def test_budget_ledger_counts_files_and_refuses_over_the_limit(tmp_path):
-    budgets = TierBudgets(nvme_bytes=3 * 4096)
-    with NvmeStore(tmp_path, budgets=budgets) as s:
-        s.write("a", torch.zeros(4097, dtype=torch.uint8)).result()
-        padded = 8192 if s.io_mode is IoMode.DIRECT else 4097
-        assert budgets.used(Tier.NVME) == padded == s.bytes_on_disk
-        with pytest.raises(BudgetExceededError):
-            s.write("b", torch.zeros(8192, dtype=torch.uint8)).result()
-        assert "b" not in s and budgets.used(Tier.NVME) == padded
-        s.delete("a").result()
-        assert budgets.used(Tier.NVME) == 0
-        s.write("c", torch.zeros(4096, dtype=torch.uint8)).result()
-    assert budgets.used(Tier.NVME) == 0 and budgets.peak(Tier.NVME) == padded
 
 
 def test_files_are_removed_on_close_and_on_garbage_collection(tmp_path):
