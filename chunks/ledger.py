@@ -10,7 +10,9 @@ count. Each byte is counted once: a payload on the tier it lies on (a chunk with
 tiers counts on both, since both copies use memory), a file on NVMe when its write is
 confirmed. The pinned host pool's reserved bytes are a gauge beside the tiers: they are the
 memory behind the host payloads (rounded up to the pool's size classes) plus idle buffers kept
-for reuse, so they are never added to the host tier's count.
+for reuse, so they are never added to the host tier's count. Saved activations waiting in host
+memory (``GeminiConfig.offload_activations``, gemini/activations.py) are not model data: they
+have their own account beside the tiers, and their copies their own transfer counters.
 
 [Note: fits]
 Every budget decision asks :func:`missing_bytes` (or :func:`fits`) with the limit and the
@@ -72,11 +74,15 @@ class TransferStats:
     nvme_write_bytes: int = 0  # confirmed writes to NVMe files
     nvme_wait_seconds: float = 0.0  # time the caller waited for NVMe I/O to finish
     grad_reduce_bytes: int = 0  # gradient buckets reduce-scattered across ranks (ZeRO)
+    activation_d2h_bytes: int = 0  # saved activations copied to host memory
+    activation_h2d_bytes: int = 0  # ... and back to the device for backward
+    activation_kept_bytes: int = 0  # saved activations the budget kept on the device instead
 
     def reset(self) -> None:
         self.h2d_bytes = self.d2h_bytes = 0
         self.nvme_read_bytes = self.nvme_write_bytes = 0
         self.grad_reduce_bytes = 0
+        self.activation_d2h_bytes = self.activation_h2d_bytes = self.activation_kept_bytes = 0
         self.seconds = self.nvme_wait_seconds = 0.0
 
 
@@ -93,6 +99,7 @@ class MemoryLedger:
         self._kinds: dict[tuple[Tier, Hashable], TierAccount] = {}
         self.transfers = TransferStats()
         self.host_pool_bytes = 0  # host buffers the pinned pool holds, in use or idle
+        self.activations = TierAccount()  # offloaded saved activations held in host memory
 
     # --------------------------------------------------------------------------- counting
     def add(self, tier: Tier, kind: Hashable, nbytes: int) -> None:
@@ -156,6 +163,8 @@ class MemoryLedger:
         for (tier, _), account in self._kinds.items():
             if tier in chosen:
                 account.peak_bytes = account.current_bytes
+        if Tier.HOST in chosen:
+            self.activations.peak_bytes = self.activations.current_bytes
 
     def start_step(self) -> None:
         """A new step: peaks restart from now and the transfer counters from zero."""

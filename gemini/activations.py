@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,23 +43,7 @@ from chunks import ChunkStorage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActivationOffload", "ActivationStats"]
-
-
-@dataclass
-class ActivationStats:
-    """Per step: what activation offload moved and held."""
-
-    offloaded_bytes: int = 0  # saved tensors copied to host memory this step
-    offloaded_tensors: int = 0
-    restored_bytes: int = 0  # copied back to the device for backward
-    host_bytes: int = 0  # offloaded bytes held in host memory now
-    host_peak_bytes: int = 0  # the most held at once this step
-    kept_bytes: int = 0  # eligible bytes the budget let stay on the device this step
-
-    def reset(self) -> None:
-        self.offloaded_bytes = self.offloaded_tensors = self.restored_bytes = self.kept_bytes = 0
-        self.host_peak_bytes = self.host_bytes
+__all__ = ["ActivationOffload"]
 
 
 class _Offloaded:
@@ -87,7 +70,7 @@ class ActivationOffload:
         self.storage = storage
         self.device = storage.device
         self.min_bytes = min_bytes
-        self.stats = ActivationStats()
+        self.ledger = storage.ledger  # counts what is offloaded, held and copied (see chunks/ledger.py)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -178,7 +161,7 @@ class ActivationOffload:
         if self._following and (index >= len(self.traced_sizes) or self.traced_sizes[index] != nbytes):
             self._following = False  # not the traced iteration: offload everything from here
         if self._following and self.keep_from is not None and index >= self.keep_from:
-            self.stats.kept_bytes += nbytes
+            self.ledger.transfers.activation_kept_bytes += nbytes
             return t
         with torch.profiler.record_function("gemini::offload_activation"):
             packed = self._copy_out(index, t, nbytes)
@@ -207,18 +190,15 @@ class ActivationOffload:
             observer.exclude(buffer)
         packed = _Offloaded(index, buffer, t.shape, stride, t.dtype, nbytes)
         weakref.finalize(packed, self._release, buffer, nbytes)
-        s = self.stats
-        s.offloaded_bytes += nbytes
-        s.offloaded_tensors += 1
-        s.host_bytes += nbytes
-        s.host_peak_bytes = max(s.host_peak_bytes, s.host_bytes)
+        self.ledger.activations.add(nbytes)
+        self.ledger.transfers.activation_d2h_bytes += nbytes
         return packed
 
     def _release(self, buffer: torch.Tensor, nbytes: int) -> None:
         # Copies out of and into a buffer all run on the one side stream, so a recycled buffer
         # is never overwritten before an earlier copy from it is done.
         self.storage.pool.release(buffer)
-        self.stats.host_bytes -= nbytes
+        self.ledger.activations.sub(nbytes)
 
     def _unpack(self, packed):
         if not isinstance(packed, _Offloaded):
@@ -255,7 +235,7 @@ class ActivationOffload:
             packed.event.record(self._stream)
         else:
             out.copy_(host)
-        self.stats.restored_bytes += packed.nbytes
+        self.ledger.transfers.activation_h2d_bytes += packed.nbytes
         return out
 
     def _prefetch_after(self, unpacked: int) -> None:

@@ -44,7 +44,7 @@ class GeminiConfig:
     """Budget for the compute device in bytes (int or "512MiB"); None = the whole device."""
 
     gpu_margin_mem_ratio: float = 0.0
-    """Share of the margin (budget - reserve - the warm-up's measured peak) given to optimizer-state
+    """Share of the margin (budget - reserve - the warm-up's planned peak) given to optimizer-state
     chunks updated on the device, in [0, 1]."""
 
     static_param_device_fraction: float = 1.0

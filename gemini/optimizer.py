@@ -298,7 +298,9 @@ class HybridAdam(torch.optim.Optimizer):
             rank=rt.manager.rank,
             grad_reduce_bytes=transfers.grad_reduce_bytes,
             param_gathers=rt.placement.gatherer.gathers if rt.placement.gatherer is not None else 0,
-            **_activation_fields(rt.activations),
+            activation_offload_bytes=ledger.transfers.activation_d2h_bytes,
+            activation_host_peak_bytes=ledger.activations.peak_bytes,
+            activation_kept_bytes=ledger.transfers.activation_kept_bytes,
         )
         self.report = report
         self.reports_made += 1
@@ -440,12 +442,3 @@ class HybridAdam(torch.optim.Optimizer):
                 with self._rt.resident(g, modify=True):
                     self._load_group_state(g, state, saved_index)
         self._load_hyper_state(saved_groups, state_dict.get("gemini", {}))
-
-
-def _activation_fields(activations) -> dict[str, int]:
-    """The report's activation-offload figures (zeros without it)."""
-    if activations is None:
-        return {}
-    s = activations.stats
-    return {"activation_offload_bytes": s.offloaded_bytes, "activation_host_peak_bytes": s.host_peak_bytes,
-            "activation_kept_bytes": s.kept_bytes}

@@ -442,7 +442,7 @@ class AutoPlacement(PlacementPolicy):
       chunk groups whose next use is furthest away are evicted (Belady, from the recorded
       order). Fetched chunks stay until pressure evicts them, and the next period's chunks
       are prefetched when they fit next to both periods' non-model peaks.
-    - Margin: ``budget - reserve - the warm-up's measured peak`` (see ``MemoryPlan.margin_bytes``);
+    - Margin: ``budget - reserve - the warm-up's planned peak`` (see ``MemoryPlan.margin_bytes``);
       ``gpu_margin_mem_ratio`` of it holds whole chunk groups (params, grads, master, m, v)
       on the device for good, updated there by the device Adam.
     """

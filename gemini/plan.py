@@ -88,7 +88,7 @@ class MemoryPlan:
 
     @property
     def margin_bytes(self) -> int:
-        """Budget left after the reserve and the warm-up's measured peak.
+        """Budget left after the reserve and the warm-up's planned peak.
 
         The peak is of everything on the device at one moment (chunks, buffers, non-model
         memory), not a sum of peaks from different moments. It bounds each period of later

@@ -29,8 +29,10 @@ class TimelinePeriod:
 class WarmupTimeline:
     """What the warm-up measured, period by period, and the budget it planned against.
 
-    ``margin_bytes`` = budget − reserve − buffers − the largest non-model peak − the warm-up's
-    chunk peak: the room ``gpu_margin_mem_ratio`` shares out to optimizer-state chunk groups.
+    ``margin_bytes`` = budget − reserve − the warm-up's planned peak (see
+    ``gemini.plan.MemoryPlan.planned_peak_bytes``): the room ``gpu_margin_mem_ratio`` shares out
+    to optimizer-state chunk groups (and, with activation offload, saved activations kept on
+    the device).
     """
 
     periods: list[TimelinePeriod]

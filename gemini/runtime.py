@@ -268,8 +268,6 @@ class GeminiRuntime:
         """Reset the per-step peaks and transfer counters."""
         self.end_window()
         self.storage.ledger.start_step()
-        if self.activations is not None:
-            self.activations.stats.reset()
         self.memory.reset_peak()
         self._warmup_peak_bytes = 0
         self.system.reset_peak()

@@ -1,7 +1,7 @@
 """The margin tuner: try ``gpu_margin_mem_ratio`` values, recommend the fastest that keeps headroom.
 
 [Note: what the ratio trades]
-Under placement="auto" the margin (budget − reserve − the warm-up's measured peak) times ``gpu_margin_mem_ratio`` holds whole optimizer-state chunk groups on the
+Under placement="auto" the margin (budget − reserve − the warm-up's planned peak) times ``gpu_margin_mem_ratio`` holds whole optimizer-state chunk groups on the
 device, updated there and never copied. A larger ratio moves Adam work off the host, but
 leaves less room for caching parameter chunks, so more of them are fetched again each
 iteration; which side wins depends on the model, the batch and the machine. The tuner runs a

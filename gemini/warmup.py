@@ -108,8 +108,9 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, placement: str,
     if placement in ("auto", "cpu"):
         # Only the chunks of the running modules are on the device here: what is left to cut is
         # that working set and the non-model memory.
-        advice = ("a smaller chunk_size (fewer parameter bytes fetched per module), a smaller batch or "
-                  "sequence, or activation checkpointing (less activation memory)")
+        advice = ("try a smaller chunk_size (fewer parameter bytes fetched per module), a smaller batch or "
+                  "sequence, activation checkpointing (less activation memory), or offload_activations=True "
+                  "(saved activations wait in host memory)")
     elif placement == "static":
         advice = ("lower static_param_device_fraction or raise static_optimizer_offload_fraction (fewer chunks kept "
                   "on the device), use placement='auto' (chunks evicted under pressure), or a smaller batch")
@@ -117,6 +118,6 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, placement: str,
         advice = "use placement='auto' (chunks evicted under pressure) or 'cpu', or a smaller batch"
     raise DeviceBudgetError(
         f"{what} needed {peak_bytes} bytes of device memory at its peak{split} but GeminiConfig.device_memory is "
-        f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or try {advice}.",
+        f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or {advice}.",
         missing_bytes=missing,
     )

@@ -52,7 +52,7 @@ def test_offloaded_training_equals_adamw_and_lowers_the_device_peak(placement, c
     held_after_backward, pool_allocations = [], []
 
     def after_backward(opt):
-        held_after_backward.append(opt._rt.activations.stats.host_bytes)
+        held_after_backward.append(opt._rt.storage.ledger.activations.current_bytes)
         pool_allocations.append(opt._rt.storage.pool.stats().allocations)
 
     plain, _, _ = _train(cfg, data, offload=False, placement=placement, **budget)
@@ -145,7 +145,7 @@ def test_cuda_stream_path_equals_adamw_and_prefetches(checkpointing):
 
     reports, opt = run("cpu", 2**34)
     assert opt._rt.storage.pin_host and reports[-1].activation_offload_bytes > 0
-    assert opt._rt.activations.stats.restored_bytes == reports[-1].activation_offload_bytes
+    assert opt._rt.storage.ledger.transfers.activation_h2d_bytes == reports[-1].activation_offload_bytes
     first = reports[0]
     budget = first.device_peak_bytes + first.timeline.reserve_bytes + first.activation_offload_bytes // 2 \
         if first.timeline is not None else 2**34

@@ -469,3 +469,30 @@ def test_cuda_tracer_agrees_with_the_accounting_monitor():
     for a, b in zip(alloc, acc):
         if a.non_model_peak_bytes > 1 << 20:
             assert b.non_model_peak_bytes == pytest.approx(a.non_model_peak_bytes, rel=0.10), (a, b)
+
+
+def test_marks_split_a_period_into_segments_with_their_own_peaks():
+    """A decision point inside a period (``mark()``) starts a segment whose peak counts only what
+    is live from there on: a large temporary freed before the mark raises the first segment's
+    peak and the period's, not the second's (see [Note: segments of a period])."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    tracer = RuntimeTracer(model, TensorAccountingMonitor("cpu"), model_bytes_fn=lambda: _param_bytes(model))
+
+    def inside(module, args, out):
+        big = torch.ones(256 * KiB)  # 1 MiB, freed before the mark
+        del big
+        tracer.mark()
+        small = torch.ones(16 * KiB)  # 64 KiB, live after it
+        del small
+
+    model[0].register_forward_hook(inside)
+    tracer.mark()  # outside trace(): nothing happens
+    with tracer.trace():
+        model(torch.randn(2, 8)).sum().backward()
+    period = next(p for p in tracer.periods if p.key == (Phase.FORWARD, "0"))
+    first, second = period.segment_non_model_peak_bytes
+    assert first >= 1024 * KiB > second >= 64 * KiB
+    assert period.non_model_peak_bytes == first
+    assert len(period.segment_model_bytes) == 2
+    unmarked = [p for p in tracer.periods if p is not period]
+    assert all(len(p.segment_non_model_peak_bytes) == 1 for p in unmarked)
