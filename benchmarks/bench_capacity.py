@@ -19,16 +19,15 @@ measured peak under the budget (a ``DeviceBudgetError`` is a failure), and repor
 - the largest difference from plain ``torch.optim.AdamW(fused=True)`` over the 3 steps at every
   budget tried that trained.
 
-``chunk_size`` is the largest module's parameter count (rounded up to 1024 elements), so that a
-module never waits for more than its own chunk group; one row per model shows the searched
-default for comparison. Writes benchmarks/results/capacity_<device>.json, .md and .png.
+``chunk_size`` is, of the three largest modules' parameter counts, the one whose warm-up plans the least device memory, so that a module waits for
+little more than its own chunk group; one row per model shows the searched default for
+comparison. Writes benchmarks/results/capacity_<device>.json, .md and .png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -66,13 +65,13 @@ class Workload:
     vocab: int
 
 
-def gpt_workload(name: str, layers: int, batch: int) -> Workload:
+def gpt_workload(name: str, layers: int, batch: int, seq: int = 64) -> Workload:
     def make(checkpointing: bool) -> nn.Module:
         torch.manual_seed(0)
         return GPT(GPTConfig(vocab_size=1024, block_size=64, n_layer=layers, n_head=8, n_embd=256,
                              activation_checkpointing=checkpointing))
 
-    return Workload(name, make, lambda m, x, y: GPT.loss(m(x), y), batch, 64, 1024)
+    return Workload(name, make, lambda m, x, y: GPT.loss(m(x), y), batch, seq, 1024)
 
 
 def llama_workload() -> Workload:
@@ -166,14 +165,46 @@ def trial(w: Workload, batches, device: str, *, budget: int | None, checkpointin
     return out
 
 
+def chunk_candidates(model: nn.Module, n: int = 3) -> list[int]:
+    """The ``n`` largest distinct per-module parameter counts (exact: a chunk that a module fills
+    to the element leaves no room for the next module's tensors)."""
+    sizes = {sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()}
+    return sorted((s for s in sizes if s), reverse=True)[:n]
+
+
+def choose_chunk_size(w: Workload, batches, device: str, *, checkpointing: bool, offload: bool) -> int:
+    """Of the candidates, the chunk size whose warm-up plans the least device memory: a chunk
+    that also takes the next module's small tensors (a LayerNorm after a Linear) makes its
+    gradient chunk arrive a module early, so the largest module is not always the best size."""
+    best = None
+    for size in chunk_candidates(w.make(False)):
+        model = w.make(checkpointing)
+        cfg = gemini.GeminiConfig(device=device, placement="auto", chunk_size=size, offload_activations=offload,
+                                  activation_offload_min_bytes=OFFLOAD_MIN_BYTES)
+        gmodel, opt = gemini.initialize(model, cfg, lr=1e-3)
+        x, y = batches[0]
+        opt.backward(w.loss(gmodel, x, y))
+        opt.step()
+        planned = opt._rt.plan.planned_peak_bytes
+        opt.close()
+        print(f"    chunk_size {size}: the warm-up plans {planned / 2**20:.2f} MiB", flush=True)
+        if best is None or planned < best[0]:
+            best = (planned, size)
+    return best[1]
+
+
 def smallest_budget(w, batches, device, *, checkpointing, offload, chunk_size, lo, hi, rel_precision, want):
     """Binary search over budgets in [lo, hi] (hi must train); every trial that trains is checked."""
     tried = []
-    first = trial(w, batches, device, budget=hi, checkpointing=checkpointing, offload=offload,
-                  chunk_size=chunk_size, want=want)
-    tried.append((hi, first))
-    if not first["ok"]:
-        raise RuntimeError(f"{w.name}: even {hi} bytes do not train: {first.get('error')}")
+    while True:  # grow ``hi`` until it trains (a large chunk size needs more than the bound)
+        first = trial(w, batches, device, budget=hi, checkpointing=checkpointing, offload=offload,
+                      chunk_size=chunk_size, want=want)
+        tried.append((hi, first))
+        if first["ok"]:
+            break
+        if hi > 4 * model_data_bytes(w.make(False)):
+            raise RuntimeError(f"{w.name}: even {hi} bytes do not train: {first.get('error')}")
+        lo, hi = hi, 2 * hi
     best = (hi, first)
     while hi - lo > rel_precision * hi:
         mid = (lo + hi) // 2
@@ -194,6 +225,8 @@ def measure(w: Workload, device: str, config: str, *, chunk_size: int | None, re
     without checkpointing or offload and with no budget, timed in the same process."""
     checkpointing, offload = CONFIGS[config]
     batches = data(w, device)
+    if chunk_size == -1:
+        chunk_size = choose_chunk_size(w, batches, device, checkpointing=checkpointing, offload=offload)
     model = w.make(checkpointing)
     md = model_data_bytes(model)
     largest = largest_module_params(model)
@@ -268,6 +301,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="the 24-layer GPT only, coarser search")
     p.add_argument("--precision", type=float, default=0.005, help="binary search stops at this share of the budget")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # model:config:chunk, run by run_row
+    p.add_argument("--reuse-log", default=None, help="take the rows an interrupted run printed to this log")
     args = p.parse_args()
     rel = 0.02 if args.quick and args.row is None else args.precision
     workloads = [gpt_workload("gpt-24", 24, 4)]
@@ -277,22 +311,26 @@ def main() -> int:
         name, config, chunk = args.row.split(":")
         w = {"gpt-24": lambda: gpt_workload("gpt-24", 24, 4), "llama-24": llama_workload}[name]()
         want = reference(w, data(w, args.device), args.device)
-        row = measure(w, args.device, config, chunk_size=int(chunk) or None, rel_precision=rel, want=want)
+        row = measure(w, args.device, config, chunk_size=int(chunk) if int(chunk) else None, rel_precision=rel,
+                      want=want)
         print("ROW " + json.dumps(row), flush=True)
         return 0
     rows = []
+    done = {}  # rows printed by an earlier, interrupted run (--reuse-log)
+    if args.reuse_log:
+        for line in Path(args.reuse_log).read_text().splitlines():
+            if line.startswith('{"model"') and '"config"' in line:
+                r = json.loads(line)
+                done[(r["model"], r["config"], r["chunk_size"] is None)] = r
     for w in workloads:
-        probe = w.make(False)
-        chunk = math.ceil(largest_module_params(probe) / 1024) * 1024
-        del probe
-        for config in CONFIGS:
-            rows.append(run_row(args, w.name, config, chunk, rel))
-        if not args.quick:  # the searched default chunk size, for comparison
-            rows.append(run_row(args, w.name, "checkpointing", 0, rel))
+        for config, chunk in [(c, -1) for c in CONFIGS] + ([] if args.quick else [("checkpointing", 0)]):
+            # chunk -1: the row chooses among the largest modules' sizes; 0: the searched default
+            key = (w.name, config, chunk == 0)
+            rows.append(done[key] if key in done else run_row(args, w.name, config, chunk, rel))
     medium = None
     if not args.quick:
         # The medium GPT at 40% of its model data, without checkpointing, searched chunk size.
-        w = gpt_workload("gpt-medium", 8, 8)
+        w = gpt_workload("gpt-medium", 8, 8, seq=32)
         batches = data(w, args.device)
         md = model_data_bytes(w.make(False))
         want = reference(w, batches, args.device)
@@ -313,7 +351,8 @@ def main() -> int:
         f"# Capacity: smallest device budget that trains, against the bound (placement auto, device {args.device})",
         "",
         f"{m['date']} on {m['cpu']} ({m['cores']} cores, torch {m['torch']}). {STEPS} steps per trial, every step's "
-        f"measured peak under the budget; binary search to {rel:.1%}. Chunk size: the largest module's parameters. Bound = warm-up non-model peak + the largest "
+        f"measured peak under the budget; binary search to {rel:.1%}. Chunk size: of the three largest modules' "
+        f"parameter counts, the one whose warm-up plans the least. Bound = warm-up non-model peak + the largest "
         f"module's parameters and gradients + buffers. Step-time cost = mean step time (after the warm-up) at the "
         f"smallest budget / the same model without checkpointing or offload and no budget. |Δ AdamW| = the largest absolute difference of any parameter from fused "
         f"torch AdamW over every budget that trained.",
@@ -331,7 +370,7 @@ def main() -> int:
             f"**{r['ratio']:.1f}x** | {r['budget_over_bound']:.3f} | {r['step_time_cost']:.2f} | "
             f"{r['activation_offload_bytes'] / 2**20:.2f} | {r['max_abs_diff_from_adamw']:.1e} |")
     if medium is not None:
-        md_lines += ["", f"Medium GPT (d 256, 8 layers, batch 8, no checkpointing, searched chunk size) at 40% of its "
+        md_lines += ["", f"Medium GPT (d 256, 8 layers, batch 8, ctx 32, no checkpointing, searched chunk size) at 40% of its "
                          f"model data ({medium['budget_bytes'] / 2**20:.1f} MiB): "
                          f"{'trains' if medium['trains'] else 'refused: ' + str(medium['error'])}"
                          + (f", peaks {[round(p / 2**20, 2) for p in medium['peaks']]} MiB, max abs Δ AdamW "

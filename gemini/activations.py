@@ -131,6 +131,8 @@ class ActivationOffload:
         self._depth += 1
 
     def end_forward(self) -> None:
+        if self._depth == 0:
+            return  # the forward failed before it reached begin_forward
         self._depth -= 1
         if self._depth == 0 and self._hooks is not None:
             hooks, self._hooks = self._hooks, None
