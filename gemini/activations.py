@@ -144,10 +144,10 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------------- hooks
     def _eligible(self, t: torch.Tensor) -> bool:
-        if t.device != self.device or t.layout is not torch.strided or type(t) not in (torch.Tensor, nn.Parameter):
-            return False
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-            return False  # chunk data: the placement moves it
+        if t.device != self.device or t.layout is not torch.strided or type(t) is not torch.Tensor:
+            return False  # a parameter (chunk data, which the placement moves) or a tensor subclass
+        if isinstance(t._base, nn.Parameter):
+            return False  # a view of a parameter: chunk data too
         return t.numel() * t.element_size() >= self.min_bytes
 
     def _pack(self, t: torch.Tensor):
