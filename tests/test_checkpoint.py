@@ -9,7 +9,7 @@ import torch
 
 import gemini
 from gemini.gpt import GPT
-from helpers import TINY, assert_params_close, batches, make_gpt, train_reference
+from helpers import TINY, assert_params_close, batches, clone_pair, make_gpt, train_reference
 
 
 def _run(gmodel, opt, data):
@@ -90,3 +90,48 @@ def test_state_dicts_match_plain_pytorch():
     x, _ = data[0]
     with torch.no_grad():
         torch.testing.assert_close(plain(x), gmodel(x))
+
+
+@pytest.mark.parametrize("placement", ["cpu", "cuda"])
+def test_load_state_lacking_parameters_resets_them_like_torch(placement):
+    """A state_dict without some parameters' entries: torch's AdamW drops those parameters' old
+    state (they start again at step 0), so gemini, which had trained them, must too."""
+    data = batches(TINY, 5)
+    ref, base = clone_pair()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)  # our arithmetic
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=3000),
+                                    lr=1e-2, weight_decay=0.1)
+
+    def both_step(x, y):
+        GPT.loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _run(gmodel, opt, [(x, y)])
+
+    both_step(*data[0])
+    saved = copy.deepcopy(ref_opt.state_dict())  # after 1 step; both optimizers go on to step 3
+    n = len(saved["param_groups"][0]["params"])
+    missing = {i for i in range(n) if i % 3 == 1}
+    for i in missing:
+        del saved["state"][i]
+    for x, y in data[1:3]:
+        both_step(x, y)
+    ref_opt.load_state_dict(copy.deepcopy(saved))
+    opt.load_state_dict(copy.deepcopy(saved))
+
+    def assert_same_state():
+        ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert sorted(ours) == sorted(theirs)
+        for i in theirs:
+            assert float(ours[i]["step"]) == float(theirs[i]["step"]), i
+            for name in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours[i][name], theirs[i][name], rtol=1e-6, atol=1e-9,
+                                           msg=lambda m: f"param {i} {name}: {m}")
+
+    assert_same_state()
+    assert missing.isdisjoint(opt.state_dict()["state"])  # no stale step / m / v survived the load
+    for step, (x, y) in enumerate(data[3:], start=3):
+        both_step(x, y)
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), rtol=1e-6, atol=1e-7, step=step)
+    assert_same_state()
+    assert {float(opt.state_dict()["state"][i]["step"]) for i in missing} == {2.0}  # fresh at the load
