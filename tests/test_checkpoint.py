@@ -1,13 +1,25 @@
-"""state_dicts: original keys, torch AdamW's format, and resume == uninterrupted."""
+"""state_dicts: original keys, torch AdamW's format, and resume == uninterrupted; checkpoint
+files: loaded without running code, verified, written durably and all or nothing."""
 
 from __future__ import annotations
 
 import copy
+import errno
+import os
+import pathlib
+import pickle
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import zlib
 
 import pytest
 import torch
 
 import gemini
+from gemini.checkpoint import CheckpointCorruptionError, CheckpointDiskFullError
 from gemini.gpt import GPT
 from helpers import TINY, assert_params_close, batches, clone_pair, make_gpt, train_reference
 
@@ -37,7 +49,7 @@ def test_save_reload_continue_equals_uninterrupted(placement, precision, tmp_pat
     torch.save({"model": first.state_dict(), "optim": first_opt.state_dict()}, tmp_path / "ckpt.pt")
     del first, first_opt
 
-    ckpt = torch.load(tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     fresh = make_gpt(seed=123)  # different initial values: everything must come from the file
     fresh.load_state_dict(ckpt["model"])  # a plain module loads it
     resumed, resumed_opt = gemini.initialize(fresh, cfg(), lr=1e-2, param_groups=groups(fresh))
@@ -135,3 +147,230 @@ def test_load_state_lacking_parameters_resets_them_like_torch(placement):
         assert_params_close(gmodel.state_dict(), ref.state_dict(), rtol=1e-6, atol=1e-7, step=step)
     assert_same_state()
     assert {float(opt.state_dict()["state"][i]["step"]) for i in missing} == {2.0}  # fresh at the load
+
+
+# ------------------------------------------------------------------------- checkpoint files
+def _trained(precision: str = "fp32", steps: int = 2):
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision=precision, chunk_size=3000,
+                              initial_scale=2.0**10, growth_interval=1)
+    gmodel, opt = gemini.initialize(make_gpt(), cfg, lr=1e-2, weight_decay=0.1)
+    _run(gmodel, opt, batches(TINY, steps))
+    return gmodel, opt
+
+
+def _fresh(precision: str = "fp32"):
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision=precision, chunk_size=3000,
+                              initial_scale=2.0**10, growth_interval=1)
+    return gemini.initialize(make_gpt(seed=5), cfg, lr=1e-2, weight_decay=0.1)
+
+
+def _saved_file(path: pathlib.Path, sharded: bool) -> pathlib.Path:
+    return path / "rank00000-of-00001.pt" if sharded else path
+
+
+def _leaf_tensors(obj, where=""):
+    if isinstance(obj, torch.Tensor):
+        yield where, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaf_tensors(v, f"{where}/{k}" if where else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaf_tensors(v, f"{where}/{i}" if where else str(i))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["consolidated", "sharded"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_checkpoint_is_plain_data_with_checksums_and_round_trips(precision, sharded, tmp_path):
+    """What gemini writes loads with torch.load(weights_only=True), carries a CRC-32 of every
+    tensor, and restores the model, the optimizer and the fp16 loss scaler."""
+    gmodel, opt = _trained(precision)
+    path = tmp_path / ("sharded" if sharded else "ckpt.pt")
+    gemini.save_checkpoint(path, gmodel, opt, sharded=sharded)
+    raw = torch.load(_saved_file(path, sharded), weights_only=True)  # no allow-listing needed
+    sums = raw.pop("checksums")
+    tensors = dict(_leaf_tensors(raw))
+    assert sums.keys() == tensors.keys() and len(tensors) > 20
+    for where, t in tensors.items():  # numpy's bytes, not gemini's byte_view: an independent CRC
+        assert sums[where] == zlib.crc32(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()), where
+    if precision == "fp16":
+        assert raw["optimizer"]["gemini"]["loss_scaler"] == opt.scaler.state_dict()
+
+    model2, opt2 = _fresh(precision)
+    gemini.load_checkpoint(path, model2, opt2, sharded=sharded)
+    assert_params_close(model2.state_dict(), gmodel.state_dict(), rtol=0, atol=0)
+    assert opt2.loss_scale == opt.loss_scale
+    if precision == "fp16":
+        assert opt2.scaler.state_dict() == opt.scaler.state_dict()
+    want, got = opt.state_dict(), opt2.state_dict()
+    assert got["state"].keys() == want["state"].keys()
+    for i in want["state"]:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["state"][i][name], want["state"][i][name]), (i, name)
+
+
+class _TouchesAFile:
+    """Unpickling this calls Path.touch(marker): it stands for any code a file could run."""
+
+    def __init__(self, marker: pathlib.Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["consolidated", "sharded"])
+def test_loading_never_runs_code_from_the_file(sharded, tmp_path):
+    gmodel, opt = _fresh()
+    marker = tmp_path / "marker"
+    path = tmp_path / ("sharded" if sharded else "ckpt.pt")
+    file = _saved_file(path, sharded)
+    file.parent.mkdir(exist_ok=True)
+    payload = ({"buffers": {}, "optimizer": opt.sharded_state_dict()} if sharded
+               else {"model": gmodel.state_dict(), "optimizer": opt.state_dict()})
+    payload["extra"] = _TouchesAFile(marker)
+    torch.save(payload, file)
+    before = {k: v.clone() for k, v in gmodel.state_dict().items()}
+    with pytest.raises(pickle.UnpicklingError, match=re.escape(str(file)) + ".*weights_only=True"):
+        gemini.load_checkpoint(path, gmodel, opt, sharded=sharded)
+    assert not marker.exists()
+    assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
+    # The premise: an unrestricted unpickler does run it.
+    torch.load(file, weights_only=False)
+    assert marker.exists()
+
+
+def test_save_refuses_values_that_would_not_load_safely(tmp_path):
+    np = pytest.importorskip("numpy")
+    gmodel, opt = _trained(steps=1)
+    opt.param_groups[0]["lr"] = np.float64(3e-3)  # a numpy scalar is stored as a Python float
+    gemini.save_checkpoint(tmp_path / "ok.pt", gmodel, opt)
+    lr = torch.load(tmp_path / "ok.pt", weights_only=True)["optimizer"]["param_groups"][0]["lr"]
+    assert type(lr) is float and lr == 3e-3
+    opt.param_groups[0]["note"] = _TouchesAFile(tmp_path / "marker")
+    with pytest.raises(TypeError, match="optimizer/param_groups/0/note.*_TouchesAFile"):
+        gemini.save_checkpoint(tmp_path / "bad.pt", gmodel, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.pt"]
+
+
+def test_flipped_byte_in_a_tensor_is_caught_on_load(tmp_path):
+    gmodel, opt = _trained()
+    path = tmp_path / "ckpt.pt"
+    gemini.save_checkpoint(path, gmodel, opt)
+    index = 3
+    target = opt.state_dict()["state"][index]["exp_avg_sq"]
+    data = bytearray(path.read_bytes())
+    at = data.find(target.numpy().tobytes())
+    assert at > 0 and data.find(target.numpy().tobytes(), at + 1) == -1  # the record, found once
+    data[at + target.nbytes // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    # torch reads the damaged record without complaint (it does not check the zip's CRCs)...
+    assert not torch.equal(torch.load(path, weights_only=True)["optimizer"]["state"][index]["exp_avg_sq"], target)
+    model2, opt2 = _fresh()
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(CheckpointCorruptionError, match=f"{re.escape(str(path))}.*'optimizer/state/{index}/exp_avg_sq'"):
+        gemini.load_checkpoint(path, model2, opt2)
+    assert_params_close(model2.state_dict(), before, rtol=0, atol=0)  # checked before anything loads
+    assert opt2.state_dict()["state"] == {}
+
+
+def test_old_checkpoint_without_checksums_loads(tmp_path):
+    gmodel, opt = _trained(steps=1)
+    torch.save({"model": gmodel.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "old.pt")
+    model2, opt2 = _fresh()
+    gemini.load_checkpoint(tmp_path / "old.pt", model2, opt2)
+    assert_params_close(model2.state_dict(), gmodel.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to name an fd's file")
+def test_save_fsyncs_the_file_then_renames_then_fsyncs_the_folder(tmp_path, monkeypatch):
+    gmodel, opt = _trained(steps=1)
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "ckpt.pt"
+    gemini.save_checkpoint(path, gmodel, opt)
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"], events
+    tmp = events[0][1]
+    assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith("ckpt.pt.gemini-tmp.")
+    assert events[1] == ("replace", tmp, str(path))
+    assert events[2] == ("fsync", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
+def test_failed_save_leaves_no_temp_and_the_previous_checkpoint(tmp_path, monkeypatch):
+    gmodel, opt = _trained(steps=1)
+    path = tmp_path / "ckpt.pt"
+    gemini.save_checkpoint(path, gmodel, opt)
+    previous = path.read_bytes()
+    _run(gmodel, opt, batches(TINY, 1, seed=9))
+
+    def half_then_fail(obj, f, *args, **kwargs):
+        f.write(previous[: len(previous) // 2])
+        raise RuntimeError("simulated failure half-way through torch.save")
+
+    monkeypatch.setattr(torch, "save", half_then_fail)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        gemini.save_checkpoint(path, gmodel, opt)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    assert path.read_bytes() == previous
+    gemini.load_checkpoint(path, *_fresh())
+
+
+def test_save_sweeps_temps_of_dead_writers_only(tmp_path):
+    gmodel, opt = _trained(steps=1)
+    host = socket.gethostname()
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(done.stdout)  # exited and reaped
+    names = {"dead": f"ckpt.pt.gemini-tmp.{host}.{dead}",
+             "live": f"other.pt.gemini-tmp.{host}.{os.getpid()}",  # another writer in this live process
+             "elsewhere": f"ckpt.pt.gemini-tmp.another-host.{dead}",  # a pid of another machine says nothing
+             "unrelated": f"notes.tmp.{dead}"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"partial")
+    gemini.save_checkpoint(tmp_path / "ckpt.pt", gmodel, opt)
+    left = set(os.listdir(tmp_path))
+    assert names["dead"] not in left
+    assert {names["live"], names["elsewhere"], names["unrelated"], "ckpt.pt"} == left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mounts a tmpfs")
+def test_full_disk_is_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 256 KiB tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        gmodel, opt = _fresh()
+        path = mnt / "ckpt.pt"
+        gemini.save_checkpoint(path, gmodel, opt)  # parameters only (no optimizer state yet): fits
+        previous = path.read_bytes()
+        _run(gmodel, opt, batches(TINY, 1))  # now m and v too: three times the bytes
+        state = {"model": gmodel.state_dict(), "optimizer": opt.state_dict()}
+        needed = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for _, t in _leaf_tensors(state)}.values())
+        with pytest.raises(CheckpointDiskFullError) as caught:
+            gemini.save_checkpoint(path, gmodel, opt)
+        err = caught.value
+        free = shutil.disk_usage(mnt).free
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+        assert (err.needed_bytes, err.free_bytes) == (needed, free) and needed > free
+        assert f"disk full: {needed - free} bytes short" in str(err) and str(path) in str(err)
+        assert sorted(os.listdir(mnt)) == ["ckpt.pt"]
+        assert path.read_bytes() == previous
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(mnt)], check=False)  # a file still open: detach anyway

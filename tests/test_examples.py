@@ -81,7 +81,7 @@ def test_train_data_parallel_under_torchrun(tmp_path):
     from gemini.gpt import GPT, GPTConfig
 
     plain = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=64))
-    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=False)["model"])
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True)["model"])
 
 
 def test_train_hf_trainer_runs_or_skips_cleanly(tmp_path, capsys):

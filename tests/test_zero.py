@@ -53,7 +53,7 @@ def two_rank_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero")
     specs = [_spec(s) for _, s in SPECS]
     run_ranks(zw.run_specs, specs, str(out), timeout_seconds=300)
-    return {name: [torch.load(out / f"spec{i}_rank{r}.pt", weights_only=False) for r in range(2)]
+    return {name: [torch.load(out / f"spec{i}_rank{r}.pt", weights_only=True) for r in range(2)]
             for i, (name, _) in enumerate(SPECS)}
 
 
@@ -116,7 +116,7 @@ def test_each_rank_measures_the_footprint_of_its_shards(two_rank_runs, name, tmp
 def test_ranks_agree_on_fp16_overflow_and_bf16_trains(tmp_path):
     """fp16 whose first steps overflow skips the same steps on both ranks; bf16 trains."""
     run_ranks(zw.run_low_precision, str(tmp_path), timeout_seconds=120)
-    runs = [torch.load(tmp_path / f"low_rank{r}.pt", weights_only=False) for r in range(2)]
+    runs = [torch.load(tmp_path / f"low_rank{r}.pt", weights_only=True) for r in range(2)]
     for key in ("fp16-skipped", "fp16-scale", "fp16-final", "bf16-final"):
         a, b = runs[0][key], runs[1][key]
         if isinstance(a, dict):
@@ -142,7 +142,7 @@ def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
     zw.checkpoint_round_trip(0, 1, str(two), "load_consolidated", cfg)  # in this process: one rank
     # A plain module loads the consolidated model part.
     plain = zw.make_net(seed=5)
-    plain.load_state_dict(torch.load(two / "consolidated.pt", weights_only=False)["model"])
+    plain.load_state_dict(torch.load(two / "consolidated.pt", weights_only=True)["model"])
     _assert_close(plain.state_dict(), ref[1], "plain module from the 2-rank checkpoint")
     one = tmp_path / "one"
     one.mkdir()
@@ -151,7 +151,7 @@ def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
     for folder, phase, world in [(two, "save", 2), (two, "load_sharded", 2), (two, "load_consolidated", 1),
                                  (one, "load_consolidated", 2), (one, "save", 1)]:
         for rank in range(world):
-            states = torch.load(folder / f"{phase}_world{world}_rank{rank}.pt", weights_only=False)
+            states = torch.load(folder / f"{phase}_world{world}_rank{rank}.pt", weights_only=True)
             for step, got in enumerate(states):
                 _assert_close(got, ref[2 + step], f"{folder.name}/{phase} in {world} rank(s), rank {rank}, step {step}")
 
@@ -178,7 +178,7 @@ def test_two_ranks_on_cuda_over_gloo_equal_adamw(tmp_path, shard_params):
     run_ranks(zw.run_specs, [spec], str(tmp_path), timeout_seconds=300)
     ref, _, _ = zw.train_reference(STEPS)
     for rank in range(2):
-        run = torch.load(tmp_path / f"spec0_rank{rank}.pt", weights_only=False)
+        run = torch.load(tmp_path / f"spec0_rank{rank}.pt", weights_only=True)
         for step, (got, want) in enumerate(zip(run["states"], ref)):
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k} step {step}: {m}")
@@ -188,7 +188,7 @@ def test_branch_used_by_one_rank_only(tmp_path):
     """A group whose parameters only rank 1 uses: rank 0 reduces zeros for it (no hang), and the
     update equals plain AdamW on rank 1's gradient / 2 (the mean over ranks, as DDP)."""
     run_ranks(zw.run_idle_branch, str(tmp_path), timeout_seconds=120)
-    got = [torch.load(tmp_path / f"idle_rank{r}.pt", weights_only=False) for r in range(2)]
+    got = [torch.load(tmp_path / f"idle_rank{r}.pt", weights_only=True) for r in range(2)]
     _assert_close(got[0], got[1], "the ranks agree")
     # Reference: the same two ranks simulated in one process, gradients averaged by hand.
     torch.manual_seed(0)
