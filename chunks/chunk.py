@@ -69,6 +69,7 @@ class _PendingIo:
     future: Future
     write: bool
     buffer: torch.Tensor  # the host payload being written, or being read into
+    slot: int = 0  # the file slot written to (see [Note: file slots])
 
 
 def _move(method):
@@ -138,6 +139,10 @@ class Chunk:
         self.on_move: Callable[[Chunk], None] | None = None
         # The NVMe store holds this chunk's current bytes (its file is up to date).
         self._in_file = False
+        # Which of the chunk's two file names holds its bytes, and the one a step keeps until
+        # it commits (None outside a step). See [Note: file slots].
+        self._file_slot = 0
+        self._held_slot: int | None = None
         self._pending: _PendingIo | None = None
         # An asynchronous copy to or from the host copy still running on CUDA (see [Note:
         # asynchronous copies on CUDA] in chunks/storage.py): waited for before the host copy
@@ -161,9 +166,12 @@ class Chunk:
         return tuple(self._copies)
 
     @property
-    def key(self) -> tuple[str, int]:
-        """The chunk's name in the NVMe store."""
-        return (self.kind.value, self.index)
+    def key(self) -> tuple[str, int, int]:
+        """The name in the NVMe store of the chunk's file (see [Note: file slots])."""
+        return self._slot_key(self._file_slot)
+
+    def _slot_key(self, slot: int) -> tuple[str, int, int]:
+        return (self.kind.value, self.index, slot)
 
     @property
     def in_file(self) -> bool:
@@ -294,7 +302,10 @@ class Chunk:
         """HOST: start writing the host copy to the chunk's file (finish with ``finish_spill``)."""
         self._expect(ChunkState.HOST)
         buffer = self._copies[Tier.HOST]
-        self._pending = _PendingIo(self._storage.nvme_write(self.key, buffer), write=True, buffer=buffer)
+        # A held file must survive: the first write after hold_file() goes to the other name.
+        slot = 1 - self._file_slot if self._held_slot == self._file_slot else self._file_slot
+        future = self._storage.nvme_write(self._slot_key(slot), buffer)
+        self._pending = _PendingIo(future, write=True, buffer=buffer, slot=slot)
 
     @_move
     def finish_spill(self, *, keep_host: bool = False) -> None:
@@ -303,7 +314,9 @@ class Chunk:
         If the write failed, its error is raised and the chunk stays HOST, its data intact.
         """
         pending = self._take_pending(write=True)
-        self._storage.nvme_wait(pending.future, key=self.key, kind=self.kind, nbytes=self.nbytes, write=True)
+        self._storage.nvme_wait(pending.future, key=self._slot_key(pending.slot), kind=self.kind,
+                                nbytes=self.nbytes, write=True)
+        self._file_slot = pending.slot
         self._in_file = True
         if not keep_host:
             self._drop(Tier.HOST)
@@ -338,10 +351,56 @@ class Chunk:
         self._set_state()
 
     @_move
+    def overwrite_file(self) -> None:
+        """NVME -> HOST without reading the file: a zeroed host payload that the caller fills
+        whole (a checkpoint being loaded); the file goes stale. A corrupted file is never read."""
+        self._expect(ChunkState.NVME)
+        self._copies[Tier.HOST] = self._storage.alloc(Tier.HOST, self.capacity, self.dtype, kind=self.kind, zero=True)
+        self._in_file = False
+        self._set_state()
+
+    @_move
     def drop_nvme_copy(self) -> None:
         """HOST_AND_NVME -> HOST: the host copy is about to be written, so the file goes stale."""
         self._expect(ChunkState.HOST_AND_NVME)
         self._in_file = False
+        self._set_state()
+
+    # [Note: file slots]
+    # A chunk has two names in the NVMe store, (kind, index, 0) and (kind, index, 1). Outside a
+    # step every write replaces the file under the current name (the store swaps the file in
+    # only once the write is complete, so a failed write keeps the old one). A step that must
+    # be all or nothing (see [Note: a step is all or nothing] in gemini/step.py) first calls
+    # ``hold_file()``: its write then goes to the other name, and the held file keeps the bytes
+    # from before the step until ``release_held_file()`` (the step is complete: the held file
+    # is deleted) or ``restore_held_file()`` (it failed: the chunk goes back to the held file,
+    # whatever was read, updated or written since). Disk use is 2x for the chunks written in
+    # a step until it ends.
+    def hold_file(self) -> None:
+        """NVME or HOST_AND_NVME: keep the current file until the step ends."""
+        self._expect(ChunkState.NVME, ChunkState.HOST_AND_NVME)
+        self._held_slot = self._file_slot
+
+    def release_held_file(self) -> None:
+        """The step is complete: delete the held file if a newer one replaced it."""
+        held, self._held_slot = self._held_slot, None
+        if held is not None and held != self._file_slot:
+            self._storage.nvme_delete(self._slot_key(held))
+
+    @_move
+    def restore_held_file(self) -> None:
+        """The step failed: -> NVME, the held file's bytes current again; a newer file and any
+        host copy are dropped."""
+        held, self._held_slot = self._held_slot, None
+        if held is None:
+            return
+        self._expect(*ChunkState)  # no request in flight
+        if held != self._file_slot:
+            self._storage.nvme_delete(self._slot_key(self._file_slot))
+            self._file_slot = held
+        if Tier.HOST in self._copies:
+            self._drop(Tier.HOST)
+        self._in_file = True
         self._set_state()
 
     def finish_io(self) -> None:
@@ -389,8 +448,16 @@ class Chunk:
         self._expect(*ChunkState)
         for tier in list(self._copies):
             self._drop(tier)
-        self._storage.nvme_delete(self.key)  # a stale file too
+        self.delete_files()
+
+    def delete_files(self) -> None:
+        """Delete the chunk's files under both names (a stale one too): it leaves NVMe for good
+        (NVME -> RELEASED, HOST_AND_NVME -> HOST)."""
+        self._expect(*ChunkState)  # no request in flight
+        for slot in (0, 1):
+            self._storage.nvme_delete(self._slot_key(slot))
         self._in_file = False
+        self._held_slot = None
         self._set_state()
 
     def _drop(self, tier: Tier) -> None:

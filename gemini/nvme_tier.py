@@ -12,8 +12,9 @@ i+1 .. i+depth are in flight while group i is updated by CPU Adam, and the write
 i-depth .. i-1 drain behind it. The first reads start when ``step()`` begins, so they overlap
 the gradient norm and the update of the groups resident in memory. Host memory in use by the
 pipeline is at most ``2 * depth + 1`` groups' offloaded chunks; ``cpu_memory`` budgets it.
-A failed write leaves its chunk in host memory, updated and intact; the next step streams it
-from there and tries the write again (see [Note: NVMe moves are two-phase] in chunks/chunk.py).
+Any failure undoes the whole step, the files from before it having been held (see [Note: a
+step is all or nothing] in gemini/transaction.py): nothing is half-applied, and a retry reads
+the same files again.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
 from offload import format_size
+
+if TYPE_CHECKING:
+    from gemini.transaction import StepTransaction
 
 logger = logging.getLogger(__name__)
 
@@ -191,18 +196,17 @@ class NvmeTier:
             return
         self._load(group)
         for c in self.chunks_of(group):
-            if c.state is ChunkState.HOST_AND_NVME:
-                c.drop_nvme_copy()
-            self.storage.nvme_delete(c.key)
+            c.delete_files()
         self.groups.discard(group.index)
 
     def _send_out(self, group: ChunkGroup) -> None:
+        # In the tier before the first write: a chunk whose write fails stays in host memory,
+        # and the step streams a group whatever mix of file and memory it has.
+        self.groups.add(group.index)
         for c in self.chunks_of(group):
             c.move_to(Tier.HOST)
             c.start_spill()
-        for c in self.chunks_of(group):
-            c.finish_spill()
-        self.groups.add(group.index)
+        self._finish_writes(group)
 
     def _log(self) -> None:
         if self.layout.nvme_groups:
@@ -223,6 +227,27 @@ class NvmeTier:
         self._start_load(group)
         for c in self.chunks_of(group):
             c.finish_io()
+
+    def begin_step(self, groups: Sequence[ChunkGroup], tx: StepTransaction) -> None:
+        """Before a step changes anything: write out chunks left in host memory by an earlier
+        failed write, then hold every file of ``groups`` until the step ends (see [Note: a step
+        is all or nothing] in gemini/transaction.py)."""
+        self._check_open()
+        chunks = [c for g in groups for c in self.chunks_of(g)]
+        unwritten = [c for c in chunks if c.state is ChunkState.HOST]
+        for c in unwritten:
+            c.start_spill()
+        try:
+            for c in unwritten:
+                c.finish_spill()
+        finally:
+            for c in unwritten:
+                if c.io_pending:  # after an error: let the others end, keeping what they leave
+                    try:
+                        c.finish_spill()
+                    except Exception as e:
+                        logger.error("NVMe write of %s failed; it stays in host memory: %s", c, e)
+        tx.hold_files(chunks)
 
     def prefetch(self, groups: Sequence[ChunkGroup]) -> None:
         """Start reading the first ``depth`` of ``groups`` (the step calls this first thing)."""
@@ -278,20 +303,30 @@ class NvmeTier:
                     c.drop_host_copy()
 
     @contextlib.contextmanager
-    def resident(self, group: ChunkGroup, *, modify: bool, chunks: Sequence[Chunk] | None = None) -> Iterator[None]:
+    def resident(self, group: ChunkGroup, *, modify: bool, chunks: Sequence[Chunk] | None = None,
+                 overwrite: bool = False) -> Iterator[None]:
         """``group``'s states in host memory for the block (checkpoints); written back after it
         if ``modify``, else just dropped (the files are current). ``chunks``: only these of the
-        group's chunks (save_pretrained reads the masters only, a third of the bytes)."""
+        group's chunks (save_pretrained reads the masters only, a third of the bytes).
+        ``overwrite``: the block writes every element of ``chunks``, so their files are not
+        read (loading a checkpoint over a corrupted file works)."""
         if group.index not in self.groups:
             yield
             return
         self._check_open()
         chunks = self.chunks_of(group) if chunks is None else tuple(chunks)
-        for c in chunks:
-            if c.state is ChunkState.NVME and not c.io_pending:
-                c.start_load()
-        for c in chunks:
-            c.finish_io()
+        try:
+            for c in chunks:
+                if c.state is ChunkState.NVME and not c.io_pending:
+                    if overwrite:
+                        c.overwrite_file()
+                    else:
+                        c.start_load()
+            for c in chunks:
+                c.finish_io()
+        except BaseException:
+            self._settle((), [group])  # end the other reads in flight: none is left pending
+            raise
         if modify:
             for c in chunks:
                 if c.state is ChunkState.HOST_AND_NVME:

@@ -8,6 +8,7 @@ import math
 import time
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,7 @@ from gemini.adam import adam_update
 from gemini.clipping import clip_coefficient, grad_norm
 from gemini.loss_scaler import DynamicLossScaler
 from gemini.report import MemoryReport, WarmupTimeline
+from gemini.transaction import StepTransaction
 from gemini.zero import agree_grad_ready, gather_params, gather_state
 
 if TYPE_CHECKING:
@@ -25,6 +27,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["HybridAdam"]
+
+@dataclass
+class _Batch:
+    """One fused Adam call: same tier, same param group (see ``HybridAdam._prepare``)."""
+
+    tier: Tier
+    members: list[ChunkGroup]
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    grad_scale: torch.Tensor | None = None  # the fp16 loss scale, divided out in the kernel
+    coef: torch.Tensor | None = None  # the clipping coefficient, on the batch's device
+    scratch: torch.Tensor | None = None  # fp32 room for one gradient (low precision, or clipped aside)
+    whole: list[ChunkGroup] = field(default_factory=list)  # updated as one flat tensor: counts re-synced
+    bump: list[tuple[ChunkGroup, int]] = field(default_factory=list)  # gradients wholly on other ranks' shards
+
 
 class HybridAdam(torch.optim.Optimizer):
     """Adam / AdamW whose parameters, gradients and states live in chunks.
@@ -100,18 +121,41 @@ class HybridAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One Adam step over every chunk group with gradients: all or nothing (see [Note: a step
+        is all or nothing] in gemini/transaction.py). If it raises, parameters, m, v, step counts
+        and the loss scale are as before the call, and calling it again once the cause is fixed
+        gives the uninterrupted result."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
         rt.grad_views.hide()  # what torch code did to p.grad counts; no view outlives a chunk move
-        if rt.tracing:
-            if rt.hooks.backward_passes == rt._backward_passes_at_trace:
-                raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
-            rt.finish_warmup()  # may raise DeviceBudgetError: nothing has been updated yet
-        rt.check_step_peak()  # may raise DeviceBudgetError: nothing has been updated yet
-        self._check_fp16_backward()
+        try:
+            if rt.tracing:
+                if rt.hooks.backward_passes == rt._backward_passes_at_trace:
+                    raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
+                rt.finish_warmup()  # may raise DeviceBudgetError: nothing has been updated yet
+            rt.check_step_peak()  # may raise DeviceBudgetError: nothing has been updated yet
+            tx = StepTransaction(rt.storage)
+            self._check_fp16_backward(tx)
+            try:
+                skipped, norm, seconds, scale = self._step(tx)
+            except BaseException:
+                tx.rollback()
+                raise
+            tx.commit()
+            self._after_commit()
+        finally:
+            rt.grad_views.expose()  # torch keeps p.grad after the step, until zero_grad
+        self._finish_report(skipped=skipped, grad_norm=norm, seconds=seconds, scale=scale)
+        return loss
+
+    # ------------------------------------------------------------------------- internals
+    def _step(self, tx: StepTransaction) -> tuple[bool, float | None, dict[Tier, float], float]:
+        """The step's phases 1-3 of [Note: a step is all or nothing]; returns (skipped, gradient
+        norm, Adam seconds per tier, loss scale)."""
+        rt = self._rt
         zero = rt.zero
         if zero is not None:
             agree_grad_ready(zero, rt.manager.trainable_groups)  # see [Note: the order of collectives]
@@ -119,7 +163,8 @@ class HybridAdam(torch.optim.Optimizer):
         nvme = rt.nvme
         streamed = [g for g in groups if nvme is not None and nvme.holds(g)]
         if streamed:
-            nvme.prefetch(streamed)  # the first reads overlap the norm and the resident update
+            nvme.begin_step(streamed, tx)
+            nvme.prefetch(streamed)  # the first reads overlap the norm
         scale = self.loss_scale
         with torch.profiler.record_function("gemini::gather_for_step"):
             tiers = {g.index: rt.placement.before_step(g) for g in groups}
@@ -129,110 +174,146 @@ class HybridAdam(torch.optim.Optimizer):
                 norm = grad_norm(groups, tiers, rt.param_order, zero=zero) / scale
         overflow = self.scaler is not None and not math.isfinite(norm.item())
         if self.scaler is not None:
+            saved = self.scaler.state_dict()
+            tx.on_rollback(lambda: self.scaler.load_state_dict(saved))
             self.scaler.update(overflow)
         seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
+        norm_value = None if norm is None else norm.item()
         if overflow:
             logger.info("fp16 overflow at step %d: step skipped, loss scale now %s", self.reports_made, self.loss_scale)
             if streamed:
                 nvme.settle(streamed)  # the prefetched states are unchanged: their files stay current
-        else:
-            clip = rt.config.clip_grad_norm
-            # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, so results match it.
-            clip_coef = clip_coefficient(norm, clip) if clip > 0 else None
-            streamed_set = set(streamed)
-            resident = [g for g in groups if g not in streamed_set]
-            seconds = self._update(resident, tiers, scale, clip_coef)
-            with torch.profiler.record_function("gemini::params_from_masters"):
-                for g in resident:
+            return True, norm_value, seconds, scale
+        clip = rt.config.clip_grad_norm
+        # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, so results match it.
+        clip_coef = clip_coefficient(norm, clip) if clip > 0 else None
+        streamed_set = set(streamed)
+        resident = [g for g in groups if g not in streamed_set]
+        # Every temporary of the in-memory update, before anything changes (phase 1).
+        batches = self._prepare(resident, tiers, scale, clip_coef, keep_grads=False)
+        if streamed:
+            stream = nvme.stream(streamed)
+            try:
+                for g in stream:
+                    tx.save_values(g, [g.param_shard if g.param_shard is not None else g.param])
+                    for batch in self._prepare([g], tiers, scale, clip_coef, keep_grads=True):
+                        seconds[batch.tier] += self._run(batch)
                     rt.placement.after_step(g)
-            if streamed:
-                for g in nvme.stream(streamed):
-                    for tier, s in self._update([g], tiers, scale, clip_coef).items():
-                        seconds[tier] += s
-                    rt.placement.after_step(g)
-            if zero is not None and rt.placement.gatherer is None:
-                gather_params(zero, groups, rt.storage)  # ZeRO-1/2: every rank's updated range
+            finally:
+                stream.close()  # every write confirmed, or (after an error) every request ended
+        for batch in batches:
+            seconds[batch.tier] += self._run(batch)
+        with torch.profiler.record_function("gemini::params_from_masters"):
+            for g in resident:
+                rt.placement.after_step(g)
+        return False, norm_value, seconds, scale
+
+    def _after_commit(self) -> None:
+        rt = self._rt
+        groups = [g for g in rt.manager.trainable_groups if g.any_grad_ready]
+        if rt.zero is not None and rt.placement.gatherer is None:
+            gather_params(rt.zero, groups, rt.storage)  # ZeRO-1/2: every rank's updated range
+        for g in groups:
+            rt.placement.after_commit(g)
         if rt.placement.gatherer is not None:
             rt.placement.gatherer.end_iteration()
-        self._finish_report(skipped=overflow, grad_norm=None if norm is None else norm.item(), seconds=seconds, scale=scale)
-        rt.grad_views.expose()  # torch keeps p.grad after the step, until zero_grad
-        return loss
 
-    # ------------------------------------------------------------------------- internals
-    def _check_fp16_backward(self) -> None:
+    def _check_fp16_backward(self, tx: StepTransaction) -> None:
         passes = self._rt.hooks.backward_passes - self._backward_passes_at_step
+        saved = (self._backward_passes_at_step, self._scaled_backwards)
+
+        def restore() -> None:
+            self._backward_passes_at_step, self._scaled_backwards = saved
+
+        tx.on_rollback(restore)
         self._backward_passes_at_step = self._rt.hooks.backward_passes
         scaled, self._scaled_backwards = self._scaled_backwards, 0
         if self.scaler is not None and passes != scaled:
+            restore()
             raise RuntimeError(
                 f"precision='fp16' needs optimizer.backward(loss) so the loss is scaled; "
                 f"{passes} backward pass(es) ran since the last step, {scaled} through optimizer.backward"
             )
 
-    def _update(
-        self, groups: list[ChunkGroup], tiers: dict[int, Tier], loss_scale: float, clip_coef: torch.Tensor | None
-    ) -> dict[Tier, float]:
-        """Adam on every group with gradients, one fused call per (tier, param group)."""
-        batches: dict[tuple[Tier, int], list[ChunkGroup]] = defaultdict(list)
+    def _prepare(self, groups: list[ChunkGroup], tiers: dict[int, Tier], loss_scale: float,
+                 clip_coef: torch.Tensor | None, *, keep_grads: bool) -> list[_Batch]:
+        """The fused Adam calls over ``groups``, one per (tier, param group), with every
+        temporary they need allocated: running them allocates nothing (see [Note: a step is all
+        or nothing]). ``keep_grads``: clip into scratch, leaving the gradient chunks as they are
+        (a streamed group's step may be undone and retried)."""
+        by_key: dict[tuple[Tier, int], list[ChunkGroup]] = defaultdict(list)
         for g in groups:
-            batches[(tiers[g.index], g.param_group)].append(g)
-        seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
-        for (tier, pg), members in batches.items():
+            by_key[(tiers[g.index], g.param_group)].append(g)
+        batches = []
+        for (tier, pg), members in by_key.items():
             hp = self.param_groups[pg]
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            whole = []  # groups updated as one flat tensor: their step counts are re-synced
-            bump = []  # (group, slot index): tensors with a gradient wholly on other ranks' shards
+            device = self._rt.storage.tier_device(tier)
+            batch = _Batch(tier=tier, members=members)
             for g in members:
                 master = g.master_chunk
                 if g.steps.device != master.payload(tier).device:
                     g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
                 if g.all_grads_ready and g.steps_uniform:
-                    whole.append(g)
+                    batch.whole.append(g)
                     views = g.step_views(tier)
-                    steps.append(g.steps[0])
+                    batch.steps.append(g.steps[0])
                 else:
                     ready = [s for s in g.os_slots if g.grad_ready[s.index]]
                     views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
-                    steps.extend(g.steps[s.index] for s in ready)
+                    batch.steps.extend(g.steps[s.index] for s in ready)
                     here = {s.index for s in ready}
-                    bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
-                    g.steps_uniform = False
-                for out, got in zip((params, grads, exp_avgs, exp_avg_sqs), views):
+                    batch.bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
+                for out, got in zip((batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs), views):
                     if isinstance(got, list):
                         out.extend(got)
                     else:
                         out.append(got)
-            device = self._rt.storage.tier_device(tier)
             beta1, beta2 = hp["betas"]
-            kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
-                          decoupled_weight_decay=self.adamw_mode)
+            batch.kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
+                                decoupled_weight_decay=self.adamw_mode)
             # Host-tier work is host memory, even when the CPU stands in for the device.
-            quiet = self._rt.memory.quiet() if tier is Tier.HOST else contextlib.nullcontext()
-            start = time.perf_counter()
-            with torch.profiler.record_function(f"gemini::adam_{tier.value}"), quiet:
-                grad_scale = None if loss_scale == 1.0 else torch.tensor(loss_scale, dtype=torch.float32, device=device)
-                coef = None if clip_coef is None else clip_coef.to(device)
-                if all(g.dtype == torch.float32 for g in grads):
-                    calls = [(params, grads, exp_avgs, exp_avg_sqs, steps)]
-                else:
+            with self._rt.memory.quiet() if tier is Tier.HOST else contextlib.nullcontext():
+                if loss_scale != 1.0:
+                    batch.grad_scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
+                if clip_coef is not None:
+                    batch.coef = clip_coef.to(device)
+                low = [t.numel() for t in batch.grads if t.dtype != torch.float32]
+                if keep_grads and batch.coef is not None:
+                    low = [t.numel() for t in batch.grads]
+                if low:
                     # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds
-                    # at most one chunk of fp32 scratch (it may be on the device).
-                    calls = [([p], [g], [m], [v], [s]) for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps)]
-                for c_params, c_grads, c_m, c_v, c_steps in calls:
-                    c_grads = [g if g.dtype == torch.float32 else g.float() for g in c_grads]
-                    if coef is not None:
-                        torch._foreach_mul_(c_grads, coef)
-                    adam_update(c_params, c_grads, c_m, c_v, c_steps, grad_scale=grad_scale, **kwargs)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            seconds[tier] += time.perf_counter() - start
-            for g in whole:
-                g.steps[1:].copy_(g.steps[:1].expand(len(g.slots) - 1))
-            for g, i in bump:
-                g.steps[i] += 1
-            for g in members:
-                if not g.steps_uniform:
-                    g.steps_uniform = bool((g.steps == g.steps[0]).all())
+                    # at most one tensor of fp32 scratch (it may be on the device).
+                    batch.scratch = torch.empty(max(low), dtype=torch.float32, device=device)
+            batches.append(batch)
+        return batches
+
+    def _run(self, batch: _Batch) -> float:
+        """One prepared Adam call (allocates nothing); returns its seconds."""
+        tier, device = batch.tier, self._rt.storage.tier_device(batch.tier)
+        quiet = self._rt.memory.quiet() if tier is Tier.HOST else contextlib.nullcontext()
+        start = time.perf_counter()
+        with torch.profiler.record_function(f"gemini::adam_{tier.value}"), quiet:
+            if batch.scratch is None:
+                calls = [(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.steps)]
+            else:
+                calls = [([p], [g], [m], [v], [s]) for p, g, m, v, s in
+                         zip(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.steps)]
+            for c_params, c_grads, c_m, c_v, c_steps in calls:
+                if batch.scratch is not None:
+                    c_grads = [batch.scratch[: g.numel()].view_as(g).copy_(g) for g in c_grads]
+                if batch.coef is not None:
+                    torch._foreach_mul_(c_grads, batch.coef)
+                adam_update(c_params, c_grads, c_m, c_v, c_steps, grad_scale=batch.grad_scale, **batch.kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        for g in batch.whole:
+            g.steps[1:].copy_(g.steps[:1].expand(len(g.slots) - 1))
+        for g, i in batch.bump:
+            g.steps[i] += 1
+        for g in batch.members:
+            if g not in batch.whole:  # a group stepped in parts may have become uniform
+                g.steps_uniform = bool((g.steps == g.steps[0]).all())
         return seconds
 
     def _load_group_state(self, g: ChunkGroup, state: dict, saved_index: dict[int, int]) -> None:
@@ -243,10 +324,6 @@ class HybridAdam(torch.optim.Optimizer):
                 g.write_value(g.exp_avg, slot, torch.zeros(slot.shape))
                 g.write_value(g.exp_avg_sq, slot, torch.zeros(slot.shape))
                 continue
-            if tuple(entry["exp_avg"].shape) != tuple(slot.shape):
-                raise ValueError(
-                    f"state for {slot.name}: exp_avg shape {tuple(entry['exp_avg'].shape)} != parameter shape {tuple(slot.shape)}"
-                )
             g.steps[slot.index] = float(entry["step"])
             g.write_value(g.exp_avg, slot, entry["exp_avg"])
             g.write_value(g.exp_avg_sq, slot, entry["exp_avg_sq"])
@@ -437,8 +514,16 @@ class HybridAdam(torch.optim.Optimizer):
             for saved_i, p in zip(saved["params"], hp["params"]):
                 saved_index[id(p)] = saved_i
         state = state_dict["state"]
+        for g in self._rt.manager.trainable_groups:  # every check before the first write
+            for slot, p in zip(g.slots, g.params):
+                entry = state.get(saved_index[id(p)])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if entry is not None and tuple(entry[key].shape) != tuple(slot.shape):
+                        raise ValueError(f"state for {slot.name}: {key} shape {tuple(entry[key].shape)} != "
+                                         f"parameter shape {tuple(slot.shape)}")
         with torch.no_grad():
             for g in self._rt.manager.trainable_groups:
-                with self._rt.resident(g, modify=True):
+                # Every element of m and v is written: their files (maybe corrupted) are not read.
+                with self._rt.resident(g, modify=True, chunks=(g.exp_avg, g.exp_avg_sq), overwrite=True):
                     self._load_group_state(g, state, saved_index)
         self._load_hyper_state(saved_groups, state_dict.get("gemini", {}))

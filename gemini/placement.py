@@ -287,6 +287,10 @@ class PlacementPolicy:
         for tier in param.tiers:
             self._cast_master(group.master, n, param.payload(tier)[:n], tier)
 
+    def after_commit(self, group: ChunkGroup) -> None:
+        """The step has landed (every group updated): restore placements the step changed.
+        Must not raise (see [Note: a step is all or nothing] in gemini/transaction.py)."""
+
     def _cast_master(self, master, numel: int, out: torch.Tensor, tier: Tier) -> None:
         """``out`` (on ``tier``) = the first ``numel`` master elements in ``out``'s dtype."""
         if master.is_on(tier):
@@ -422,12 +426,16 @@ class StaticPlacement(PlacementPolicy):
     def keep_params_on_device(self, group: ChunkGroup) -> bool:
         return group.index in self.params_on_device or group.index in self.os_on_device
 
-    def after_step(self, group: ChunkGroup) -> None:
-        super().after_step(group)
+    def after_commit(self, group: ChunkGroup) -> None:
         # fp32 groups updated on the host dropped their (now stale) device copy: fetch the
         # fresh parameters back if this group's parameters live on the device.
         if group.index in self.params_on_device and group.param.state is ChunkState.HOST:
-            group.param.fetch(keep_host=True)
+            try:
+                group.param.fetch(keep_host=True)
+            except (torch.OutOfMemoryError, DeviceBudgetError) as e:
+                # The step has landed: raising would invite a retry that steps twice. The
+                # next forward fetches the parameters (or says what is missing).
+                logger.warning("parameters of chunk group %d stay in host memory after the step: %s", group.index, e)
 
 
 class AutoPlacement(PlacementPolicy):

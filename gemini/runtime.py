@@ -195,12 +195,12 @@ class GeminiRuntime:
         return self.warmup is not None and self.warmup.tracing
 
     # ------------------------------------------------------------------------------ NVMe
-    def resident(self, group, *, modify: bool, chunks=None):
+    def resident(self, group, *, modify: bool, chunks=None, overwrite: bool = False):
         """A context in which ``group``'s optimizer states (or only ``chunks`` of them) are in
-        host memory (checkpoints)."""
+        host memory (checkpoints); see :meth:`gemini.nvme_tier.NvmeTier.resident`."""
         if self.nvme is None:
             return contextlib.nullcontext()
-        return self.nvme.resident(group, modify=modify, chunks=chunks)
+        return self.nvme.resident(group, modify=modify, chunks=chunks, overwrite=overwrite)
 
     def close(self) -> None:
         if self.activations is not None:

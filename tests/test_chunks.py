@@ -151,3 +151,21 @@ def test_a_nearly_empty_chunk_costs_its_content_not_a_full_chunk():
     h2d = opt.report.h2d_bytes
     assert 2 * 4 * sum(used) <= h2d <= 2 * 4 * (sum(used) + 4 * 1024)
     assert h2d < 2 * 4 * (3 * chunk + used[2]) - 2 * 4 * chunk  # full-size chunks: 2 x 4 x (3 chunks + the weight)
+
+
+def test_move_to_device_from_both_copies_leaves_no_stale_host_copy():
+    """HOST_AND_DEVICE -> move_to(DEVICE) must drop the host copy: the device copy is about to
+    be written, and a host copy kept would be trusted (not copied back) by a later offload."""
+    storage = ChunkStorage(torch.device("cpu"))
+    c = _chunk(storage)
+    c.allocate(Tier.HOST)
+    c.payload(Tier.HOST)[:10] = torch.arange(10.0)
+    c.fetch(keep_host=True)
+    c.move_to(Tier.DEVICE)
+    assert c.state is ChunkState.DEVICE and c.tiers == (Tier.DEVICE,)
+    assert storage.ledger.bytes_on(Tier.HOST) == 0 and storage.ledger.bytes_on(Tier.DEVICE) == c.nbytes
+    c.payload(Tier.DEVICE)[:10] += 100.0  # the optimizer writes the device copy
+    d2h = storage.ledger.transfers.d2h_bytes
+    c.move_to(Tier.HOST)
+    assert storage.ledger.transfers.d2h_bytes == d2h + c.nbytes  # really copied back
+    assert torch.equal(c.payload(Tier.HOST)[:10], torch.arange(10.0) + 100.0)

@@ -123,3 +123,83 @@ def test_choice_errors_name_the_field():
         choose_nvme_groups(groups, cpu_memory=150, fraction=0.0, depth=1, nvme_available=False)
     with pytest.raises(ValueError, match=r"cpu_memory=150 .*too small.*nvme_pipeline_depth"):
         choose_nvme_groups(groups, cpu_memory=150, fraction=0.0, depth=1, nvme_available=True)
+
+
+def _on_disk(storage, key, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``key``'s file, read independently of the store."""
+    with open(storage.nvme.path_of(key), "rb") as f:
+        raw = f.read(like.numel() * like.element_size())
+    return torch.frombuffer(bytearray(raw), dtype=like.dtype)
+
+
+def _updated_in_step(c: Chunk, new: torch.Tensor) -> None:
+    """What the NVMe step pipeline does to a chunk: read, update in memory, write back."""
+    c.start_load()
+    c.finish_load()
+    c.drop_nvme_copy()
+    c.payload(Tier.HOST).copy_(new)
+    c.start_spill()
+    c.finish_spill()
+
+
+def test_a_held_file_survives_the_write_and_comes_back_on_restore(storage):
+    c = _chunk(storage, 3000)
+    old, new = torch.randn(3000), torch.randn(3000)
+    c.allocate(Tier.HOST)
+    c.payload(Tier.HOST).copy_(old)
+    c.start_spill()
+    c.finish_spill()
+    held_key = c.key
+    c.hold_file()
+    _updated_in_step(c, new)
+    assert c.key != held_key and c.state is ChunkState.NVME
+    assert torch.equal(_on_disk(storage, held_key, old), old)  # the old file is untouched on disk
+    assert torch.equal(_on_disk(storage, c.key, new), new)
+    assert storage.ledger.bytes_on(Tier.NVME) == 2 * c.nbytes  # both files are counted while both exist
+    c.restore_held_file()  # the step failed
+    assert c.key == held_key and c.state is ChunkState.NVME and len(storage.nvme) == 1
+    assert storage.ledger.bytes_on(Tier.NVME) == c.nbytes and storage.ledger.bytes_on(Tier.HOST) == 0
+    c.start_load()
+    c.finish_load()
+    assert torch.equal(c.payload(Tier.HOST), old)
+
+
+def test_a_restore_after_a_failed_write_drops_the_updated_host_copy(storage):
+    c = _chunk(storage, 3000)
+    old = torch.randn(3000)
+    c.allocate(Tier.HOST)
+    c.payload(Tier.HOST).copy_(old)
+    c.start_spill()
+    c.finish_spill()
+    c.hold_file()
+    c.start_load()
+    c.finish_load()
+    c.drop_nvme_copy()
+    c.payload(Tier.HOST).add_(1.0)  # updated; its write then fails, so it stays HOST
+    assert c.state is ChunkState.HOST
+    c.restore_held_file()
+    assert c.state is ChunkState.NVME and storage.ledger.bytes_on(Tier.HOST) == 0
+    c.start_load()
+    c.finish_load()
+    assert torch.equal(c.payload(Tier.HOST), old)
+
+
+def test_a_released_hold_deletes_the_old_file_and_keeps_the_new(storage):
+    c = _chunk(storage, 3000)
+    new = torch.randn(3000)
+    c.allocate(Tier.HOST)
+    c.start_spill()
+    c.finish_spill()
+    old_path = storage.nvme.path_of(c.key)
+    c.hold_file()
+    _updated_in_step(c, new)
+    c.release_held_file()  # the step succeeded
+    assert len(storage.nvme) == 1 and storage.ledger.bytes_on(Tier.NVME) == c.nbytes
+    assert not __import__("os").path.exists(old_path)
+    assert torch.equal(_on_disk(storage, c.key, new), new)
+    # Outside a step a write replaces the file under the same name.
+    key = c.key
+    _updated_in_step(c, new + 1)
+    assert c.key == key and len(storage.nvme) == 1 and torch.equal(_on_disk(storage, key, new), new + 1)
+    c.release()
+    assert len(storage.nvme) == 0 and storage.ledger.bytes_on(Tier.NVME) == 0
