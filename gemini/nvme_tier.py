@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NvmeLayout", "NvmeTier", "choose_nvme_groups", "offloaded_bytes", "offloaded_bytes_per_element"]
+__all__ = ["NvmeLayout", "NvmeTier", "choose_nvme_groups", "offloaded_bytes", "offloaded_bytes_per_element",
+           "undo_ratio"]
 
 
 def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
@@ -61,6 +63,12 @@ class NvmeLayout:
     host_bytes: int  # offloadable chunks kept in host memory
     nvme_bytes: int  # offloadable chunks in NVMe files
     staging_bytes: int  # host memory the pipeline uses at most while streaming
+    depth: int = 1  # the pipeline's depth: nvme_pipeline_depth, or less where cpu_memory is small
+    # The step's copies aside of the streamed groups' parameters (see [Note: a step is all or
+    # nothing] in gemini/transaction.py): host bytes they take, and whether they go to NVMe
+    # files (one copy in host memory at a time) because cpu_memory cannot hold them all.
+    undo_bytes: int = 0
+    undo_on_nvme: bool = False
 
 
 def choose_nvme_groups(
@@ -70,6 +78,7 @@ def choose_nvme_groups(
     fraction: float,
     depth: int,
     nvme_available: bool,
+    undo_ratio: float = 0.0,
 ) -> NvmeLayout:
     """Choose the groups whose optimizer states live on NVMe.
 
@@ -77,7 +86,11 @@ def choose_nvme_groups(
     optimizer states are on the host tier, in model order. The last ``round(fraction * n)``
     go to NVMe always; of the others, the first ones stay in host memory while they fit in
     ``cpu_memory`` next to the pipeline's staging, and the rest go to NVMe too.
+    ``undo_ratio``: bytes a step copies aside per offloadable byte of a streamed group (its
+    parameters'; see :func:`undo_ratio`). The copies stay in host memory if ``cpu_memory``
+    holds them after everything else, else they go to NVMe files, one in memory at a time.
     """
+    undo_of = {i: math.ceil(b * undo_ratio) for i, b in os_bytes}
     n_forced = round(fraction * len(os_bytes))
     forced = os_bytes[len(os_bytes) - n_forced:] if n_forced else []
     candidates = os_bytes[: len(os_bytes) - n_forced]
@@ -85,23 +98,39 @@ def choose_nvme_groups(
     if cpu_memory is None or (total <= cpu_memory and not forced):
         chosen = {i for i, _ in forced}
         staging = 0
+        undo_room = 0  # unused: with no budget the copies stay in memory, with nothing streamed there are none
     else:
-        # The pipeline needs room for 2 * depth + 1 groups as soon as anything streams.
-        staging = (2 * depth + 1) * max(b for _, b in os_bytes)
-        if staging > cpu_memory and nvme_available:
+        # The pipeline needs room for 2 * depth + 1 groups as soon as anything streams; a small
+        # budget gets a shallower pipeline (depth 0: one group at a time, no overlap) before
+        # it is refused.
+        largest = max(b for _, b in os_bytes)
+        largest_undo = max(undo_of.values())  # the one copy aside in memory when they go to NVMe
+        wanted = depth
+        while depth > 0 and (2 * depth + 1) * largest + largest_undo > cpu_memory:
+            depth -= 1
+        staging = (2 * depth + 1) * largest
+        if staging + largest_undo > cpu_memory and nvme_available:
+            least = staging + largest_undo
             raise ValueError(
                 f"GeminiConfig.cpu_memory={cpu_memory} ({format_size(cpu_memory)}) is too small: streaming optimizer "
-                f"states from NVMe holds {2 * depth + 1} chunk groups' states in host memory at once "
-                f"({staging} bytes, {format_size(staging)}); raise cpu_memory, or lower nvme_pipeline_depth or "
+                f"states from NVMe holds at least one chunk group's states in host memory, and a copy of its "
+                f"parameters ({least} bytes, {format_size(least)}); raise cpu_memory to at least {least}, or lower "
                 f"chunk_size"
             )
-        room = cpu_memory - staging if (forced or total > cpu_memory) else cpu_memory
+        if depth < wanted and nvme_available:
+            logger.warning(
+                "GeminiConfig.cpu_memory=%s holds %d chunk groups' states, not the %d of nvme_pipeline_depth=%d: "
+                "the NVMe pipeline runs at depth %d%s", format_size(cpu_memory), 2 * depth + 1, 2 * wanted + 1, wanted,
+                depth, " (no overlap of I/O and compute)" if depth == 0 else "",
+            )
+        room = cpu_memory - staging - largest_undo if (forced or total > cpu_memory) else cpu_memory
         chosen = {i for i, _ in forced}
         for i, b in candidates:
             if b <= room:
                 room -= b
             else:
                 chosen.add(i)
+        undo_room = room + largest_undo
     if chosen and not nvme_available:
         need = total + sum(b for _, b in forced)
         raise ValueError(
@@ -110,7 +139,19 @@ def choose_nvme_groups(
             f"to a folder on a fast drive, or raise cpu_memory"
         )
     host = sum(b for i, b in os_bytes if i not in chosen)
-    return NvmeLayout(frozenset(chosen), host, sum(b for i, b in os_bytes if i in chosen), staging if chosen else 0)
+    undo = sum(undo_of[i] for i in chosen)
+    on_nvme = cpu_memory is not None and bool(chosen) and undo > undo_room
+    if on_nvme:
+        undo = largest_undo
+    return NvmeLayout(frozenset(chosen), host, sum(b for i, b in os_bytes if i in chosen), staging if chosen else 0,
+                      depth, undo, on_nvme)
+
+
+def undo_ratio(param_dtype: torch.dtype) -> float:
+    """Bytes a step copies aside per offloadable byte of a streamed group: its parameters'
+    (fp32: the param chunk is the master, 4 of 8 bytes; bf16/fp16: the low-precision copy, 2
+    of 12)."""
+    return torch.empty((), dtype=param_dtype).element_size() / offloaded_bytes_per_element(param_dtype)
 
 
 class NvmeTier:
@@ -122,7 +163,7 @@ class NvmeTier:
         self.cpu_memory = cpu_memory
         self.fraction = fraction
         self.depth = depth
-        self.layout = NvmeLayout(frozenset(), 0, 0, 0)
+        self.layout = NvmeLayout(frozenset(), 0, 0, 0, depth)
         self.groups: set[int] = set()  # groups whose offloadable chunks live in files
         self._planned: frozenset[int] = frozenset()  # admitted to NVMe while being registered
         self._spilling: deque[Chunk] = deque()
@@ -143,7 +184,7 @@ class NvmeTier:
     # --------------------------------------------------------------------------- choosing
     def plan(self, os_bytes: Sequence[tuple[int, int]]) -> NvmeLayout:
         return choose_nvme_groups(os_bytes, cpu_memory=self.cpu_memory, fraction=self.fraction, depth=self.depth,
-                                  nvme_available=self.available)
+                                  nvme_available=self.available, undo_ratio=undo_ratio(self.manager.param_dtype))
 
     def plan_registration(self, layout: Iterable[tuple[list[int], int, int]]) -> None:
         """Before registration (every trainable group on the host tier): choose from the layout."""
@@ -165,7 +206,7 @@ class NvmeTier:
             chunk.start_spill()
             self._spilling.append(chunk)
         self.groups.add(group.index)
-        while len(self._spilling) > 3 * self.depth:
+        while len(self._spilling) > 3 * self.layout.depth:
             self._spilling.popleft().finish_spill()
 
     def finish_registration(self) -> None:
@@ -212,8 +253,11 @@ class NvmeTier:
         if self.layout.nvme_groups:
             logger.info(
                 "NVMe tier: %d chunk groups' optimizer states in files (%s), %s kept in host memory, pipeline "
-                "staging up to %s", len(self.layout.nvme_groups), format_size(self.layout.nvme_bytes),
-                format_size(self.layout.host_bytes), format_size(self.layout.staging_bytes),
+                "staging up to %s; the step's copies of their parameters: %s", len(self.layout.nvme_groups),
+                format_size(self.layout.nvme_bytes), format_size(self.layout.host_bytes),
+                format_size(self.layout.staging_bytes),
+                f"NVMe files, {format_size(self.layout.undo_bytes)} in host memory at a time"
+                if self.layout.undo_on_nvme else f"{format_size(self.layout.undo_bytes)} in host memory",
             )
 
     # -------------------------------------------------------------------------- streaming
@@ -250,9 +294,9 @@ class NvmeTier:
         tx.hold_files(chunks)
 
     def prefetch(self, groups: Sequence[ChunkGroup]) -> None:
-        """Start reading the first ``depth`` of ``groups`` (the step calls this first thing)."""
+        """Start reading the first ``layout.depth`` of ``groups`` (the step calls this first thing)."""
         self._check_open()
-        for g in groups[: self.depth]:
+        for g in groups[: self.layout.depth]:
             self._start_load(g)
 
     def stream(self, groups: Sequence[ChunkGroup]) -> Iterator[ChunkGroup]:
@@ -263,7 +307,7 @@ class NvmeTier:
         writing: deque[ChunkGroup] = deque()
         try:
             for k, g in enumerate(groups):
-                for ahead in groups[k: k + self.depth + 1]:
+                for ahead in groups[k: k + self.layout.depth + 1]:
                     self._start_load(ahead)
                 self._load(g)
                 for c in self.chunks_of(g):
@@ -274,7 +318,7 @@ class NvmeTier:
                 for c in self.chunks_of(g):
                     c.start_spill()
                 writing.append(g)
-                while len(writing) > self.depth:
+                while len(writing) > self.layout.depth:
                     self._finish_writes(writing.popleft())
             while writing:
                 self._finish_writes(writing.popleft())

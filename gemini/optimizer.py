@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chunks import ChunkGroup, Tier
+from chunks import Chunk, ChunkGroup, Tier
 from gemini.adam import adam_update
 from gemini.clipping import clip_coefficient, grad_norm
 from gemini.loss_scaler import DynamicLossScaler
@@ -137,7 +137,7 @@ class HybridAdam(torch.optim.Optimizer):
                     raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
                 rt.finish_warmup()  # may raise DeviceBudgetError: nothing has been updated yet
             rt.check_step_peak()  # may raise DeviceBudgetError: nothing has been updated yet
-            tx = StepTransaction(rt.storage)
+            tx = StepTransaction(rt.storage, undo_on_nvme=rt.nvme is not None and rt.nvme.layout.undo_on_nvme)
             self._check_fp16_backward(tx)
             try:
                 skipped, norm, seconds, scale = self._step(tx)
@@ -195,7 +195,7 @@ class HybridAdam(torch.optim.Optimizer):
             stream = nvme.stream(streamed)
             try:
                 for g in stream:
-                    tx.save_values(g, [g.param_shard if g.param_shard is not None else g.param])
+                    tx.save_values(g, *self._changed_in_memory(g))
                     for batch in self._prepare([g], tiers, scale, clip_coef, keep_grads=True):
                         seconds[batch.tier] += self._run(batch)
                     rt.placement.after_step(g)
@@ -207,6 +207,17 @@ class HybridAdam(torch.optim.Optimizer):
             for g in resident:
                 rt.placement.after_step(g)
         return False, norm_value, seconds, scale
+
+    @staticmethod
+    def _changed_in_memory(g: ChunkGroup) -> tuple[Chunk, int, int]:
+        """(chunk, first element, elements) that a streamed group's update changes in memory:
+        the parameters it holds (under fp32 the masters themselves; under bf16/fp16 the copy
+        cast from the masters, which are on NVMe), this rank's range only under ZeRO-1/2."""
+        if g.param_shard is not None:
+            return g.param_shard, 0, g.param_shard.used_numel
+        if g.shard is not None:
+            return g.param, g.shard.start, g.shard.numel
+        return g.param, 0, g.param.used_numel
 
     def _after_commit(self) -> None:
         rt = self._rt

@@ -10,6 +10,7 @@ and whether the budgets hold them.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
 from gemini.footprint import chunk_bytes, device_groups, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
-from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes
+from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
 from gemini.summary import readable_unit
 from offload import format_size
 
@@ -54,6 +55,10 @@ class PlacementPlan:
     buffer_bytes: int  # module buffers, kept on the device
     device_working_set_bytes: int  # the largest chunk group's parameters and gradients
     nvme_staging_bytes: int  # host memory the NVMe pipeline uses while streaming
+    # The step's copies aside of the streamed groups' parameters (gemini/transaction.py): host
+    # bytes at most, and bytes of their NVMe files when cpu_memory sends them there.
+    nvme_undo_bytes: int = 0
+    nvme_undo_file_bytes: int = 0
     device_budget_bytes: int | None
     cpu_memory_bytes: int | None
     host_available_bytes: int
@@ -130,7 +135,8 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         n_params=sum(n for group in numels for n in group), chunk_groups=len(layout),
         trainable_groups=len(trainable), os_groups_on_device=len(os_on_device), nvme_groups=len(nvme.nvme_groups),
         model_bytes_by_tier=by_tier, buffer_bytes=buffer_bytes, device_working_set_bytes=working_set,
-        nvme_staging_bytes=nvme.staging_bytes, device_budget_bytes=config.device_memory,
+        nvme_staging_bytes=nvme.staging_bytes, nvme_undo_bytes=nvme.undo_bytes,
+        nvme_undo_file_bytes=_undo_file_bytes(nvme, layout, config), device_budget_bytes=config.device_memory,
         cpu_memory_bytes=config.cpu_memory, host_available_bytes=psutil.virtual_memory().available,
         nvme_free_bytes=_free_disk_bytes(config.nvme_dir), problems=problems, notes=notes,
     )
@@ -149,7 +155,7 @@ def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups
     def choose(indices: list[int]) -> NvmeLayout:
         return choose_nvme_groups(offloaded_bytes(layout, indices, config.param_dtype), cpu_memory=config.cpu_memory,
                                   fraction=config.nvme_offload_fraction, depth=config.nvme_pipeline_depth,
-                                  nvme_available=config.nvme_dir is not None)
+                                  nvme_available=config.nvme_dir is not None, undo_ratio=undo_ratio(config.param_dtype))
 
     try:
         # initialize() chooses among every trainable group while registering (before a placement
@@ -198,7 +204,7 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
 
 
 def _check_host_and_nvme(plan: PlacementPlan, config: GeminiConfig) -> None:
-    host_bytes = plan.tier_bytes("host") + plan.nvme_staging_bytes
+    host_bytes = plan.tier_bytes("host") + plan.nvme_staging_bytes + plan.nvme_undo_bytes
     if config.resolved_device().type == "cpu":
         host_bytes += plan.tier_bytes("device")  # the CPU stand-in's "device" is host memory too
     if host_bytes > plan.host_available_bytes:
@@ -208,12 +214,27 @@ def _check_host_and_nvme(plan: PlacementPlan, config: GeminiConfig) -> None:
     if plan.nvme_staging_bytes:
         plan.notes.append(f"the NVMe pipeline stages up to {format_size(plan.nvme_staging_bytes)} in host memory")
     nvme_bytes = plan.tier_bytes("nvme")
+    if nvme_bytes:
+        undo = (f"{format_size(plan.nvme_undo_file_bytes)} of files and {format_size(plan.nvme_undo_bytes)} of host "
+                f"memory" if plan.nvme_undo_file_bytes else f"{format_size(plan.nvme_undo_bytes)} of host memory")
+        plan.notes.append(f"a step is all or nothing: it holds the NVMe files from before it while writing new ones "
+                          f"(up to {format_size(2 * nvme_bytes + plan.nvme_undo_file_bytes)} on the drive) and "
+                          f"copies the streamed groups' parameters aside ({undo})")
+        nvme_bytes = 2 * nvme_bytes + plan.nvme_undo_file_bytes  # at the peak of a step
     if config.nvme_dir is not None and not os.path.isdir(config.nvme_dir):
         plan.problems.append(f"nvme_dir {os.fspath(config.nvme_dir)!r} is not a folder: create it (or mount the "
                              f"drive) first")
     elif plan.nvme_free_bytes is not None and nvme_bytes > plan.nvme_free_bytes:
         plan.problems.append(f"NVMe: {format_size(nvme_bytes)} of files but {format_size(plan.nvme_free_bytes)} free "
                              f"under {os.fspath(config.nvme_dir)}")
+
+
+def _undo_file_bytes(nvme: NvmeLayout, layout, config: GeminiConfig) -> int:
+    """Bytes of the NVMe files holding the step's copies aside, when they go to files."""
+    if not nvme.undo_on_nvme:
+        return 0
+    ratio = undo_ratio(config.param_dtype)
+    return sum(math.ceil(b * ratio) for _, b in offloaded_bytes(layout, sorted(nvme.nvme_groups), config.param_dtype))
 
 
 def _free_disk_bytes(folder: str | os.PathLike | None) -> int | None:

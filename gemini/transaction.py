@@ -22,13 +22,17 @@ that can fail either happens before anything changes, or can be undone:
 4. Commit: the held files and the copies aside are dropped.
 
 The copies aside use host memory (the parameter bytes of the groups on NVMe) for the length of
-the step; the ledger counts them under the kind ``"step_undo"``.
+the step; the ledger counts them under the kind ``"step_undo"``. Where ``cpu_memory`` cannot
+hold them next to everything else, they go to NVMe files instead, one in memory at a time
+(``NvmeLayout.undo_on_nvme``), and are read back only to undo a failed step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -42,12 +46,20 @@ UNDO_KIND = "step_undo"  # the ledger's kind for the copies aside
 
 
 class StepTransaction:
-    """What one step must be able to put back; see [Note: a step is all or nothing]."""
+    """What one step must be able to put back; see [Note: a step is all or nothing].
 
-    def __init__(self, storage: ChunkStorage) -> None:
+    ``undo_on_nvme``: the copies aside go to NVMe files (``cpu_memory`` cannot hold them all,
+    see :class:`gemini.nvme_tier.NvmeLayout`): one is in host memory at a time, while its write
+    runs behind the group's update; the files are read only to undo a failed step.
+    """
+
+    def __init__(self, storage: ChunkStorage, *, undo_on_nvme: bool = False) -> None:
         self._storage = storage
+        self._undo_on_nvme = undo_on_nvme
         self._held: list[Chunk] = []
-        self._saved: list[tuple[Chunk, torch.Tensor]] = []  # (chunk, host copy of its used part)
+        self._saved: list[_Saved] = []  # copies aside in host memory
+        self._writing: tuple[_Saved, object] | None = None  # a copy being written, and its future
+        self._on_disk: list[_Saved] = []  # copies in files (their ``copy`` is None)
         self._steps: list[tuple[ChunkGroup, torch.Tensor, bool]] = []
         self._undo: list[Callable[[], None]] = []  # small state (loss scaler, counters), restored last first
         self._open = True
@@ -59,24 +71,45 @@ class StepTransaction:
             c.hold_file()
             self._held.append(c)
 
-    def save_values(self, group: ChunkGroup, chunks: Iterable[Chunk]) -> None:
-        """Before ``group`` is updated: copy its step counts and ``chunks`` (in memory) aside."""
+    def save_values(self, group: ChunkGroup, chunk: Chunk, start: int, numel: int) -> None:
+        """Before ``group`` is updated: copy its step counts, and elements ``start`` .. ``start +
+        numel`` of ``chunk`` (in memory: what the update changes there), aside."""
         self._steps.append((group, group.steps.clone(), group.steps_uniform))
+        self._finish_write()  # the previous copy is in its file: its memory goes first
         storage = self._storage
-        for c in chunks:
-            n = c.used_numel
-            copy = storage.alloc(Tier.HOST, n, c.dtype, kind=UNDO_KIND)
-            try:
-                if c.is_on(Tier.HOST):
-                    copy.copy_(c.used(Tier.HOST))
-                else:
-                    event = storage.copy_(copy, c.used(Tier.DEVICE), src=Tier.DEVICE, dst=Tier.HOST)
-                    if event is not None:
-                        event.synchronize()  # the update must not overwrite it before it is read
-            except BaseException:
-                storage.free(Tier.HOST, copy, kind=UNDO_KIND)
-                raise
-            self._saved.append((c, copy))
+        copy = storage.alloc(Tier.HOST, numel, chunk.dtype, kind=UNDO_KIND)
+        try:
+            if chunk.is_on(Tier.HOST):
+                copy.copy_(chunk.payload(Tier.HOST)[start:start + numel])
+            else:
+                event = storage.copy_(copy, chunk.payload(Tier.DEVICE)[start:start + numel], src=Tier.DEVICE,
+                                      dst=Tier.HOST)
+                if event is not None:
+                    event.synchronize()  # the update must not overwrite it before it is read
+        except BaseException:
+            storage.free(Tier.HOST, copy, kind=UNDO_KIND)
+            raise
+        saved = _Saved(chunk, start, numel, copy)
+        if self._undo_on_nvme:
+            self._writing = (saved, storage.nvme_write(saved.key, copy))
+        else:
+            self._saved.append(saved)
+
+    def _finish_write(self) -> None:
+        """Wait for the copy being written; on success its memory is freed, on failure it stays
+        a copy in memory (and the error is raised: the step fails, and undoes itself from it)."""
+        if self._writing is None:
+            return
+        saved, future = self._writing
+        self._writing = None
+        try:
+            self._storage.nvme_wait(future, key=saved.key, kind=UNDO_KIND, nbytes=saved.nbytes, write=True)
+        except BaseException:
+            self._saved.append(saved)
+            raise
+        self._storage.free(Tier.HOST, saved.copy, kind=UNDO_KIND)
+        saved.copy = None
+        self._on_disk.append(saved)
 
     def on_rollback(self, restore: Callable[[], None]) -> None:
         """Run ``restore`` if the step fails (after the chunks are put back)."""
@@ -86,6 +119,10 @@ class StepTransaction:
     def commit(self) -> None:
         """The whole step succeeded: drop the held files and the copies aside."""
         self._check_open()
+        try:
+            self._finish_write()
+        except Exception as e:  # the step has landed: the copy is no longer needed
+            logger.warning("writing a copy of parameters aside failed after the step landed: %s", e)
         self._free_saved()
         for c in self._held:
             try:
@@ -95,30 +132,55 @@ class StepTransaction:
         self._held.clear()
 
     def rollback(self) -> None:
-        """The step failed: every recorded value and file back as it was before the step."""
+        """The step failed: every recorded value and file back as it was before the step.
+
+        Raises only if a copy aside in a file cannot be read back (a second fault): then the
+        parameters of that chunk are not restored, and the error says so."""
         self._check_open()
-        for c, copy in reversed(self._saved):
-            n = c.used_numel
-            for tier in c.tiers:
-                if tier is Tier.HOST:
-                    c.payload(Tier.HOST)[:n].copy_(copy)
-                else:
-                    event = self._storage.copy_(c.payload(tier)[:n], copy, src=Tier.HOST, dst=tier)
-                    if event is not None:
-                        event.synchronize()  # before the copy goes back to the pool
+        with contextlib.suppress(Exception):  # its copy stays in memory either way
+            self._finish_write()
+        for saved in reversed(self._saved):
+            self._write_back(saved, saved.copy)
+        lost = []
+        for saved in reversed(self._on_disk):
+            buffer = self._storage.alloc(Tier.HOST, saved.numel, saved.chunk.dtype, kind=UNDO_KIND)
+            try:
+                future = self._storage.nvme_read(saved.key, buffer)
+                self._storage.nvme_wait(future, key=saved.key, kind=UNDO_KIND, nbytes=saved.nbytes, write=False)
+                self._write_back(saved, buffer)
+            except Exception as e:
+                lost.append((saved.chunk, e))
+            finally:
+                self._storage.free(Tier.HOST, buffer, kind=UNDO_KIND)
         for group, steps, uniform in reversed(self._steps):
             group.steps = steps
             group.steps_uniform = uniform
         self._free_saved()
+        self._on_disk.clear()
         for c in self._held:
             c.restore_held_file()
         self._held.clear()
         for restore in reversed(self._undo):
             restore()
+        if lost:
+            raise RuntimeError(
+                f"the failed step could not be undone for {len(lost)} chunk(s): their parameters could not be read "
+                f"back ({lost[0][0]}: {lost[0][1]}); they hold the failed step's values: load the last checkpoint"
+            ) from lost[0][1]
+
+    def _write_back(self, saved: _Saved, values: torch.Tensor) -> None:
+        chunk, start, n = saved.chunk, saved.start, saved.numel
+        for tier in chunk.tiers:
+            if tier is Tier.HOST:
+                chunk.payload(Tier.HOST)[start:start + n].copy_(values)
+            else:
+                event = self._storage.copy_(chunk.payload(tier)[start:start + n], values, src=Tier.HOST, dst=tier)
+                if event is not None:
+                    event.synchronize()  # before the copy goes back to the pool
 
     def _free_saved(self) -> None:
-        for c, copy in self._saved:
-            self._storage.free(Tier.HOST, copy, kind=UNDO_KIND)
+        for saved in self._saved:
+            self._storage.free(Tier.HOST, saved.copy, kind=UNDO_KIND)
         self._saved.clear()
         self._steps.clear()
 
@@ -126,3 +188,21 @@ class StepTransaction:
         if not self._open:
             raise RuntimeError("this StepTransaction has already been committed or rolled back")
         self._open = False
+
+
+@dataclass
+class _Saved:
+    """A range of a chunk copied aside: in host memory (``copy``) or in its NVMe file."""
+
+    chunk: Chunk
+    start: int
+    numel: int
+    copy: torch.Tensor | None
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (UNDO_KIND, self.chunk.kind.value, self.chunk.index)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.chunk.dtype).element_size()

@@ -26,7 +26,8 @@ import gemini
 from gemini.checkpoint import load_checkpoint, save_checkpoint
 from gemini.gpt import GPT
 from gemini.nvme_tier import NvmeTier
-from offload import NvmeStoreError
+from gemini.transaction import UNDO_KIND
+from offload import NvmeStoreError, Tier
 
 from helpers import TINY, batches, clone_pair, train_reference
 
@@ -373,3 +374,44 @@ def test_a_failed_bf16_step_restores_masters_and_low_precision_params(placement,
     (clean, clean_params), (recovered, recovered_params) = runs
     _assert_same(recovered, clean, "the recovered run against the clean one")
     assert all(torch.equal(recovered_params[n], p) for n, p in clean_params.items())
+
+
+def test_a_failed_step_is_undone_from_copies_in_nvme_files_under_a_small_host_budget(
+        reference, monkeypatch, tmp_path):
+    """cpu_memory too small for the step's copies of the parameters: they go to NVMe files, and
+    a write error part-way is undone from those files; the retry equals AdamW."""
+    base, _ = clone_pair()
+    data = batches(TINY, STEPS)
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path),
+                              cpu_memory=100_000, nvme_pipeline_depth=1)
+    model, opt = gemini.initialize(base, cfg, lr=LR)
+    assert opt._rt.nvme.layout.undo_on_nvme and opt._rt.nvme.layout.depth == 0
+    fault = Fault("write_error", str(tmp_path), monkeypatch)
+    real_stream = NvmeTier.stream
+    reads_of_copies = []
+
+    def stream(tier, groups):
+        for k, g in enumerate(real_stream(tier, groups)):
+            if k == 2 and step_box[0] == FAULT_STEP:
+                reads_of_copies.append(opt._rt.storage.ledger.kind_bytes(Tier.NVME, UNDO_KIND))
+                fault.arm()  # two groups updated, their copies aside already in files
+            yield g
+
+    monkeypatch.setattr(NvmeTier, "stream", stream)
+    step_box = [0]
+    try:
+        for i, (x, y) in enumerate(data):
+            step_box[0] = i
+            before = _values(model, opt)
+            opt.backward(GPT.loss(model(x), y))
+            try:
+                opt.step()
+            except NvmeStoreError:
+                fault.fix()
+                _assert_same(_values(model, opt), before, "after the failed step")
+                opt.step()
+            opt.zero_grad()
+        assert fault.fired and reads_of_copies and reads_of_copies[0] > 0
+        _assert_close_to_reference(model, opt, reference)
+    finally:
+        opt.close()

@@ -121,8 +121,13 @@ def test_choice_errors_name_the_field():
     groups = _sizes(100, 100)
     with pytest.raises(ValueError, match=r"cpu_memory=150 .*nvme_dir is None"):
         choose_nvme_groups(groups, cpu_memory=150, fraction=0.0, depth=1, nvme_available=False)
-    with pytest.raises(ValueError, match=r"cpu_memory=150 .*too small.*nvme_pipeline_depth"):
-        choose_nvme_groups(groups, cpu_memory=150, fraction=0.0, depth=1, nvme_available=True)
+    # 150 bytes: no room for depth 1's three groups; depth 0 streams one group at a time.
+    shallow = choose_nvme_groups(groups, cpu_memory=150, fraction=0.0, depth=2, nvme_available=True)
+    assert shallow.depth == 0 and shallow.staging_bytes == 100 and shallow.nvme_groups == {0, 1}
+    five = _sizes(100, 100, 100, 100, 100)
+    assert choose_nvme_groups(five, cpu_memory=320, fraction=0.0, depth=2, nvme_available=True).depth == 1
+    with pytest.raises(ValueError, match=r"cpu_memory=99 .*too small.*at least one chunk group.*at least 100"):
+        choose_nvme_groups(groups, cpu_memory=99, fraction=0.0, depth=1, nvme_available=True)
 
 
 def _on_disk(storage, key, like: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,11 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import gemini
-from chunks import ChunkState
+from chunks import ChunkKind, ChunkState
+from gemini.gpt import GPT
+from gemini.transaction import UNDO_KIND
 from helpers import TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
 from offload import NvmeCorruptionError, NvmeStoreError, Tier
 
@@ -54,6 +55,43 @@ def test_states_on_nvme_train_like_adamw_and_are_reported(tmp_path, placement):
     assert not os.path.exists(folder) and os.listdir(tmp_path) == []
 
 
+
+
+def test_a_small_host_budget_gets_a_shallower_pipeline_and_keeps_to_it(tmp_path):
+    """cpu_memory too small for 2 * depth + 1 groups: the pipeline runs at the depth that fits
+    (here 0: one group at a time), the optimizer states in host memory never exceed the budget
+    in any step, and training still equals AdamW. Below one group's states: a clear refusal."""
+    base, ref = clone_pair()
+    data = batches(TINY, STEPS)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    budget = 100_000  # the largest group's m and v take 64 KiB: room for one group, not three
+    cfg = _cfg(tmp_path, placement="cpu", cpu_memory=budget, nvme_pipeline_depth=2)
+    model, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1)
+    nvme = opt._rt.nvme
+    # One group's m and v (64 KiB) and one copy of its parameters (32 KiB) at a time: the step's
+    # copies aside go to NVMe files, since the budget cannot hold them all.
+    assert nvme.layout.depth == 0 and nvme.layout.undo_on_nvme
+    assert nvme.layout.staging_bytes + nvme.layout.undo_bytes <= budget
+    ledger = opt._rt.storage.ledger
+    peaks = []
+    real_start_step = ledger.start_step
+
+    def start_step():  # the step's host peak of Adam states, before the next step resets it
+        peaks.append(sum(ledger.kind_peak_bytes(Tier.HOST, k) for k in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ,
+                                                                           UNDO_KIND)))
+        real_start_step()
+
+    ledger.start_step = start_step
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(model.state_dict(), want[step], step=step)
+    assert len(peaks) == STEPS and 0 < max(peaks) <= budget
+    opt.close()
+    base, _ = clone_pair()
+    with pytest.raises(ValueError, match=r"cpu_memory=60000 .*at least one chunk group.*at least 98304"):
+        gemini.initialize(base, _cfg(tmp_path, placement="cpu", cpu_memory=60_000), lr=1e-2)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -98,8 +136,6 @@ def test_checkpoint_with_states_on_nvme_resumes_exactly(tmp_path):
         gm, o = gemini.initialize(m, cfg, lr=1e-2)
         gm.load_state_dict(model_sd)
         o.load_state_dict(opt_sd)
-        from gemini.gpt import GPT
-
         for step, (x, y) in enumerate(data[STEPS:]):
             o.backward(GPT.loss(gm(x), y))
             o.step()
