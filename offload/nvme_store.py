@@ -557,7 +557,7 @@ class NvmeStore:
                                       verify_checksums=verify_checksums, preallocate=preallocate,
                                       checksum_workers=checksum_workers, rank=rank)
         if nvme_dir is None or os.fspath(nvme_dir) == "":
-            raise ValueError("nvme_dir=None is invalid; accepted: the path of an existing directory")
+            raise ValueError(f"nvme_dir={nvme_dir!r} is invalid; accepted: the path of an existing directory")
         self._nvme_dir = os.path.abspath(os.fspath(nvme_dir))
         self._block_bytes: int = self.config.block_bytes  # type: ignore[assignment]
         self._piece_bytes: int = self.config.piece_bytes  # type: ignore[assignment]
