@@ -14,6 +14,11 @@ before the lock, which could not tell a live owner in another PID namespace from
 one — and on a file system refusing ``flock`` is liveness judged from it, as before: the
 folder is stale when, on this host, its pid is not running or now belongs to a process
 started at another time.
+
+The lock lives as long as any descriptor of it: a child forked by the store's process (a
+DataLoader worker) that outlives a crash keeps the folder "in use" until it ends too. A
+crash in the microseconds between making a folder and renaming it to its final name leaves
+a ``.gemini-*.new`` folder of two tiny files, which no sweep touches.
 """
 
 from __future__ import annotations
