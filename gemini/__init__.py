@@ -9,7 +9,7 @@ from gemini.optimizer import HybridAdam
 from gemini.planner import PlacementPlan, plan_placement
 from gemini.plots import plot_memory, plot_timeline
 from gemini.pretrained import save_pretrained
-from gemini.report import MemoryReport, TimelinePeriod, WarmupTimeline, read_reports
+from gemini.report import MemoryReport, ReportRun, TimelinePeriod, WarmupTimeline, read_report_runs, read_reports
 from gemini.summary import run_summary, summary_line
 from gemini.tune import MarginTrial, MarginTuning, Measurement, tune_margin
 
@@ -23,6 +23,7 @@ __all__ = [
     "Measurement",
     "MemoryReport",
     "PlacementPlan",
+    "ReportRun",
     "TimelinePeriod",
     "WarmupTimeline",
     "initialize",
@@ -30,6 +31,7 @@ __all__ = [
     "plan_placement",
     "plot_memory",
     "plot_timeline",
+    "read_report_runs",
     "read_reports",
     "run_summary",
     "save_checkpoint",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -23,10 +24,10 @@ from gemini.initialize import initialize
 from gemini.loop import StepResult, train_steps
 from gemini.memory import DeviceBudgetError
 from gemini.planner import plan_placement
-from gemini.report import MemoryReport, WarmupTimeline, read_reports
+from gemini.report import MemoryReport, ReportRun, WarmupTimeline, read_report_runs
 from gemini.summary import UNITS, readable_unit, run_summary, summary_line
 from gemini.tune import DEFAULT_RATIOS, MarginTrial, tune_margin
-from offload import format_size
+from offload import format_size, parse_size
 
 __all__ = ["build_parser", "main"]
 
@@ -38,15 +39,67 @@ _TRAIN_MODEL = dict(layers=4, embd=256, heads=4, vocab=4096, seq=128, batch=8)
 
 
 # ----------------------------------------------------------------------------- arguments
+# Numeric options are checked as they are parsed (argparse's type functions), so a bad value
+# ends the command at once, exit status 2, naming the option and the accepted range, before a
+# model is built or a step is run.
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    accepted = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}")
+        return value
+
+    return parse
+
+
+def _number_in(low: float, high: float | None = None, *, high_open: bool = False) -> Callable[[str], float]:
+    accepted = (f"a finite number >= {low:g}" if high is None
+                else f"a number in [{low:g}, {high:g}{')' if high_open else ']'}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}") from None
+        # Comparisons written so that nan fails them all.
+        ok = math.isfinite(value) and value >= low
+        if high is not None:
+            ok = ok and (value < high if high_open else value <= high)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {accepted}")
+        return value
+
+    return parse
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except (ValueError, TypeError):
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size: bytes, or a size like 512MiB or 8GiB")
+    return value
+
+
+_POSITIVE = _int_in(1)
+_FRACTION = _number_in(0.0, 1.0)
+
+
 def _add_model_args(p: argparse.ArgumentParser, defaults: dict[str, int], *, batch: bool = True) -> None:
     g = p.add_argument_group("model (a nanoGPT-style GPT on synthetic tokens)")
-    g.add_argument("--layers", type=int, default=defaults["layers"])
-    g.add_argument("--embd", type=int, default=defaults["embd"], help="width")
-    g.add_argument("--heads", type=int, default=defaults["heads"])
-    g.add_argument("--vocab", type=int, default=defaults["vocab"])
-    g.add_argument("--seq", type=int, default=defaults["seq"], help="sequence length (and block size)")
+    g.add_argument("--layers", type=_POSITIVE, default=defaults["layers"])
+    g.add_argument("--embd", type=_POSITIVE, default=defaults["embd"], help="width (a multiple of --heads)")
+    g.add_argument("--heads", type=_POSITIVE, default=defaults["heads"])
+    g.add_argument("--vocab", type=_POSITIVE, default=defaults["vocab"])
+    g.add_argument("--seq", type=_POSITIVE, default=defaults["seq"], help="sequence length (and block size)")
     if batch:
-        g.add_argument("--batch", type=int, default=defaults["batch"])
+        g.add_argument("--batch", type=_POSITIVE, default=defaults["batch"])
         g.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
 
 
@@ -58,20 +111,21 @@ def _add_engine_args(p: argparse.ArgumentParser, *, placement: str | None, devic
     if placement is not None:
         g.add_argument("--placement", choices=PLACEMENTS, default=placement)
     g.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
-    g.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
-    g.add_argument("--device-memory", default=None, help="device budget, bytes or a size like 512MiB")
-    g.add_argument("--cpu-memory", default=None, help="host budget for optimizer states; beyond it -> NVMe")
+    g.add_argument("--chunk-size", type=_POSITIVE, default=None, help="elements per chunk (default: searched)")
+    g.add_argument("--device-memory", type=_size, default=None, help="device budget, bytes or a size like 512MiB")
+    g.add_argument("--cpu-memory", type=_size, default=None,
+                   help="host budget for optimizer states; beyond it -> NVMe")
     g.add_argument("--nvme-dir", default=None, help="folder for NVMe-resident optimizer states")
-    g.add_argument("--nvme-offload-fraction", type=float, default=0.0)
-    g.add_argument("--nvme-pipeline-depth", type=int, default=2)
-    g.add_argument("--static-param-device-fraction", type=float, default=1.0)
-    g.add_argument("--static-optimizer-offload-fraction", type=float, default=0.0)
+    g.add_argument("--nvme-offload-fraction", type=_FRACTION, default=0.0)
+    g.add_argument("--nvme-pipeline-depth", type=_int_in(1, 64), default=2)
+    g.add_argument("--static-param-device-fraction", type=_FRACTION, default=1.0)
+    g.add_argument("--static-optimizer-offload-fraction", type=_FRACTION, default=0.0)
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, default=steps)
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--steps", type=_POSITIVE, default=steps)
+    g.add_argument("--lr", type=_number_in(0.0), default=1e-3)
     g.add_argument("--report", default=None, help="write one MemoryReport per step to this JSON Lines file")
     g.add_argument("--plot-dir", default=None, help="write memory.png and timeline.png here (needs matplotlib)")
     g.add_argument("--quiet", action="store_true", help="no per-step lines, only the run's summary")
@@ -221,20 +275,45 @@ def cmd_tune_margin(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    reports = read_reports(args.file)
-    if not reports:
-        raise ValueError(f"{args.file} holds no reports")
-    unit = args.unit or readable_unit(max(r.device_budget_bytes or r.device_peak_bytes for r in reports))[0]
-    if not args.quiet:
-        for r in reports:
-            print(summary_line(r, unit=unit))
-            if r.timeline is not None:
-                print(_timeline_line(r.timeline, r))
-    print(run_summary(reports, unit=unit))
-    if args.plot_dir:
-        for path in _write_plots(reports, args.plot_dir):
-            print(f"plot: {path}")
+    runs = read_report_runs(args.file)
+    if args.all_runs:
+        chosen = list(enumerate(runs, start=1))
+    else:
+        if not -len(runs) <= args.run <= len(runs):
+            raise ValueError(f"--run {args.run} is out of range: {args.file} holds {len(runs)} run(s), so expected "
+                             f"1 to {len(runs)} or -1 to -{len(runs)}" if runs else f"{args.file} holds no reports")
+        index = args.run - 1 if args.run > 0 else len(runs) + args.run
+        chosen = [(index + 1, runs[index])]
+    if not any(run.reports for _, run in chosen):
+        raise ValueError(f"{args.file} holds no reports" + (f" in run {chosen[0][0]}" if len(chosen) == 1 else ""))
+    for number, run in chosen:
+        print(_run_line(number, len(runs), run))
+        if not run.reports:
+            continue
+        reports = run.reports
+        unit = args.unit or readable_unit(max(r.device_budget_bytes or r.device_peak_bytes for r in reports))[0]
+        if not args.quiet:
+            for r in reports:
+                print(summary_line(r, unit=unit))
+                if r.timeline is not None:
+                    print(_timeline_line(r.timeline, r))
+        print(run_summary(reports, unit=unit))
+        if args.plot_dir:
+            # One folder per run when several are shown, so that none overwrites another's plots.
+            folder = os.path.join(args.plot_dir, f"run-{number}") if len(chosen) > 1 else args.plot_dir
+            for path in _write_plots(reports, folder):
+                print(f"plot: {path}")
     return 0
+
+
+def _run_line(number: int, total: int, run: ReportRun) -> str:
+    h = run.header
+    if h is None:
+        return f"run {number} of {total}: {len(run.reports)} steps (no run header: written by an older version)"
+    config = h.get("config") or {}
+    what = ", ".join(f"{k} {config[k]}" for k in ("device", "placement", "precision") if config.get(k) is not None)
+    return (f"run {number} of {total}: started {h.get('started', '?')}, pid {h.get('pid', '?')} on "
+            f"{h.get('host', '?')}, {len(run.reports)} steps" + (f"; {what}" if what else ""))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -250,21 +329,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------- parser
-def _at_least_one(text: str) -> float:
+def _ratios(text: str) -> list[float]:
+    ratios = []
+    for v in text.split(","):
+        if v.strip():
+            try:
+                ratios.append(_FRACTION(v.strip()))
+            except argparse.ArgumentTypeError:
+                ratios = []
+                break
+    if not ratios:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers in [0, 1]")
+    return ratios
+
+
+def _run_number(text: str) -> int:
     try:
-        value = float(text)
+        value = int(text)
     except ValueError:
-        value = 0.0
-    if not value >= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 1")
+        value = 0
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run number: 1 is the first run, -1 the last")
     return value
 
 
-def _ratios(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What one option's type cannot check alone; exits like argparse (status 2)."""
+    embd, heads = getattr(args, "embd", None), getattr(args, "heads", None)
+    if embd is not None and heads is not None and embd % heads:
+        parser.error(f"argument --embd: {embd} is not a multiple of --heads {heads}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="train a GPT several times larger than the device budget, with per-step reports")
     _add_model_args(d, _DEMO_MODEL)
     _add_engine_args(d, placement=None)
-    d.add_argument("--model-to-budget", type=_at_least_one, default=4.0,
+    d.add_argument("--model-to-budget", type=_number_in(1.0), default=4.0,
                    help="model data / device budget when --device-memory is not given (default 4)")
     _add_run_args(d, steps=10)
     d.set_defaults(func=cmd_demo)
@@ -283,23 +376,28 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a GPT of a chosen size, placement, precision and budgets")
     _add_model_args(t, _TRAIN_MODEL)
     _add_engine_args(t, placement="auto")
-    t.add_argument("--gpu-margin-mem-ratio", type=float, default=0.0, help="placement auto: margin share for Adam")
+    t.add_argument("--gpu-margin-mem-ratio", type=_FRACTION, default=0.0, help="placement auto: margin share for Adam")
     _add_run_args(t, steps=10)
     t.set_defaults(func=cmd_train)
 
     m = sub.add_parser("tune-margin", help="try gpu_margin_mem_ratio values and recommend the fastest within headroom")
     _add_model_args(m, _DEMO_MODEL)
     _add_engine_args(m, placement=None)
-    m.add_argument("--model-to-budget", type=_at_least_one, default=4.0,
+    m.add_argument("--model-to-budget", type=_number_in(1.0), default=4.0,
                    help="model data / device budget when --device-memory is not given (default 4)")
     m.add_argument("--ratios", type=_ratios, default=list(DEFAULT_RATIOS), help="comma-separated, e.g. 0,0.5,1")
-    m.add_argument("--steps", type=int, default=4, help="steps per ratio, the first a warm-up (default 4)")
-    m.add_argument("--headroom-fraction", type=float, default=0.1, help="share of the budget kept free (default 0.1)")
-    m.add_argument("--lr", type=float, default=1e-3)
+    m.add_argument("--steps", type=_int_in(2), default=4, help="steps per ratio, the first a warm-up (default 4)")
+    m.add_argument("--headroom-fraction", type=_number_in(0.0, 1.0, high_open=True), default=0.1,
+                   help="share of the budget kept free (default 0.1)")
+    m.add_argument("--lr", type=_number_in(0.0), default=1e-3)
     m.set_defaults(func=cmd_tune_margin)
 
     r = sub.add_parser("report", help="summarise (and plot) a JSON Lines file of memory reports")
     r.add_argument("file")
+    which = r.add_mutually_exclusive_group()
+    which.add_argument("--run", type=_run_number, default=-1,
+                       help="which run of the file (each initialize appends one): 1 the first, -1 the last (default)")
+    which.add_argument("--all-runs", action="store_true", help="every run of the file, one after another")
     r.add_argument("--plot-dir", default=None, help="write memory.png and timeline.png here (needs matplotlib)")
     r.add_argument("--quiet", action="store_true", help="only the run's summary, no per-step lines")
     r.add_argument("--unit", choices=tuple(UNITS), default=None, help="sizes in summaries (default: by scale)")
@@ -308,13 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="before training: does it fit, and where will params, grads and states go")
     _add_model_args(pl, _TRAIN_MODEL, batch=False)
     _add_engine_args(pl, placement="cpu", device=False)
-    pl.add_argument("--gpu-margin-mem-ratio", type=float, default=0.0)
+    pl.add_argument("--gpu-margin-mem-ratio", type=_FRACTION, default=0.0)
     pl.set_defaults(func=cmd_plan)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_combinations(parser, args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -139,10 +140,14 @@ class GeminiConfig:
         for name in ("gpu_margin_mem_ratio", "nvme_offload_fraction", "static_param_device_fraction",
                      "static_optimizer_offload_fraction"):
             self._check_fraction(name)
+        if self.nvme_dir is not None and (not isinstance(self.nvme_dir, (str, os.PathLike))
+                                          or not isinstance(os.fspath(self.nvme_dir), str)):
+            _fail("nvme_dir", self.nvme_dir, "None or the path of an existing folder")
+        if self.nvme_dir is not None and os.fspath(self.nvme_dir) == "":
+            _fail("nvme_dir", self.nvme_dir, "None or the path of an existing folder (an empty string names no "
+                  "folder; None keeps everything in memory)")
         if self.nvme_offload_fraction > 0 and self.nvme_dir is None:
             _fail("nvme_dir", None, "a folder when nvme_offload_fraction > 0")
-        if self.nvme_dir is not None and not isinstance(self.nvme_dir, (str, os.PathLike)):
-            _fail("nvme_dir", self.nvme_dir, "None or a path")
         if self.placement == "cuda" and (self.nvme_dir is not None or self.cpu_memory is not None):
             _fail("placement", self.placement, "'cpu', 'auto' or 'static' when cpu_memory or nvme_dir is set "
                   "(under 'cuda' every optimizer state lives on the device)")
@@ -159,8 +164,13 @@ class GeminiConfig:
             _fail("activation_offload_min_bytes", m, "an int >= 1 (bytes)")
         if not isinstance(self.shard_params, bool):
             _fail("shard_params", self.shard_params, "True or False")
-        if self.report_path is not None and not isinstance(self.report_path, (str, os.PathLike)):
-            _fail("report_path", self.report_path, "None or a file path")
+        self._check_report_path()
+        if self.nvme_dir is not None and self.cpu_memory is None and self.nvme_offload_fraction == 0:
+            warnings.warn(
+                f"GeminiConfig.nvme_dir={self.nvme_dir!r} will not be used: with cpu_memory=None (no host budget) "
+                f"and nvme_offload_fraction=0 every optimizer state stays in host memory; set cpu_memory to a host "
+                f"budget (states beyond it go to NVMe) or nvme_offload_fraction > 0 (that share always on NVMe)",
+                UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------------ validation
     def _check_device(self) -> None:
@@ -174,6 +184,33 @@ class GeminiConfig:
             _fail("device", self.device, '"cuda", "cuda:N", "cpu" or None')
         if dev.type == "cuda" and not torch.cuda.is_available():
             _fail("device", self.device, '"cpu" or None: this torch build or machine has no CUDA device')
+
+    def _check_report_path(self) -> None:
+        """What can be told before opening: the file is appended to by ``initialize``, which
+        reports what only opening can tell (a permission the mode bits do not show)."""
+        value = self.report_path
+        if value is None:
+            return
+        accepted = "None or the path of a file to append JSON lines to"
+        if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str):
+            _fail("report_path", value, accepted)
+        path = os.path.abspath(os.fspath(value))
+        if os.fspath(value) == "":
+            _fail("report_path", value, f"{accepted} (an empty string names no file)")
+        if os.path.isdir(path):
+            _fail("report_path", value, f"{accepted}, not a folder")
+        # The file, or the folders initialize would create for it, must be makeable under
+        # the nearest existing ancestor.
+        ancestor = os.path.dirname(path)
+        while not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            _fail("report_path", value, f"{accepted}: {ancestor!r} is not a folder, so nothing can be made in it")
+        if os.path.exists(path):
+            if not os.access(path, os.W_OK):
+                _fail("report_path", value, f"{accepted}: this process may not write to it")
+        elif not os.access(ancestor, os.W_OK | os.X_OK):
+            _fail("report_path", value, f"{accepted}: this process may not create files in {ancestor!r}")
 
     def _check_fraction(self, name: str) -> None:
         value = getattr(self, name)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
+import socket
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,18 +74,45 @@ def initialize(
         raise TypeError(f"config must be a gemini.GeminiConfig, got {type(config).__name__}")
     _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     _check_supported(config)
+    writer = _open_report(config)
     tie_meta_weights(model)
     # Checked against the model (and buffers loaded) before anything is allocated.
     values = prepare_values(model, weights)
     try:
-        return _initialize(model, config, values, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        return _initialize(model, config, values, writer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                            adamw_mode=adamw_mode, param_groups=param_groups)
     finally:
         values.close()
 
 
-def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, *, lr, betas, eps, weight_decay,
-                adamw_mode, param_groups) -> tuple[GeminiModel, HybridAdam]:
+def _open_report(config: GeminiConfig) -> ReportWriter | None:
+    """The report file, opened for appending before any work: what GeminiConfig could not
+    tell without opening it (a read-only file system, a path made a folder since) fails here."""
+    if config.report_path is None:
+        return None
+    try:
+        return ReportWriter(config.report_path)
+    except OSError as e:
+        raise ValueError(f"GeminiConfig.report_path={config.report_path!r} is invalid: expected a file this process "
+                         f"can create or append to, but opening it failed: [Errno {e.errno}] {e.strerror}") from e
+
+
+def _run_header(config: GeminiConfig, *, chunk_size: int, world: int, rank: int) -> dict[str, Any]:
+    """The ``{"run": ...}`` line starting this run in the report file."""
+    settings = {}
+    for name, value in config.to_dict().items():
+        if name == "process_group":
+            value = None if value is None else type(value).__name__
+        elif isinstance(value, (torch.device, os.PathLike)):
+            value = str(value)
+        settings[name] = value
+    return {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "unix_time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "rank": rank,
+            "world_size": world, "chunk_size": chunk_size, "config": settings}
+
+
+def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, writer: ReportWriter | None, *, lr,
+                betas, eps, weight_decay, adamw_mode, param_groups) -> tuple[GeminiModel, HybridAdam]:
     """``initialize`` once the arguments are checked: chunks filled from ``values.source``."""
     device = config.resolved_device()
     zero = resolve_group(config.process_group)  # None: one rank, nothing sharded
@@ -117,10 +147,11 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
             _attach_zero(zero, manager, placement)
         placement.setup()
         placement.rebalance_nvme()
+        if writer is not None:
+            writer.start_run(_run_header(config, chunk_size=chunk_size, world=world, rank=rank))
     except BaseException:
         storage.close_nvme()  # no files left behind by a failed initialize
         raise
-    writer = ReportWriter(config.report_path) if config.report_path is not None else None
     runtime = GeminiRuntime(
         config=config, device=device, storage=storage, manager=manager, placement=placement, memory=memory,
         module=model, module_params=tuple(model.parameters()), fixed_bytes=fixed_bytes, report_writer=writer,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["MemoryReport", "ReportWriter", "TimelinePeriod", "WarmupTimeline", "read_reports"]
+__all__ = ["MemoryReport", "ReportRun", "ReportWriter", "TimelinePeriod", "WarmupTimeline", "read_report_runs",
+           "read_reports"]
 
 
 @dataclass(kw_only=True)
@@ -134,31 +136,141 @@ class MemoryReport:
 
 
 class ReportWriter:
-    """Appends one JSON object per step to a JSON Lines file."""
+    """Appends to a JSON Lines file: a run header, then one JSON object per step.
+
+    A file gathers every run given it (re-initializing with the same ``report_path`` keeps
+    the history): each run starts with a line ``{"run": {...}}`` (when it started, pid,
+    host, rank, the configuration), and :func:`read_reports` returns the last run unless
+    asked for another. Each line is written by ``os.write`` on a file opened for appending
+    and closed again, so a run killed at any moment leaves at most its last line torn, which
+    the reader skips with a warning.
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        # Truncate: one run, one file.
-        with open(self.path, "w"):
-            pass
+        # Opened here, so that a path that cannot be written fails before any work.
+        os.close(self._open())
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    def start_run(self, info: dict[str, Any]) -> None:
+        """Write the header of a new run (``info`` must be JSON-serializable)."""
+        line = json.dumps({RUN_KEY: info}) + "\n"
+        fd = self._open()
+        try:
+            size = os.fstat(fd).st_size
+            # A run killed mid-line left no newline: end that line, so that this header is a
+            # line of its own and the torn one stays the last line of its run.
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = "\n" + line
+            _write_all(fd, line.encode())
+        finally:
+            os.close(fd)
 
     def write(self, report: MemoryReport) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(report.to_dict()) + "\n")
+        fd = self._open()
+        try:
+            _write_all(fd, (json.dumps(report.to_dict()) + "\n").encode())
+        finally:
+            os.close(fd)
 
 
-def read_reports(path: str | os.PathLike) -> list[MemoryReport]:
-    """The reports of a JSON Lines file written with ``GeminiConfig.report_path``."""
-    reports = []
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+RUN_KEY = "run"
+
+
+@dataclass(kw_only=True)
+class ReportRun:
+    """One run's part of a reports file."""
+
+    header: dict[str, Any] | None  # what its {"run": ...} line held; None: lines with no header
+    # (a file of a version before run headers, or lines written before the first header)
+    reports: list[MemoryReport]
+    first_line: int  # 1-based line number of its header (or of its first line)
+
+
+def read_report_runs(path: str | os.PathLike) -> list[ReportRun]:
+    """Every run of a JSON Lines file written with ``GeminiConfig.report_path``, oldest first.
+
+    A line that is not JSON is skipped with a warning when it is the last line of its run (a
+    process killed while writing it); anywhere else it is a ``ValueError`` naming the file and
+    line, as is a JSON line that is neither a run header nor a ``MemoryReport``.
+    """
+    name = os.fspath(path)
+    runs: list[ReportRun] = []
+    torn: tuple[int, json.JSONDecodeError] | None = None  # a run's torn last line, if nothing follows
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                reports.append(MemoryReport.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, TypeError, KeyError) as e:
-                raise ValueError(f"{os.fspath(path)}:{number} is not a MemoryReport: {e}") from None
-    return reports
+            row, torn = _parse_line(name, number, line, runs, torn)
+            if row is None:
+                continue
+            if not runs:
+                runs.append(ReportRun(header=None, reports=[], first_line=number))
+            runs[-1].reports.append(row)
+    if torn is not None:
+        _warn_torn(name, torn[0])
+    return runs
+
+
+def _parse_line(name: str, number: int, line: str, runs: list[ReportRun],
+                torn: tuple[int, json.JSONDecodeError] | None
+                ) -> tuple[MemoryReport | None, tuple[int, json.JSONDecodeError] | None]:
+    """The line's report (None for a header, which starts a run, or a line not JSON) and the
+    pending torn line; raises on a damaged line that something other than a header follows."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        if torn is not None:
+            raise ValueError(f"{name}:{torn[0]} is not a MemoryReport: {torn[1]}") from None
+        return None, (number, e)
+    if isinstance(row, dict) and set(row) == {RUN_KEY} and isinstance(row[RUN_KEY], dict):
+        if torn is not None:
+            _warn_torn(name, torn[0])
+        runs.append(ReportRun(header=row[RUN_KEY], reports=[], first_line=number))
+        return None, None
+    if torn is not None:
+        raise ValueError(f"{name}:{torn[0]} is not a MemoryReport: {torn[1]}") from None
+    try:
+        if not isinstance(row, dict):
+            raise TypeError(f"a JSON {type(row).__name__}, not an object")
+        return MemoryReport.from_dict(row), None
+    except (TypeError, KeyError, ValueError) as e:
+        raise ValueError(f"{name}:{number} is not a MemoryReport: {e}") from None
+
+
+def _warn_torn(name: str, number: int) -> None:
+    warnings.warn(f"{name}:{number}: skipped a torn line at the end of a run (the process was killed "
+                  f"while writing it?)", RuntimeWarning, stacklevel=2)
+
+
+def read_reports(path: str | os.PathLike, *, run: int | str = -1) -> list[MemoryReport]:
+    """The reports of a JSON Lines file written with ``GeminiConfig.report_path``.
+
+    A file holds one run per ``initialize`` that wrote to it; ``run`` picks one by index
+    (0 the first, -1 the last, the default) or ``"all"`` returns every run's reports in order.
+    See :func:`read_report_runs` for the runs with their headers and for damaged lines.
+    """
+    runs = read_report_runs(path)
+    if run == "all":
+        return [r for one in runs for r in one.reports]
+    if isinstance(run, bool) or not isinstance(run, int):
+        raise ValueError(f"run={run!r} is invalid: expected an int (0 the first run, -1 the last) or 'all'")
+    if not runs:
+        if run in (0, -1):
+            return []
+        raise ValueError(f"run={run!r} is invalid: {os.fspath(path)} holds no runs")
+    if not -len(runs) <= run < len(runs):
+        raise ValueError(f"run={run!r} is invalid: {os.fspath(path)} holds {len(runs)} run(s), "
+                         f"so expected {-len(runs)} to {len(runs) - 1}, or 'all'")
+    return runs[run].reports

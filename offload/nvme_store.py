@@ -14,12 +14,15 @@ import concurrent.futures
 import dataclasses
 import enum
 import errno as errno_codes
+import itertools
 import logging
 import mmap
 import os
 import shutil
+import signal
 import stat
 import sys
+import threading
 import time
 import weakref
 import zlib
@@ -370,8 +373,24 @@ def _verify_piece(path: str, data: memoryview, piece: _Piece, expected_crcs: Seq
                 path=path, offset_bytes=offset, length_bytes=length)
 
 
+_DISK_FULL = (errno_codes.ENOSPC, errno_codes.EDQUOT)
+
+
+def _disk_full_error(exc: OSError, *, folder: str, doing: str, operation: str) -> NvmeStoreError:
+    try:
+        free = f"{format_size(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        free = "free space unknown"
+    what = "the quota is exhausted" if exc.errno == errno_codes.EDQUOT else "the disk is full"
+    return NvmeStoreError(
+        f"{doing} in {folder} failed: {what} ([Errno {exc.errno}] {exc.strerror}; {free});"
+        f" free space on that drive or give another nvme_dir",
+        path=folder, operation=operation, errno=exc.errno)
+
+
 def _probe_direct_io(folder: str) -> str | None:
-    """None when O_DIRECT works in ``folder``, else why not."""
+    """None when O_DIRECT works in ``folder``, else why not; raises NvmeStoreError when the
+    drive is full, which says nothing about O_DIRECT and would fail buffered I/O too."""
     if not hasattr(os, "O_DIRECT"):
         return "this platform has no O_DIRECT"
     path = os.path.join(folder, ".direct-io-probe")
@@ -380,12 +399,18 @@ def _probe_direct_io(folder: str) -> str | None:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         except OSError as exc:
+            if exc.errno in _DISK_FULL:  # no inode left
+                raise _disk_full_error(exc, folder=folder, doing="creating the O_DIRECT probe file",
+                                       operation="probe direct I/O") from exc
             return f"opening a file with O_DIRECT failed: [Errno {exc.errno}] {exc.strerror}"
         try:
             # preadv into the aligned buffer: os.pread would read into a fresh, unaligned bytes.
             if os.pwrite(fd, buffer, 0) != ALIGNMENT_BYTES or os.preadv(fd, [buffer], 0) != ALIGNMENT_BYTES:
                 return "an aligned O_DIRECT write/read moved the wrong number of bytes"
         except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise _disk_full_error(exc, folder=folder, doing=f"a {ALIGNMENT_BYTES}-byte O_DIRECT probe write",
+                                       operation="probe direct I/O") from exc
             return f"an aligned O_DIRECT write/read failed: [Errno {exc.errno}] {exc.strerror}"
         finally:
             os.close(fd)
@@ -409,14 +434,67 @@ def _default_rank() -> int:
         return 0
 
 
-def _shutdown(io: IoLoopThread, folder: str, owner_pid: int) -> None:
-    """Stop the I/O threads and delete the folder; the finalizer, so it must not touch the store."""
+def _shutdown(io: IoLoopThread | None, folder: str, owner_pid: int, lock_fd: int | None, key: int) -> None:
+    """Stop the I/O threads, delete the folder and release its lock; the finalizer, so it
+    must not touch the store."""
+    _live_finalizers.pop(key, None)
     if os.getpid() != owner_pid:
         # A forked child (a DataLoader worker) dropping its copy of the store: the files and
-        # the loop belong to the parent, which is still using them.
+        # the loop belong to the parent, which is still using them. Closing the child's copy
+        # of the descriptor leaves the parent's lock held (flock(LOCK_UN) would not).
+        if lock_fd is not None:
+            os.close(lock_fd)
         return
-    io.stop()
+    if io is not None:
+        io.stop()
     _remove_folder(folder)
+    if lock_fd is not None:
+        os.close(lock_fd)  # only now may a sweep take the folder: it is gone
+
+
+# [Note: SIGTERM]
+# weakref.finalize runs the finalizers at a normal exit, after an uncaught exception and
+# after sys.exit, but SIGTERM's default action ends the process without running them, and
+# SIGTERM is how schedulers, `docker stop` and `kill` end a job. So the first store made on
+# the main thread (only there can Python set a handler) installs ``_on_sigterm``, which
+# chains to the handler it replaced:
+# - SIG_DFL (Python's own default for SIGTERM): remove every live store's folder, restore
+#   SIG_DFL and send SIGTERM again, so the process still dies of SIGTERM (exit status -15,
+#   as its parent expects).
+# - a Python handler: call it and nothing else. It may end the process (sys.exit: the
+#   finalizers then run at exit) or note the signal and let training finish and save a
+#   checkpoint, which needs the stores' files, so they must not be deleted under it.
+# - SIG_IGN, or a handler set from C (getsignal() gives None, nothing we could chain to):
+#   no handler is installed; the process survives SIGTERM, or is not ours to handle.
+# The handler stays after the last store closes; with no live store it only chains.
+_live_finalizers: dict[int, weakref.finalize] = {}
+_finalizer_keys = itertools.count()
+_sigterm_previous: object = None
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    previous = _sigterm_previous
+    if callable(previous):
+        previous(signum, frame)
+        return
+    for finalizer in list(_live_finalizers.values()):
+        try:
+            finalizer()
+        except Exception:  # the process is ending: one store's failure must not keep the others' files
+            logger.exception("cleaning up an NVMe store on SIGTERM failed")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_handler() -> None:
+    global _sigterm_previous
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal.signal would raise; a later store made on the main thread installs it
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current is signal.SIG_IGN or current is None:
+        return
+    _sigterm_previous = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _remove_folder(folder: str) -> None:
@@ -463,7 +541,9 @@ class NvmeStore:
     store never modifies a tensor it writes; after a failed read ``out`` holds unspecified
     bytes. Requests on the same key run in the order they were made; requests on different
     keys overlap. Cancelling a future stops the wait, not the I/O (see [Note: cancellation]). Use as a context manager, or call ``close()``; files are also removed when
-    the store is garbage-collected and at interpreter exit.
+    the store is garbage-collected, at interpreter exit and on SIGTERM (see [Note: SIGTERM]).
+    While open, the store holds an exclusive ``flock`` on its folder's lock file, which tells
+    other runs' sweeps of ``nvme_dir`` that the folder is in use (see offload/stale.py).
     """
 
     def __init__(self, nvme_dir: str | os.PathLike, *, max_in_flight: int = 16,
@@ -477,7 +557,7 @@ class NvmeStore:
                                       verify_checksums=verify_checksums, preallocate=preallocate,
                                       checksum_workers=checksum_workers, rank=rank)
         if nvme_dir is None or os.fspath(nvme_dir) == "":
-            raise ValueError("nvme_dir=None is invalid; accepted: the path of an existing directory")
+            raise ValueError(f"nvme_dir={nvme_dir!r} is invalid; accepted: the path of an existing directory")
         self._nvme_dir = os.path.abspath(os.fspath(nvme_dir))
         self._block_bytes: int = self.config.block_bytes  # type: ignore[assignment]
         self._piece_bytes: int = self.config.piece_bytes  # type: ignore[assignment]
@@ -486,8 +566,11 @@ class NvmeStore:
         self.stale_folders = remove_stale_folders(self._nvme_dir, remove=self.config.clean_stale)
         rank_value = self.config.rank if self.config.rank is not None else _default_rank()
         try:
-            self._folder = make_private_folder(self._nvme_dir, rank=rank_value)
+            self._folder, lock_fd = make_private_folder(self._nvme_dir, rank=rank_value)
         except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise _disk_full_error(exc, folder=self._nvme_dir, doing="creating the store's folder",
+                                       operation="create folder") from exc
             raise NvmeStoreError(
                 f"cannot create the store's folder in nvme_dir {self._nvme_dir!r}:"
                 f" [Errno {exc.errno}] {exc.strerror}",
@@ -499,9 +582,12 @@ class NvmeStore:
                                     max_workers=self.config.max_in_flight,
                                     cpu_workers=self.config.checksum_workers)
         except BaseException:
-            _remove_folder(self._folder)
+            _shutdown(None, self._folder, os.getpid(), lock_fd, -1)
             raise
-        self._finalizer = weakref.finalize(self, _shutdown, self._io, self._folder, os.getpid())
+        key = next(_finalizer_keys)
+        self._finalizer = weakref.finalize(self, _shutdown, self._io, self._folder, os.getpid(), lock_fd, key)
+        _live_finalizers[key] = self._finalizer
+        _install_sigterm_handler()
 
         # Loop-thread state.
         self._entries: dict[Hashable, _Entry] = {}

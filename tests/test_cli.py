@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 
 import gemini
 from gemini.cli import main
+from gemini.report import ReportWriter
 
 SMALL_GPT = ["--layers", "4", "--embd", "128", "--heads", "4", "--vocab", "256", "--seq", "16"]
 
@@ -121,3 +123,84 @@ def test_python_dash_m_gemini_runs_the_cli():
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "fits: yes" in done.stdout
+
+
+BAD_OPTIONS = [
+    (["train", "--steps", "-3"], "--steps", "an int >= 1"),
+    (["train", "--batch", "0"], "--batch", "an int >= 1"),
+    (["train", "--layers", "two"], "--layers", "an int >= 1"),
+    (["train", "--chunk-size", "0"], "--chunk-size", "an int >= 1"),
+    (["train", "--lr", "nan"], "--lr", "a finite number >= 0"),
+    (["train", "--device-memory", "-5"], "--device-memory", "a positive size"),
+    (["train", "--cpu-memory", "lots"], "--cpu-memory", "a positive size"),
+    (["train", "--nvme-offload-fraction", "1.5"], "--nvme-offload-fraction", "a number in [0, 1]"),
+    (["train", "--nvme-pipeline-depth", "0"], "--nvme-pipeline-depth", "an int in [1, 64]"),
+    (["train", "--gpu-margin-mem-ratio", "-0.1"], "--gpu-margin-mem-ratio", "a number in [0, 1]"),
+    (["train", "--static-param-device-fraction", "2"], "--static-param-device-fraction", "a number in [0, 1]"),
+    (["train", "--embd", "100", "--heads", "3"], "--embd", "not a multiple of --heads 3"),
+    (["demo", "--steps", "0"], "--steps", "an int >= 1"),
+    (["demo", "--model-to-budget", "0.5"], "--model-to-budget", "a finite number >= 1"),
+    (["tune-margin", "--steps", "1"], "--steps", "an int >= 2"),
+    (["tune-margin", "--headroom-fraction", "1"], "--headroom-fraction", "a number in [0, 1)"),
+    (["tune-margin", "--ratios", "0,2"], "--ratios", "numbers in [0, 1]"),
+    (["plan", "--seq", "-1"], "--seq", "an int >= 1"),
+    (["report", "r.jsonl", "--run", "0"], "--run", "1 is the first run, -1 the last"),
+]
+
+
+@pytest.mark.parametrize("argv,option,accepted", BAD_OPTIONS, ids=[" ".join(a) for a, _, _ in BAD_OPTIONS])
+def test_numeric_options_are_checked_before_anything_is_built(argv, option, accepted, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2  # as argparse ends on any bad argument
+    out, err = capsys.readouterr()
+    assert out == ""  # no model built, no step run
+    assert f"argument {option}: " in err and accepted in err, err
+
+
+def test_python_dash_m_gemini_refuses_negative_steps_at_once():
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    done = subprocess.run([sys.executable, "-m", "gemini", "train", "--device", "cpu", "--steps", "-3"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "argument --steps: '-3' is not an int >= 1" in done.stderr
+
+
+def test_report_shows_the_last_run_or_the_one_asked_for_or_all(demo_run, tmp_path, capsys):
+    _, _, demo_file, _ = demo_run
+    path = tmp_path / "two-runs.jsonl"
+    path.write_text(demo_file.read_text())
+    first = gemini.read_reports(path)
+    second = [dataclasses.replace(r, step=r.step + 100) for r in first[:2]]
+    writer = ReportWriter(path)
+    writer.start_run({"started": "then", "pid": 42, "host": "elsewhere", "config": {"placement": "cpu"}})
+    for r in second:
+        writer.write(r)
+
+    def shown(*options: str) -> str:
+        assert main(["report", str(path), "--unit", "MiB", *options]) == 0
+        return capsys.readouterr().out
+
+    out = shown()
+    assert "run 2 of 2: started then, pid 42 on elsewhere, 2 steps; placement cpu" in out
+    assert all(gemini.summary_line(r, unit="MiB") in out for r in second)
+    assert not any(gemini.summary_line(r, unit="MiB") in out for r in first)
+    out = shown("--run", "1")
+    assert "run 1 of 2: started " in out and all(gemini.summary_line(r, unit="MiB") in out for r in first)
+    assert gemini.run_summary(first, unit="MiB") in out
+    out = shown("--all-runs")
+    assert out.index("run 1 of 2") < out.index("run 2 of 2")
+    assert gemini.run_summary(first, unit="MiB") in out and gemini.run_summary(second, unit="MiB") in out
+    assert main(["report", str(path), "--run", "3"]) == 2
+    assert "--run 3 is out of range" in capsys.readouterr().err
+
+
+def test_report_of_a_file_with_a_torn_last_line_still_works(demo_run, tmp_path, capsys):
+    _, _, demo_file, _ = demo_run
+    path = tmp_path / "torn.jsonl"
+    text = demo_file.read_text()
+    path.write_text(text + text.splitlines()[-1][:40])  # killed while writing a line
+    with pytest.warns(RuntimeWarning, match="skipped a torn line"):
+        assert main(["report", str(path), "--unit", "MiB"]) == 0
+    reports = gemini.read_reports(demo_file)
+    assert gemini.run_summary(reports, unit="MiB") in capsys.readouterr().out

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import warnings
+
 import pytest
 import torch
 
@@ -103,3 +108,84 @@ def test_param_in_two_groups_is_refused():
 def test_device_budget_too_small_for_cuda_placement_says_how_much_is_missing():
     with pytest.raises(ValueError, match=r"bytes are missing"):
         gemini.initialize(GPT(TINY), gemini.GeminiConfig(device="cpu", placement="cuda", device_memory="64KiB"))
+
+
+# ------------------------------------------------------------------------------ report_path
+def _report_path_error(value) -> str:
+    with pytest.raises(ValueError, match=r"GeminiConfig\.report_path=") as info:
+        gemini.GeminiConfig(report_path=value)
+    message = str(info.value)
+    assert repr(value) in message and "expected None or the path of a file" in message
+    return message
+
+
+def test_report_path_problems_fail_when_the_config_is_made(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    assert "not a folder" in _report_path_error(tmp_path)  # a folder, not a file
+    assert "is not a folder" in _report_path_error(str(tmp_path / "afile" / "r.jsonl"))  # parent is a file
+    # The parent is missing and cannot be made: an ancestor is a file.
+    assert repr(str(tmp_path / "afile")) in _report_path_error(str(tmp_path / "afile" / "a" / "b" / "r.jsonl"))
+    assert "empty string" in _report_path_error("")
+    # A missing parent that can be made is fine: initialize makes it.
+    gemini.GeminiConfig(report_path=tmp_path / "new" / "r.jsonl")
+
+
+def test_report_path_on_a_read_only_file_system_fails_when_the_config_is_made(tmp_path):
+    # A permission even root lacks (chmod would not stop root): a file system mounted read-only.
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)], capture_output=True,
+                          text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        assert "may not create files in" in _report_path_error(str(mnt / "r.jsonl"))
+        assert "may not create files in" in _report_path_error(str(mnt / "sub" / "r.jsonl"))
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_report_path_in_a_folder_without_write_permission(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes through mode bits; the read-only mount test covers this")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        assert "may not create files in" in _report_path_error(str(locked / "r.jsonl"))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_report_path_that_cannot_be_opened_fails_initialize_before_the_model_is_touched(tmp_path):
+    path = tmp_path / "r.jsonl"
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, report_path=path, cpu_memory="1MiB",
+                              nvme_dir=nvme)
+    path.mkdir()  # made a folder after the config was checked: only opening it tells
+    model = GPT(TINY)
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"GeminiConfig\.report_path={re.escape(repr(path))} is invalid: .*Errno"):
+        gemini.initialize(model, cfg)
+    assert os.listdir(nvme) == []  # no NVMe store was opened
+    for name, p in model.named_parameters():
+        assert p is params[name][0] and torch.equal(p, params[name][1])  # not moved into chunks
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())  # not wrapped
+
+
+# ------------------------------------------------------------------------------- nvme_dir
+def test_an_empty_nvme_dir_is_named_as_given():
+    with pytest.raises(ValueError, match=r"GeminiConfig\.nvme_dir='' is invalid: expected None or the path of an "
+                                         r"existing folder \(an empty string names no folder"):
+        gemini.GeminiConfig(nvme_dir="")
+
+
+def test_an_nvme_dir_nothing_will_use_is_warned_about(tmp_path):
+    with pytest.warns(UserWarning, match=r"GeminiConfig\.nvme_dir=.* will not be used: with cpu_memory=None .* and "
+                                         r"nvme_offload_fraction=0 .*set cpu_memory .* or nvme_offload_fraction > 0"):
+        gemini.GeminiConfig(nvme_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gemini.GeminiConfig(nvme_dir=tmp_path, cpu_memory="1GiB")
+        gemini.GeminiConfig(nvme_dir=tmp_path, nvme_offload_fraction=0.5)
+        gemini.GeminiConfig()

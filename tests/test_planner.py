@@ -93,8 +93,9 @@ def test_what_does_not_fit_is_said_with_the_knob_to_turn(tmp_path):
                                                                 device_memory=100_000))
     assert not small.fits and "device_memory" in small.problems[0]
     assert "fits: NO" in small.table()
-    missing = gemini.plan_placement(_model(), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000,
-                                                                  nvme_dir=str(tmp_path / "missing")))
+    with pytest.warns(UserWarning, match="will not be used"):  # no cpu_memory: NVMe would hold nothing anyway
+        config = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path / "missing"))
+    missing = gemini.plan_placement(_model(), config)
     assert not missing.fits and "is not a folder" in missing.problems[0]
     # The same budgets really fail at initialize.
     with pytest.raises(ValueError, match="nvme_dir"):

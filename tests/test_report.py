@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import pytest
-import torch
 
 import gemini
 from chunks import ChunkKind, Tier
@@ -59,7 +59,8 @@ def test_cpu_placement_counts_every_byte(precision, tmp_path):
         assert 0 < r.device_peak_bytes <= param_bytes + grad_bytes
         assert r.step_seconds > 0 and r.transfer_seconds > 0 and r.optimizer_cpu_seconds > 0
         assert r.optimizer_device_seconds == 0
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    header, *rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert header["run"]["config"]["precision"] == precision
     assert rows == [r.to_dict() for r in reports]
     assert [row["step"] for row in rows] == [0, 1, 2]
 
@@ -107,7 +108,7 @@ def auto_run(tmp_path_factory):
 
 def test_jsonl_rows_equal_the_reports_with_breakdown_and_timeline(auto_run):
     path, reports, _, opt = auto_run
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    _header, *rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [r.to_dict() for r in reports]
     assert gemini.read_reports(path) == reports  # nested timeline included
     # The warm-up step carries the plan's timeline, period by period; later steps none.
@@ -175,3 +176,66 @@ def test_plots_without_matplotlib_say_how_to_install_it(auto_run, tmp_path, monk
     with pytest.raises(ImportError, match=r"pip install 'gemini-offload\[plot\]'"):
         gemini.plot_memory(reports, tmp_path / "memory.png")
     assert not (tmp_path / "memory.png").exists()
+
+
+# ------------------------------------------------------------- the file across runs and kills
+def _run(path, steps: int, **config) -> list[gemini.MemoryReport]:
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=3000, report_path=path, **config)
+    gmodel, opt = gemini.initialize(make_gpt(), cfg)
+    reports = []
+    for x, y in batches(TINY, steps):
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+    opt.close()
+    return reports
+
+
+def test_initializing_again_with_the_same_report_path_appends_a_run(tmp_path):
+    path = tmp_path / "r.jsonl"
+    first = _run(path, 2)
+    second = _run(path, 3, precision="bf16")
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + 2 + 1 + 3  # the first run's history is still there
+    assert gemini.read_reports(path) == second  # the last run by default: what callers had before
+    assert gemini.read_reports(path, run=0) == first
+    assert gemini.read_reports(path, run="all") == first + second
+    runs = gemini.read_report_runs(path)
+    assert [r.first_line for r in runs] == [1, 4]
+    assert [r.header["config"]["precision"] for r in runs] == ["fp32", "bf16"]
+    for r in runs:
+        assert r.header["pid"] == os.getpid() and r.header["chunk_size"] == 3000 and r.header["started"]
+    with pytest.raises(ValueError, match=r"run=2 is invalid: .*r.jsonl holds 2 run\(s\), so expected -2 to 1"):
+        gemini.read_reports(path, run=2)
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning_and_the_next_run_starts_clean(tmp_path):
+    path = tmp_path / "r.jsonl"
+    first = _run(path, 2)
+    # What a kill in the middle of writing the third report leaves: a line cut short.
+    whole = json.dumps(dataclasses.replace(first[-1], step=2).to_dict())
+    with open(path, "a") as f:
+        f.write(whole[: len(whole) // 2])
+    with pytest.warns(RuntimeWarning, match=r"r.jsonl:4: skipped a torn line at the end of a run"):
+        assert gemini.read_reports(path) == first
+    second = _run(path, 1)
+    assert path.read_text().splitlines()[4].startswith('{"run": ')  # a line of its own
+    with pytest.warns(RuntimeWarning, match=r"r.jsonl:4: skipped a torn line"):
+        assert gemini.read_reports(path, run="all") == first + second
+
+
+def test_damage_before_the_end_of_a_run_is_an_error_naming_the_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    reports = _run(path, 3)
+    header, *rows = path.read_text().splitlines()
+    for lines, bad in [([header, rows[0], "{\"step\": 1, \"dev", rows[2]], 3),  # torn, then more reports
+                       ([header, rows[0], rows[1], "garbage", "garbage"], 4),  # two bad lines at the end
+                       ([header, rows[0], "[1, 2]", rows[2]], 3),  # JSON, not a report
+                       ([header, rows[0], "{\"step\": 1}"], 3)]:  # a whole line missing its fields
+        path.write_text("\n".join(lines) + "\n")
+        with pytest.raises(ValueError, match=rf"r.jsonl:{bad} is not a MemoryReport"):
+            gemini.read_reports(path)
+    path.write_text("\n".join(rows) + "\n")  # a file of a version before run headers: one run
+    assert gemini.read_reports(path) == reports
+    assert gemini.read_report_runs(path)[0].header is None

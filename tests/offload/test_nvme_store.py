@@ -265,7 +265,7 @@ def test_the_folder_of_a_crashed_run_is_removed_by_the_next_store(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="offload"):
         with NvmeStore(tmp_path) as s:
             assert [f.path for f in s.stale_folders] == [left] and s.stale_folders[0].size_bytes >= 400_000
-    assert not os.path.exists(left) and "is not running" in caplog.text
+    assert not os.path.exists(left) and "no process holds its lock" in caplog.text
 
 
 def _dead_pid() -> int:
@@ -275,6 +275,7 @@ def _dead_pid() -> int:
 
 
 def test_stale_folders_of_dead_processes_are_reported_and_removed(tmp_path, caplog):
+    # Folders as versions before the lock made them (no lock file): judged by their pid.
     dead = tmp_path / f"gemini-{_dead_pid()}-rank0-00c0ffee"
     dead.mkdir()
     (dead / "00000001.bin").write_bytes(b"x" * 5000)
