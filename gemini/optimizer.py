@@ -18,7 +18,7 @@ from gemini.adam import adam_update
 from gemini.clipping import clip_coefficient, grad_norm
 from gemini.loss_scaler import DynamicLossScaler
 from gemini.report import MemoryReport, WarmupTimeline
-from gemini.transaction import StepTransaction
+from gemini.transaction import UNDO_KIND, StepTransaction
 from gemini.zero import agree_grad_ready, gather_params, gather_state
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ class HybridAdam(torch.optim.Optimizer):
                 tx.rollback()
                 raise
             tx.commit()
-            self._after_commit()
+            self._after_commit(skipped)
         finally:
             rt.grad_views.expose()  # torch keeps p.grad after the step, until zero_grad
         self._finish_report(skipped=skipped, grad_norm=norm, seconds=seconds, scale=scale)
@@ -219,13 +219,16 @@ class HybridAdam(torch.optim.Optimizer):
             return g.param, g.shard.start, g.shard.numel
         return g.param, 0, g.param.used_numel
 
-    def _after_commit(self) -> None:
+    def _after_commit(self, skipped: bool) -> None:
+        """What follows a landed step and changes no value: other ranks' updated ranges arrive,
+        placements the step changed are restored."""
         rt = self._rt
         groups = [g for g in rt.manager.trainable_groups if g.any_grad_ready]
-        if rt.zero is not None and rt.placement.gatherer is None:
-            gather_params(rt.zero, groups, rt.storage)  # ZeRO-1/2: every rank's updated range
-        for g in groups:
-            rt.placement.after_commit(g)
+        if not skipped:
+            if rt.zero is not None and rt.placement.gatherer is None:
+                gather_params(rt.zero, groups, rt.storage)  # ZeRO-1/2: every rank's updated range
+            for g in groups:
+                rt.placement.after_commit(g)
         if rt.placement.gatherer is not None:
             rt.placement.gatherer.end_iteration()
 
@@ -358,7 +361,7 @@ class HybridAdam(torch.optim.Optimizer):
             device_model_bytes=ledger.bytes_on(Tier.DEVICE),
             device_non_model_peak_bytes=rt.device_non_model_peak_bytes(),
             host_model_bytes=ledger.bytes_on(Tier.HOST),
-            nvme_bytes=ledger.bytes_on(Tier.NVME),
+            nvme_bytes=ledger.bytes_on(Tier.NVME) - ledger.kind_bytes(Tier.NVME, UNDO_KIND),
             h2d_bytes=transfers.h2d_bytes,
             d2h_bytes=transfers.d2h_bytes,
             nvme_read_bytes=transfers.nvme_read_bytes,
@@ -389,11 +392,15 @@ class HybridAdam(torch.optim.Optimizer):
             activation_offload_bytes=ledger.transfers.activation_d2h_bytes,
             activation_host_peak_bytes=ledger.activations.peak_bytes,
             activation_kept_bytes=ledger.transfers.activation_kept_bytes,
+            nvme_undo_bytes=ledger.kind_bytes(Tier.NVME, UNDO_KIND),
         )
         self.report = report
         self.reports_made += 1
         if rt.report_writer is not None:
-            rt.report_writer.write(report)
+            try:
+                rt.report_writer.write(report)
+            except OSError as e:  # the step has landed: raising would invite a retry that steps twice
+                logger.error("step %d landed, but its report could not be written: %s", report.step, e)
         if rt.placement.gatherer is not None:
             rt.placement.gatherer.gathers = 0
         rt.start_new_step()

@@ -112,6 +112,9 @@ class MemoryReport:
     activation_offload_bytes: int = 0
     activation_host_peak_bytes: int = 0
     activation_kept_bytes: int = 0
+    # Files holding the step's copies of parameters aside when cpu_memory sends them to NVMe
+    # (see gemini/transaction.py); not model data, so not in ``nvme_bytes``.
+    nvme_undo_bytes: int = 0
     # Only on the report of a step that ended a warm-up trace (the first step under
     # placement="auto", and any step traced again after input shapes changed).
     timeline: WarmupTimeline | None = None

@@ -3,6 +3,8 @@ choice of which groups go to NVMe."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -147,13 +149,19 @@ def _updated_in_step(c: Chunk, new: torch.Tensor) -> None:
     c.finish_spill()
 
 
-def test_a_held_file_survives_the_write_and_comes_back_on_restore(storage):
-    c = _chunk(storage, 3000)
-    old, new = torch.randn(3000), torch.randn(3000)
+def _in_file(storage, values: torch.Tensor) -> Chunk:
+    """A chunk holding ``values`` in its file (NVME)."""
+    c = _chunk(storage, values.numel())
     c.allocate(Tier.HOST)
-    c.payload(Tier.HOST).copy_(old)
+    c.payload(Tier.HOST).copy_(values)
     c.start_spill()
     c.finish_spill()
+    return c
+
+
+def test_a_held_file_survives_the_write_and_comes_back_on_restore(storage):
+    old, new = torch.randn(3000), torch.randn(3000)
+    c = _in_file(storage, old)
     held_key = c.key
     c.hold_file()
     _updated_in_step(c, new)
@@ -170,12 +178,8 @@ def test_a_held_file_survives_the_write_and_comes_back_on_restore(storage):
 
 
 def test_a_restore_after_a_failed_write_drops_the_updated_host_copy(storage):
-    c = _chunk(storage, 3000)
     old = torch.randn(3000)
-    c.allocate(Tier.HOST)
-    c.payload(Tier.HOST).copy_(old)
-    c.start_spill()
-    c.finish_spill()
+    c = _in_file(storage, old)
     c.hold_file()
     c.start_load()
     c.finish_load()
@@ -190,17 +194,14 @@ def test_a_restore_after_a_failed_write_drops_the_updated_host_copy(storage):
 
 
 def test_a_released_hold_deletes_the_old_file_and_keeps_the_new(storage):
-    c = _chunk(storage, 3000)
     new = torch.randn(3000)
-    c.allocate(Tier.HOST)
-    c.start_spill()
-    c.finish_spill()
+    c = _in_file(storage, torch.zeros(3000))
     old_path = storage.nvme.path_of(c.key)
     c.hold_file()
     _updated_in_step(c, new)
     c.release_held_file()  # the step succeeded
     assert len(storage.nvme) == 1 and storage.ledger.bytes_on(Tier.NVME) == c.nbytes
-    assert not __import__("os").path.exists(old_path)
+    assert not os.path.exists(old_path)
     assert torch.equal(_on_disk(storage, c.key, new), new)
     # Outside a step a write replaces the file under the same name.
     key = c.key
