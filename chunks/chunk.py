@@ -385,7 +385,7 @@ class Chunk:
         """The step is complete: delete the held file if a newer one replaced it."""
         held, self._held_slot = self._held_slot, None
         if held is not None and held != self._file_slot:
-            self._storage.nvme_delete(self._slot_key(held))
+            self._storage.nvme_delete(self._slot_key(held), wait=False)  # behind the next forward
 
     @_move
     def restore_held_file(self) -> None:

@@ -219,11 +219,19 @@ class ChunkStorage:
             self._nvme_files[key] = (kind, nbytes)
             self.ledger.add(Tier.NVME, kind, nbytes)
 
-    def nvme_delete(self, key: Hashable) -> None:
-        """Remove the file of ``key``, if there is one (a chunk released for good)."""
+    def nvme_delete(self, key: Hashable, *, wait: bool = True) -> None:
+        """Remove the file of ``key``, if there is one (a chunk released for good).
+
+        ``wait=False``: the removal runs behind whatever comes next (an unlink of a large
+        file can take milliseconds, more with online discard); requests on ``key`` made later
+        still run after it, and a failure is logged (the file only costs disk)."""
         if key in self._nvme_files:
-            self._store().delete(key).result()
+            future = self._store().delete(key)
             self.ledger.sub(Tier.NVME, *self._nvme_files.pop(key))
+            if wait:
+                future.result()
+            else:
+                future.add_done_callback(_log_failed_delete)
 
     def close_nvme(self) -> None:
         """Delete every file and stop the store's I/O threads."""
@@ -232,3 +240,8 @@ class ChunkStorage:
             for kind, nbytes in self._nvme_files.values():
                 self.ledger.sub(Tier.NVME, kind, nbytes)
             self._nvme_files.clear()
+
+
+def _log_failed_delete(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("could not delete an NVMe file no longer needed: %s", future.exception())
