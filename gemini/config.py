@@ -182,7 +182,13 @@ class GeminiConfig:
             _fail("device", self.device, '"cuda", "cuda:N", "cpu" or None')
         if dev.type not in ("cuda", "cpu"):
             _fail("device", self.device, '"cuda", "cuda:N", "cpu" or None')
-        if dev.type == "cuda" and not torch.cuda.is_available():
+
+    def check_device_available(self) -> None:
+        """Raise ``ValueError`` naming the field if this machine cannot run on :attr:`device`.
+
+        Not part of construction: a config describes the run it is for, and a machine without
+        that GPU may still plan it (``gemini.plan_placement``); ``initialize`` calls this first."""
+        if self.device is not None and torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
             _fail("device", self.device, '"cpu" or None: this torch build or machine has no CUDA device')
 
     def _check_report_path(self) -> None:

@@ -72,6 +72,7 @@ def initialize(
     config = GeminiConfig() if config is None else config
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"config must be a gemini.GeminiConfig, got {type(config).__name__}")
+    config.check_device_available()
     _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     _check_supported(config)
     writer = _open_report(config)

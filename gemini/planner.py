@@ -98,7 +98,9 @@ class PlacementPlan:
         )
         lines += [f"note: {n}" for n in self.notes]
         if self.fits:
-            lines.append("fits: yes")
+            # Until plans run the model on example inputs, the verdict is about model data only.
+            lines.append("fits: yes, for model data and buffers; activations and other non-model memory are not "
+                         "counted (the warm-up step measures them, and refuses a budget they do not fit)")
         else:
             lines.append("fits: NO")
             lines += [f"  - {p}" for p in self.problems]
@@ -208,9 +210,11 @@ def _check_host_and_nvme(plan: PlacementPlan, config: GeminiConfig) -> None:
     if config.resolved_device().type == "cpu":
         host_bytes += plan.tier_bytes("device")  # the CPU stand-in's "device" is host memory too
     if host_bytes > plan.host_available_bytes:
+        knob = ("set cpu_memory and nvme_dir to move optimizer states to NVMe" if config.placement != "cuda" else
+                "with placement 'cpu', 'auto' or 'static', cpu_memory and nvme_dir move optimizer states to NVMe")
         plan.problems.append(
             f"host memory: {format_size(host_bytes)} needed, {format_size(plan.host_available_bytes)} available now; "
-            f"set cpu_memory and nvme_dir to move optimizer states to NVMe")
+            f"{knob}")
     if plan.nvme_staging_bytes:
         plan.notes.append(f"the NVMe pipeline stages up to {format_size(plan.nvme_staging_bytes)} in host memory")
     nvme_bytes = plan.tier_bytes("nvme")

@@ -49,11 +49,18 @@ def test_invalid_field_names_itself(field, value):
         gemini.GeminiConfig(**{field: value})
 
 
-def test_cuda_device_without_cuda_is_refused():
+def test_cuda_device_without_cuda_is_refused_by_initialize_not_by_the_config():
+    """A config describes the run it is for: a machine without the GPU can plan it, and only
+    initialize (before anything is built) refuses to run it."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(ValueError, match=r"GeminiConfig\.device='cuda'"):
-        gemini.GeminiConfig(device="cuda")
+    config = gemini.GeminiConfig(device="cuda")
+    assert gemini.plan_placement(torch.nn.Linear(4, 4), config).fits
+    model = torch.nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"GeminiConfig\.device='cuda'.*no CUDA device"):
+        gemini.initialize(model, config)
+    assert torch.equal(model.weight, before)
 
 
 def test_nvme_fraction_needs_a_dir():

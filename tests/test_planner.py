@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 
@@ -104,3 +105,24 @@ def test_what_does_not_fit_is_said_with_the_knob_to_turn(tmp_path):
     with pytest.raises(ValueError, match="device_memory"):
         gemini.initialize(_model(), gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=2000,
                                                          device_memory=100_000))
+
+
+def test_the_plan_is_for_the_configured_device_whatever_machine_plans_it():
+    """A 1.5B bf16 model under placement cuda with an 80 GiB budget: its ~24 GB of chunks are
+    on the GPU, not in this machine's host memory. The same plan with the CPU standing in for
+    the device puts them in host memory, which is then short."""
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=48, n_head=25, n_embd=1600)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    common = dict(placement="cuda", precision="bf16", device_memory="80GiB")
+    on_gpu = gemini.plan_placement(model, gemini.GeminiConfig(device="cuda", **common))
+    assert on_gpu.fits, on_gpu.problems
+    assert on_gpu.tier_bytes("device") == pytest.approx(16 * cfg.num_params(), rel=0.02)
+    assert on_gpu.tier_bytes("host") == 0
+    assert "activations and other non-model memory are not counted" in on_gpu.table()
+    if psutil.virtual_memory().available < 16 * cfg.num_params():
+        stand_in = gemini.plan_placement(model, gemini.GeminiConfig(device="cpu", **common))
+        assert not stand_in.fits
+        problem = next(p for p in stand_in.problems if p.startswith("host memory"))
+        # Under placement cuda, cpu_memory and nvme_dir are refused: the advice names the placements that take them.
+        assert "with placement 'cpu', 'auto' or 'static'" in problem
