@@ -16,7 +16,7 @@ from tracer import CudaAllocatorMonitor, MemoryMonitor, TensorAccountingMonitor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceBudgetError", "DeviceMemory"]
+__all__ = ["DeviceBudgetError", "DeviceMemory", "planned_reserve_bytes"]
 
 _STEP_TEMPORARIES_BYTES = 64 * 1024  # see [Note: the safety reserve]
 
@@ -125,8 +125,14 @@ class DeviceMemory:
         Peers used fixed shares (Colossal-AI: 20% in warm-up, 90% after) that were at once too
         large for big devices and too small where fragmentation bit (see ANCHORS.md).
         """
-        variation = math.ceil(0.05 * max_non_model_bytes) if self.device.type == "cuda" else 0
-        return self.allocator_slack_bytes() + variation + _STEP_TEMPORARIES_BYTES
+        return self.allocator_slack_bytes() + planned_reserve_bytes(max_non_model_bytes, self.device)
+
+
+def planned_reserve_bytes(max_non_model_bytes: int, device: torch.device) -> int:
+    """The safety reserve less the allocator's slack (which only a run measures): what a plan
+    made before any run keeps free (see [Note: the safety reserve])."""
+    variation = math.ceil(0.05 * max_non_model_bytes) if device.type == "cuda" else 0
+    return variation + _STEP_TEMPORARIES_BYTES
 
 
 def _device_total_bytes(device: torch.device) -> int:

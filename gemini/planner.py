@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -24,6 +25,8 @@ from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
 from gemini.footprint import chunk_bytes, device_groups, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
+from gemini.memory import planned_reserve_bytes
+from gemini.meta_run import non_model_peak_bytes
 from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
 from gemini.summary import readable_unit
 from offload import format_size
@@ -63,6 +66,11 @@ class PlacementPlan:
     cpu_memory_bytes: int | None
     host_available_bytes: int
     nvme_free_bytes: int | None
+    # With example inputs (see gemini/meta_run.py): the activations' and temporaries' peak of one
+    # forward and backward, and the device's predicted peak (model data held then + that + the
+    # safety reserve's share the warm-up would keep). None: not counted.
+    non_model_peak_bytes: int | None = None
+    device_peak_bytes: int | None = None
     problems: list[str] = field(default_factory=list)  # why it does not fit; empty: it fits
     notes: list[str] = field(default_factory=list)
 
@@ -97,10 +105,14 @@ class PlacementPlan:
             f"{self.trainable_groups - self.os_groups_on_device - self.nvme_groups} in host memory"
         )
         lines += [f"note: {n}" for n in self.notes]
-        if self.fits:
-            # Until plans run the model on example inputs, the verdict is about model data only.
+        if self.fits and self.device_peak_bytes is not None:
+            budget = "" if self.device_budget_bytes is None else f" of device_memory {format_size(self.device_budget_bytes)}"
+            lines.append(f"fits: yes, predicted device peak {format_size(self.device_peak_bytes)}{budget}, "
+                         f"activations included")
+        elif self.fits:
             lines.append("fits: yes, for model data and buffers; activations and other non-model memory are not "
-                         "counted (the warm-up step measures them, and refuses a budget they do not fit)")
+                         "counted (pass example_inputs to count them; the warm-up step measures them and refuses "
+                         "a budget they do not fit)")
         else:
             lines.append("fits: NO")
             lines += [f"  - {p}" for p in self.problems]
@@ -108,12 +120,18 @@ class PlacementPlan:
 
 
 def plan_placement(model: nn.Module, config: GeminiConfig, *,
-                   param_groups: list[dict[str, Any]] | None = None) -> PlacementPlan:
+                   param_groups: list[dict[str, Any]] | None = None,
+                   example_inputs: Sequence[Any] | None = None,
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None) -> PlacementPlan:
     """Where ``initialize(model, config, param_groups=...)`` will put every chunk, before it runs.
 
     Exact for placements "cuda", "cpu" and "static"; for "auto" the host and NVMe figures are
     those of ``gpu_margin_mem_ratio=0`` and the device's share is decided by the warm-up (see
-    the plan's notes).
+    the plan's notes). With ``example_inputs`` (the model's positional arguments: tensors, or
+    ``(shape, dtype)`` pairs) one forward and backward runs on the meta device — no memory, no
+    compute — and the verdict counts the activations (``non_model_peak_bytes``,
+    ``device_peak_bytes``); ``loss_fn(output)`` gives the scalar to differentiate (default: the
+    sum of the first output). Without them the verdict says that activations were not counted.
     """
     _, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
@@ -142,6 +160,9 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         cpu_memory_bytes=config.cpu_memory, host_available_bytes=psutil.virtual_memory().available,
         nvme_free_bytes=_free_disk_bytes(config.nvme_dir), problems=problems, notes=notes,
     )
+    if example_inputs is not None:
+        plan.non_model_peak_bytes = non_model_peak_bytes(model, example_inputs, loss_fn=loss_fn,
+                                                         param_dtype=config.param_dtype)
     _check_device(plan, config)
     _check_host_and_nvme(plan, config)
     return plan
@@ -190,6 +211,24 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
         what = "the largest chunk group's parameters and gradients visiting it"
     else:
         what = "the chunks it keeps"
+    if plan.non_model_peak_bytes is not None:
+        plan.device_peak_bytes = device_bytes + plan.non_model_peak_bytes
+        reserve = planned_reserve_bytes(plan.non_model_peak_bytes, config.resolved_device())
+        plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)}: {format_size(device_bytes)} "
+                          f"for {what} (with buffers) + {format_size(plan.non_model_peak_bytes)} of activations and "
+                          f"temporaries (one forward and backward on the meta device); the warm-up keeps a reserve "
+                          f"of {format_size(reserve)} besides")
+        if budget is None:
+            return
+        missing = missing_bytes(budget, plan.device_peak_bytes, reserve)
+        if missing:
+            plan.problems.append(
+                f"the device needs {format_size(plan.device_peak_bytes + reserve)} at its peak ({format_size(device_bytes)} "
+                f"for {what} with buffers, {format_size(plan.non_model_peak_bytes)} of activations and temporaries, "
+                f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: {format_size(missing)} "
+                f"are missing; raise device_memory, use activation checkpointing or offload_activations, a smaller "
+                f"batch, or placement 'cpu'/'auto'")
+        return
     if budget is None:
         plan.notes.append(f"no device budget: the whole device; it needs {format_size(device_bytes)} for {what}, "
                           f"plus activations")

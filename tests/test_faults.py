@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ class Fault:
         self.disk = disk
         self.armed = False
         self.fired = 0
-        self.nvme_folder: str | None = None
+        self.nvme_file: Callable[[], str] | None = None  # the file a "corrupt" fault damages
         if kind in ("write_error", "read_error"):
             name = "pwritev" if kind == "write_error" else "preadv"
             real = getattr(os, name)
@@ -107,9 +108,8 @@ class Fault:
                     f.write(b"\0" * (free - 4096))  # a few KB left: less than any chunk file
             self.fired = 1
         if self.kind == "corrupt":
-            # The last file written: an Adam state of the last group, read late in the step.
-            files = sorted(os.path.join(self.nvme_folder, n) for n in os.listdir(self.nvme_folder) if n.endswith(".bin"))
-            with open(files[-1], "r+b") as f:
+            # An Adam state of the last group, read late in the step.
+            with open(self.nvme_file(), "r+b") as f:
                 f.seek(100)
                 byte = f.read(1)
                 f.seek(100)
@@ -196,7 +196,8 @@ def test_a_fault_leaves_a_clear_error_and_the_recovered_run_equals_the_uninterru
                               nvme_offload_fraction=1.0, nvme_pipeline_depth=1)
     model, opt = gemini.initialize(base, cfg, lr=LR)
     fault = Fault(kind, str(small_disk), monkeypatch)
-    fault.nvme_folder = opt._rt.storage.nvme.folder
+    last = opt._rt.manager.trainable_groups[-1]
+    fault.nvme_file = lambda: opt._rt.storage.nvme.path_of(last.exp_avg_sq.key)
     step_box = [0]
     _arm_at(moment, fault, model, monkeypatch, step_box)
     checkpoints = {}  # step count -> file

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -56,7 +57,10 @@ def test_states_on_nvme_train_like_adamw_and_are_reported(tmp_path, placement):
     assert r.nvme_undo_bytes == undo and r.nvme_write_bytes == nbytes + undo
     assert r.host_model_bytes == sum(c.nbytes for c in manager.chunks() if c.is_on(Tier.HOST))
     folder = opt._rt.storage.nvme.folder
-    assert len([f for f in os.listdir(folder) if f.endswith(".bin")]) == len(on_nvme) + len(streamed)
+    deadline = time.monotonic() + 30  # the files the last step replaced are removed behind it
+    while len([f for f in os.listdir(folder) if f.endswith(".bin")]) != len(on_nvme) + len(streamed):
+        assert time.monotonic() < deadline, os.listdir(folder)
+        time.sleep(0.01)
     opt.close()
     assert not os.path.exists(folder) and os.listdir(tmp_path) == []
 
@@ -200,7 +204,7 @@ def test_files_go_when_the_optimizer_is_garbage_collected(tmp_path):
 
 _FSIZE_CHILD = textwrap.dedent(
     """
-    import json, os, resource, signal, sys
+    import json, os, resource, signal, sys, time
     sys.path.insert(0, {tests!r})
     import torch, gemini
     from chunks import ChunkState
@@ -225,7 +229,17 @@ _FSIZE_CHILD = textwrap.dedent(
     for x, y in data[:2]:
         opt.backward(GPT.loss(gm(x), y)); opt.step(); opt.zero_grad()
     store = opt._rt.storage.nvme
-    files_before = sorted(os.listdir(store.folder))
+    n_files = sum(len(opt._rt.nvme.chunks_of(g)) for g in opt._rt.manager.trainable_groups)
+
+    def chunk_files():  # once the files a step replaced are gone (removed behind the caller)
+        deadline = time.monotonic() + 30
+        while True:
+            names = sorted(n for n in os.listdir(store.folder) if n.endswith(".bin"))
+            if len(names) == n_files or time.monotonic() > deadline:
+                return names
+            time.sleep(0.01)
+
+    files_before = chunk_files()
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # every new chunk file is larger
     x, y = data[2]
@@ -239,7 +253,7 @@ _FSIZE_CHILD = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     groups = opt._rt.manager.trainable_groups
     out["in_files"] = all(c.state is ChunkState.NVME for g in groups for c in opt._rt.nvme.chunks_of(g))
-    out["same_files"] = sorted(os.listdir(store.folder)) == files_before
+    out["same_files"] = chunk_files() == files_before
     names = [n for n, _ in ref.named_parameters()]
 
     def worst_against(step):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gemini
-from gemini.gpt import GPT, GPTConfig
+from gemini.gpt import GPT, GPTConfig, synthetic_batch
+from gemini.memory import DeviceBudgetError
 from helpers import TINY, batches, make_gpt
 
 
@@ -126,3 +127,74 @@ def test_the_plan_is_for_the_configured_device_whatever_machine_plans_it():
         problem = next(p for p in stand_in.problems if p.startswith("host memory"))
         # Under placement cuda, cpu_memory and nvme_dir are refused: the advice names the placements that take them.
         assert "with placement 'cpu', 'auto' or 'static'" in problem
+
+
+_SMALL = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+@pytest.mark.parametrize("placement,precision", [("cuda", "fp32"), ("cuda", "bf16"), ("cpu", "fp32"),
+                                                 ("static", "fp32")])
+def test_with_example_inputs_the_predicted_device_peak_is_within_10_percent_of_every_step(placement, precision):
+    """One forward and backward on the meta device (no memory, no compute) predicts the peak the
+    CPU stand-in's accounting monitor then measures in every step once Adam's states exist."""
+    x, y = synthetic_batch(_SMALL, 8, 64, generator=torch.Generator().manual_seed(1))
+    extra = dict(static_param_device_fraction=0.5, static_optimizer_offload_fraction=0.5) if placement == "static" else {}
+    config = gemini.GeminiConfig(device="cpu", placement=placement, precision=precision, chunk_size=32768,
+                                 device_memory="1GiB", **extra)
+    with torch.device("meta"):
+        meta_model = GPT(_SMALL)
+    plan = gemini.plan_placement(meta_model, config, example_inputs=(x,),
+                                 loss_fn=lambda out: GPT.loss(out, y.to("meta")))
+    assert plan.fits and plan.non_model_peak_bytes > plan.tier_bytes("device") / 2  # activations dominate here
+    # Shapes and dtypes alone plan the same.
+    same = gemini.plan_placement(meta_model, config, example_inputs=((tuple(x.shape), x.dtype),),
+                                 loss_fn=lambda out: GPT.loss(out, y.to("meta")))
+    assert same.device_peak_bytes == plan.device_peak_bytes
+    torch.manual_seed(0)
+    model, opt = gemini.initialize(GPT(_SMALL), config)
+    for step in range(3):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        if step == 0:  # Adam's states come to exist in the first step, after its peak
+            assert opt.report.device_peak_bytes <= plan.device_peak_bytes
+        else:
+            assert opt.report.device_peak_bytes == pytest.approx(plan.device_peak_bytes, rel=0.10)
+    opt.close()
+
+
+def test_a_budget_the_activations_do_not_fit_is_refused_by_the_plan_as_by_training():
+    """Model data fits, activations do not: without example inputs the plan cannot know (and
+    says so); with them it refuses, as the first step does."""
+    x, y = synthetic_batch(_SMALL, 8, 64, generator=torch.Generator().manual_seed(1))
+    with torch.device("meta"):
+        meta_model = GPT(_SMALL)
+    probe = gemini.plan_placement(meta_model, gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=32768),
+                                  example_inputs=(x,), loss_fn=lambda out: GPT.loss(out, y.to("meta")))
+    model_bytes = probe.tier_bytes("device") + probe.buffer_bytes
+    budget = model_bytes + probe.non_model_peak_bytes // 2
+    config = gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=32768, device_memory=budget)
+    blind = gemini.plan_placement(meta_model, config)
+    assert blind.fits and "activations and other non-model memory are not counted" in blind.table()
+    plan = gemini.plan_placement(meta_model, config, example_inputs=(x,),
+                                 loss_fn=lambda out: GPT.loss(out, y.to("meta")))
+    assert not plan.fits and "of activations and temporaries" in plan.problems[0]
+    torch.manual_seed(0)
+    model, opt = gemini.initialize(GPT(_SMALL), config)
+    with pytest.raises(DeviceBudgetError):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+    opt.close()
+
+
+def test_a_model_that_cannot_run_on_meta_is_a_clear_error():
+    class NeedsValues(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * float(x.sum().item())
+
+    with pytest.raises(ValueError, match="example_inputs: the model could not run on the meta device"):
+        gemini.plan_placement(NeedsValues(), gemini.GeminiConfig(device="cpu"), example_inputs=(torch.ones(2, 4),))
