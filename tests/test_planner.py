@@ -198,3 +198,23 @@ def test_a_model_that_cannot_run_on_meta_is_a_clear_error():
 
     with pytest.raises(ValueError, match="example_inputs: the model could not run on the meta device"):
         gemini.plan_placement(NeedsValues(), gemini.GeminiConfig(device="cpu"), example_inputs=(torch.ones(2, 4),))
+
+
+def test_a_transformers_llama_is_predicted_from_its_input_ids():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(1))
+    config = gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=65536, device_memory="1GiB")
+    loss_fn = lambda out: out.logits.float().sum()  # noqa: E731
+    plan = gemini.plan_placement(model, config, example_inputs=((tuple(ids.shape), ids.dtype),), loss_fn=loss_fn)
+    gmodel, opt = gemini.initialize(model, config)
+    for step in range(3):
+        opt.backward(loss_fn(gmodel(ids)))
+        opt.step()
+        opt.zero_grad()
+        if step:
+            assert opt.report.device_peak_bytes == pytest.approx(plan.device_peak_bytes, rel=0.10)
+    opt.close()
