@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reports = gemini.read_reports(path)  # the file holds exactly what optimizer.report held, step by step
     first = reports[0]
-    print(f"step 0 (warm-up) traced {len(first.timeline.periods)} periods; "
+    print(f"step 1 (the warm-up) traced {len(first.timeline.periods)} periods; "
           f"its largest non-model peak was {first.timeline.max_non_model_bytes / 2**20:.2f} MiB")
     print("on the host at the end of the last step, by chunk kind (bytes):", reports[-1].model_bytes_by_tier["host"])
     print(gemini.run_summary(reports, unit="MiB"))

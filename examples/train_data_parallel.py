@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         model, optimizer = gemini.initialize(GPT(cfg), config, lr=3e-4, weight_decay=0.01)
         g = torch.Generator().manual_seed(1)  # the same global batches on every rank
         n = args.batch // world
-        for step in range(args.steps):
+        for _ in range(args.steps):
             x, y = synthetic_batch(cfg, args.batch, args.seq, generator=g)
             x, y = x[rank * n : (rank + 1) * n].to(device), y[rank * n : (rank + 1) * n].to(device)
             loss = GPT.loss(model(x), y)
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             mean_loss = loss.detach().float().cpu()
             dist.all_reduce(mean_loss)
             if rank == 0:
-                print(f"step {step}: loss {mean_loss.item() / world:.4f} | {gemini.summary_line(optimizer.report)}",
-                      flush=True)
+                # The loss of the whole global batch (the mean over ranks); steps counted from 1.
+                print(gemini.summary_line(optimizer.report, loss=mean_loss.item() / world), flush=True)
         if args.checkpoint:
             gemini.save_checkpoint(os.path.join(args.checkpoint, "model.pt"), model, optimizer)
             gemini.save_checkpoint(os.path.join(args.checkpoint, "sharded"), model, optimizer, sharded=True)

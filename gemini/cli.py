@@ -9,9 +9,11 @@ margin tuner), ``report`` (summarise and plot a JSON Lines file of reports) and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +33,7 @@ from offload import format_size, parse_size
 
 __all__ = ["build_parser", "main"]
 
-# The demo's model on a 2-core CPU: 19.5M parameters (305 MiB of model data), a step in a
+# The demo's model on a 2-core CPU: 19.5M parameters (about 300 MiB of model data), a step in a
 # fraction of a second under a budget a quarter of that; its activations (batch 2 x 32 tokens,
 # under 20 MiB) leave room in that budget for the chunks being computed with.
 _DEMO_MODEL = dict(layers=6, embd=512, heads=8, vocab=1024, seq=32, batch=2)
@@ -91,45 +93,96 @@ _POSITIVE = _int_in(1)
 _FRACTION = _number_in(0.0, 1.0)
 
 
+# The engine options' defaults are GeminiConfig's own (one source: `plan`, `train`, `demo` and
+# `tune-margin` default to what the library does when the option is left out).
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GeminiConfig)}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, "(default: 4)", unless the help already says
+    what the default is in words (a default of None means something: "the whole device",
+    "searched"), and flags (off unless given) say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _add_model_args(p: argparse.ArgumentParser, defaults: dict[str, int], *, batch: bool = True) -> None:
     g = p.add_argument_group("model (a nanoGPT-style GPT on synthetic tokens)")
-    g.add_argument("--layers", type=_POSITIVE, default=defaults["layers"])
+    g.add_argument("--layers", type=_POSITIVE, default=defaults["layers"], help="transformer blocks")
     g.add_argument("--embd", type=_POSITIVE, default=defaults["embd"], help="width (a multiple of --heads)")
-    g.add_argument("--heads", type=_POSITIVE, default=defaults["heads"])
-    g.add_argument("--vocab", type=_POSITIVE, default=defaults["vocab"])
+    g.add_argument("--heads", type=_POSITIVE, default=defaults["heads"], help="attention heads per block")
+    g.add_argument("--vocab", type=_POSITIVE, default=defaults["vocab"], help="vocabulary size")
     g.add_argument("--seq", type=_POSITIVE, default=defaults["seq"], help="sequence length (and block size)")
     if batch:
-        g.add_argument("--batch", type=_POSITIVE, default=defaults["batch"])
+        g.add_argument("--batch", type=_POSITIVE, default=defaults["batch"], help="sequences per step")
         g.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
 
 
-def _add_engine_args(p: argparse.ArgumentParser, *, placement: str | None, device: bool = True) -> None:
+def _add_engine_args(p: argparse.ArgumentParser, *, placement: bool, static: bool, device: bool = True,
+                     budget_default: str = "the whole device") -> None:
+    """GeminiConfig's options. ``placement=False`` for a command that fixes the placement itself
+    (demo and tune-margin run ``auto``); ``static=False`` where no ``static`` placement can be
+    chosen, so that a command never accepts the ``--static-*`` options only to ignore them.
+    ``budget_default``: what the command budgets without --device-memory, for its help."""
     g = p.add_argument_group("engine (GeminiConfig)")
+    d = _CONFIG_DEFAULTS
     if device:
-        g.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                       help="compute device (default: cuda if present; cpu stands in for an accelerator)")
-    if placement is not None:
-        g.add_argument("--placement", choices=PLACEMENTS, default=placement)
-    g.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32")
-    g.add_argument("--chunk-size", type=_POSITIVE, default=None, help="elements per chunk (default: searched)")
-    g.add_argument("--device-memory", type=_size, default=None, help="device budget, bytes or a size like 512MiB")
-    g.add_argument("--cpu-memory", type=_size, default=None,
-                   help="host budget for optimizer states; beyond it -> NVMe")
-    g.add_argument("--nvme-dir", default=None, help="folder for NVMe-resident optimizer states")
-    g.add_argument("--nvme-offload-fraction", type=_FRACTION, default=0.0)
-    g.add_argument("--nvme-pipeline-depth", type=_int_in(1, 64), default=2)
-    g.add_argument("--static-param-device-fraction", type=_FRACTION, default=1.0)
-    g.add_argument("--static-optimizer-offload-fraction", type=_FRACTION, default=0.0)
+        g.add_argument("--device", choices=["cpu", "cuda"], default=d["device"],
+                       help="compute device (default: cuda if present, else cpu, which stands in for an accelerator)")
+    if placement:
+        g.add_argument("--placement", choices=PLACEMENTS, default=d["placement"],
+                       help="where chunks live: cuda (all on the device), cpu (on the host, fetched for compute; "
+                            "Adam on the host), auto (traced by the warm-up, within --device-memory), "
+                            "static (by the --static-* fractions)")
+    g.add_argument("--precision", choices=tuple(PRECISIONS), default=d["precision"],
+                   help="compute precision (fp16: dynamic loss scaling; fp32 masters in every case)")
+    g.add_argument("--chunk-size", type=_POSITIVE, default=d["chunk_size"],
+                   help="elements per chunk (default: searched for the least padding)")
+    g.add_argument("--device-memory", type=_size, default=d["device_memory"],
+                   help=f"device budget, bytes or a size like 512MiB (default: {budget_default})")
+    g.add_argument("--cpu-memory", type=_size, default=d["cpu_memory"],
+                   help="host budget for optimizer states, bytes or a size like 8GiB; beyond it -> NVMe "
+                        "(default: no limit)")
+    g.add_argument("--nvme-dir", default=d["nvme_dir"],
+                   help="existing folder for NVMe-resident optimizer states (default: none, no NVMe tier)")
+    g.add_argument("--nvme-offload-fraction", type=_FRACTION, default=d["nvme_offload_fraction"],
+                   help="share of optimizer-state chunk groups kept on NVMe (needs --nvme-dir), in [0, 1]")
+    g.add_argument("--nvme-pipeline-depth", type=_int_in(1, 64), default=d["nvme_pipeline_depth"],
+                   help="chunk groups whose NVMe-resident optimizer states are read ahead of (and written "
+                        "behind) the one being updated; host memory holds 2 * depth + 1 groups (a shallower "
+                        "pipeline when --cpu-memory cannot), in [1, 64]")
+    if static:
+        g.add_argument("--static-param-device-fraction", type=_FRACTION, default=d["static_param_device_fraction"],
+                       help="--placement static: share of parameter chunk groups (the first ones) kept on the "
+                            "device, in [0, 1]")
+        g.add_argument("--static-optimizer-offload-fraction", type=_FRACTION,
+                       default=d["static_optimizer_offload_fraction"],
+                       help="--placement static: share of optimizer-state chunk groups (the last ones) kept on "
+                            "the host, in [0, 1]")
+
+
+def _add_margin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-margin-mem-ratio", type=_FRACTION, default=_CONFIG_DEFAULTS["gpu_margin_mem_ratio"],
+                   help="placement auto: share of the margin left on the device after the warm-up's peak that "
+                        "holds optimizer-state chunks (updated there), in [0, 1]")
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=_POSITIVE, default=steps)
-    g.add_argument("--lr", type=_number_in(0.0), default=1e-3)
-    g.add_argument("--report", default=None, help="write one MemoryReport per step to this JSON Lines file")
-    g.add_argument("--plot-dir", default=None, help="write memory.png and timeline.png here (needs matplotlib)")
+    g.add_argument("--steps", type=_POSITIVE, default=steps, help="training steps, the first a warm-up")
+    g.add_argument("--lr", type=_number_in(0.0), default=1e-3, help="AdamW learning rate")
+    g.add_argument("--report", default=None,
+                   help="write one MemoryReport per step to this JSON Lines file (default: none)")
+    g.add_argument("--plot-dir", default=None,
+                   help="write memory.png and timeline.png here (needs matplotlib; default: no plots)")
     g.add_argument("--quiet", action="store_true", help="no per-step lines, only the run's summary")
-    g.add_argument("--unit", choices=tuple(UNITS), default=None, help="sizes in summaries (default: by scale)")
+    g.add_argument("--unit", choices=tuple(UNITS), default=None,
+                   help="sizes in summaries (default: GiB when the device budget, or without one the model "
+                        "data, is 1 GiB or more, else MiB)")
 
 
 def _gpt_config(args: argparse.Namespace) -> GPTConfig:
@@ -137,16 +190,17 @@ def _gpt_config(args: argparse.Namespace) -> GPTConfig:
                      n_embd=args.embd, activation_checkpointing=getattr(args, "activation_checkpointing", False))
 
 
+# Options named after GeminiConfig fields go into the config as they are; a command without one
+# of them gets GeminiConfig's default for it.
+_CONFIG_OPTIONS = ("device", "placement", "precision", "chunk_size", "device_memory", "cpu_memory", "nvme_dir",
+                   "nvme_offload_fraction", "nvme_pipeline_depth", "static_param_device_fraction",
+                   "static_optimizer_offload_fraction", "gpu_margin_mem_ratio")
+
+
 def _gemini_config(args: argparse.Namespace, **overrides) -> GeminiConfig:
-    values = dict(
-        device=getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu"),
-        placement=getattr(args, "placement", "auto"), precision=args.precision, chunk_size=args.chunk_size,
-        device_memory=args.device_memory, cpu_memory=args.cpu_memory, nvme_dir=args.nvme_dir,
-        nvme_offload_fraction=args.nvme_offload_fraction, nvme_pipeline_depth=args.nvme_pipeline_depth,
-        static_param_device_fraction=args.static_param_device_fraction,
-        static_optimizer_offload_fraction=args.static_optimizer_offload_fraction,
-        gpu_margin_mem_ratio=getattr(args, "gpu_margin_mem_ratio", 0.0), report_path=getattr(args, "report", None),
-    )
+    values = {name: getattr(args, name) for name in _CONFIG_OPTIONS if hasattr(args, name)}
+    values["device"] = values.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    values["report_path"] = getattr(args, "report", None)
     values.update(overrides)
     return GeminiConfig(**values)
 
@@ -169,12 +223,13 @@ def _model_data_bytes(cfg: GPTConfig, args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ training
 def _progress(total: int, *, quiet: bool, unit: str) -> Callable[[StepResult], None]:
-    """Prints each step as it ends (and the warm-up's plan when a step carries one)."""
+    """Prints each step as it ends, "step   2/8 | ...", counted from 1 like every line of the
+    CLI (and the warm-up's plan when a step carries one)."""
 
     def on_step(result: StepResult) -> None:
         r = result.report
         if not quiet:
-            print(f"[{r.step + 1}/{total}] {summary_line(r, loss=result.loss, unit=unit)}", flush=True)
+            print(summary_line(r, loss=result.loss, unit=unit, total=total), flush=True)
         if r.timeline is not None:
             print(_timeline_line(r.timeline, r), flush=True)
 
@@ -195,15 +250,16 @@ def _train(args: argparse.Namespace, cfg: GPTConfig, config: GeminiConfig) -> li
     n_params = sum(p.numel() for p in model.parameters())
     print(f"GPT: {n_params / 1e6:.2f}M parameters, {cfg.n_layer} layers, width {cfg.n_embd}, vocab {cfg.vocab_size}; "
           f"device={config.resolved_device()} placement={config.placement} precision={config.precision}", flush=True)
+    # The batch before the engine: its own generator, so the model's weights are the same either way.
+    x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1),
+                           device=config.resolved_device())
     gmodel, opt = initialize(model, config, lr=args.lr, weight_decay=0.1)
     try:
         mgr = opt._rt.manager
         print(f"chunks: {len(mgr.groups)} chunk groups of {mgr.chunk_size:,} elements "
               f"({mgr.waste_elements():,} elements of padding)", flush=True)
-        x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1),
-                               device=config.resolved_device())
         if config.placement == "auto" and not args.quiet:
-            print(f"[1/{args.steps}] warm-up: tracing the first iteration ...", flush=True)
+            print(f"step   1/{args.steps}: warm-up, tracing the first iteration ...", flush=True)
         start = time.perf_counter()
         # One batch, learned by heart: the loss visibly falls within a few steps.
         results = train_steps(gmodel, opt, lambda m: GPT.loss(m(x), y), steps=args.steps,
@@ -353,60 +409,112 @@ def _run_number(text: str) -> int:
     return value
 
 
-def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What one option's type cannot check alone; exits like argparse (status 2)."""
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What one option's type cannot check alone, before a model is built or a file read;
+    exits like argparse (status 2), in the words of the command's own usage."""
+    sub = _subparser(parser, args.command)
     embd, heads = getattr(args, "embd", None), getattr(args, "heads", None)
     if embd is not None and heads is not None and embd % heads:
-        parser.error(f"argument --embd: {embd} is not a multiple of --heads {heads}")
+        sub.error(f"argument --embd: {embd} is not a multiple of --heads {heads}")
+    plot_dir = getattr(args, "plot_dir", None)
+    if plot_dir is not None:
+        if os.path.exists(plot_dir) and not os.path.isdir(plot_dir):
+            sub.error(f"argument --plot-dir: {plot_dir!r} is a file, not a folder")
+        # Plots are drawn after training: a missing matplotlib found then would cost the whole run.
+        from gemini.plots import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as e:
+            sub.error(f"argument --plot-dir: {plot_dir!r} asks for plots, but {e}")
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
+
+
+# "1751392 bytes" in a message, not already followed by a readable size; and budgets written as
+# the config's fields with an int ("device_memory=100000").
+_RAW_BYTES = re.compile(r"(?<![\w.])(\d{4,}) bytes(?! \()")
+_RAW_BUDGET = re.compile(r"\b((?:device|cpu)_memory=)(\d{4,})\b(?! \()")
+
+
+def readable_sizes(message: str) -> str:
+    """``message`` with each raw byte count followed by the same size in readable units:
+    "1751392 bytes" -> "1751392 bytes (1.67 MiB)", "device_memory=100000" ->
+    "device_memory=100000 (97.66 KiB)". The library's errors count exact bytes (what a
+    program compares); a person at a terminal reads the units."""
+    message = _RAW_BYTES.sub(lambda m: f"{m.group(1)} bytes ({format_size(int(m.group(1)))})", message)
+    return _RAW_BUDGET.sub(lambda m: f"{m.group(1)}{m.group(2)} ({format_size(int(m.group(2)))})", message)
+
+
+_BY_MODEL_TO_BUDGET = "the model data divided by --model-to-budget"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gemini", description="gemini-offload: train models larger than the device")
+    p = argparse.ArgumentParser(prog="gemini", description="gemini-offload: train models larger than the device",
+                                formatter_class=_HelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log the engine's decisions (INFO)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="train a GPT several times larger than the device budget, with per-step reports")
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description or help, formatter_class=_HelpFormatter)
+
+    demo_params = "19.5M parameters, about 300 MiB of model data with its gradients and Adam states"
+    d = command("demo", "train a GPT several times larger than the device budget, with per-step reports",
+                f"Train a GPT (by default {demo_params}) under placement auto with a device budget "
+                "--model-to-budget times smaller than its model data, printing a report line per step.")
     _add_model_args(d, _DEMO_MODEL)
-    _add_engine_args(d, placement=None)
+    # The demo shows placement auto: no --placement, so no static placement and no --static-*.
+    _add_engine_args(d, placement=False, static=False, budget_default=_BY_MODEL_TO_BUDGET)
     d.add_argument("--model-to-budget", type=_number_in(1.0), default=4.0,
-                   help="model data / device budget when --device-memory is not given (default 4)")
+                   help="model data / device budget when --device-memory is not given")
     _add_run_args(d, steps=10)
     d.set_defaults(func=cmd_demo)
 
-    t = sub.add_parser("train", help="train a GPT of a chosen size, placement, precision and budgets")
+    t = command("train", "train a GPT of a chosen size, placement, precision and budgets")
     _add_model_args(t, _TRAIN_MODEL)
-    _add_engine_args(t, placement="auto")
-    t.add_argument("--gpu-margin-mem-ratio", type=_FRACTION, default=0.0, help="placement auto: margin share for Adam")
+    _add_engine_args(t, placement=True, static=True)
+    _add_margin_arg(t)
     _add_run_args(t, steps=10)
     t.set_defaults(func=cmd_train)
 
-    m = sub.add_parser("tune-margin", help="try gpu_margin_mem_ratio values and recommend the fastest within headroom")
+    m = command("tune-margin", "try gpu_margin_mem_ratio values and recommend the fastest within headroom")
     _add_model_args(m, _DEMO_MODEL)
-    _add_engine_args(m, placement=None)
+    # The tuner runs placement auto (the margin is auto's): the --static-* options would be ignored.
+    _add_engine_args(m, placement=False, static=False, budget_default=_BY_MODEL_TO_BUDGET)
     m.add_argument("--model-to-budget", type=_number_in(1.0), default=4.0,
-                   help="model data / device budget when --device-memory is not given (default 4)")
-    m.add_argument("--ratios", type=_ratios, default=list(DEFAULT_RATIOS), help="comma-separated, e.g. 0,0.5,1")
-    m.add_argument("--steps", type=_int_in(2), default=4, help="steps per ratio, the first a warm-up (default 4)")
+                   help="model data / device budget when --device-memory is not given")
+    m.add_argument("--ratios", type=_ratios, default=list(DEFAULT_RATIOS),
+                   help="comma-separated, each in [0, 1], e.g. 0,0.5,1 (default: "
+                        + ",".join(f"{v:g}" for v in DEFAULT_RATIOS) + ")")
+    m.add_argument("--steps", type=_int_in(2), default=4, help="steps per ratio, the first a warm-up")
     m.add_argument("--headroom-fraction", type=_number_in(0.0, 1.0, high_open=True), default=0.1,
-                   help="share of the budget kept free (default 0.1)")
-    m.add_argument("--lr", type=_number_in(0.0), default=1e-3)
+                   help="share of the budget kept free")
+    m.add_argument("--lr", type=_number_in(0.0), default=1e-3, help="AdamW learning rate")
     m.set_defaults(func=cmd_tune_margin)
 
-    r = sub.add_parser("report", help="summarise (and plot) a JSON Lines file of memory reports")
-    r.add_argument("file")
+    r = command("report", "summarise (and plot) a JSON Lines file of memory reports")
+    r.add_argument("file", help="JSON Lines file written by --report or GeminiConfig.report_path")
     which = r.add_mutually_exclusive_group()
     which.add_argument("--run", type=_run_number, default=-1,
-                       help="which run of the file (each initialize appends one): 1 the first, -1 the last (default)")
+                       help="which run of the file (each initialize appends one): 1 the first, -1 the last")
     which.add_argument("--all-runs", action="store_true", help="every run of the file, one after another")
-    r.add_argument("--plot-dir", default=None, help="write memory.png and timeline.png here (needs matplotlib)")
+    r.add_argument("--plot-dir", default=None,
+                   help="write memory.png and timeline.png here (needs matplotlib; default: no plots)")
     r.add_argument("--quiet", action="store_true", help="only the run's summary, no per-step lines")
-    r.add_argument("--unit", choices=tuple(UNITS), default=None, help="sizes in summaries (default: by scale)")
+    r.add_argument("--unit", choices=tuple(UNITS), default=None,
+                   help="sizes in summaries (default: GiB when the largest device budget, or without one "
+                        "the device peak, is 1 GiB or more, else MiB)")
     r.set_defaults(func=cmd_report)
 
-    pl = sub.add_parser("plan", help="before training: does it fit, and where will params, grads and states go")
+    pl = command("plan", "before training: does it fit, and where will params, grads and states go")
     _add_model_args(pl, _TRAIN_MODEL, batch=False)
-    _add_engine_args(pl, placement="cpu", device=False)
-    pl.add_argument("--gpu-margin-mem-ratio", type=_FRACTION, default=0.0)
+    _add_engine_args(pl, placement=True, static=True, device=False)
+    _add_margin_arg(pl)
     pl.set_defaults(func=cmd_plan)
     return p
 
@@ -414,12 +522,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_combinations(parser, args)
+    _check_arguments(parser, args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except (ValueError, DeviceBudgetError, NotImplementedError, ImportError, OSError) as e:
         # Configuration and budget errors are the user's to fix: their message, no traceback.
-        print(f"gemini {args.command}: error: {e}", file=sys.stderr)
+        print(f"gemini {args.command}: error: {readable_sizes(str(e))}", file=sys.stderr)
         return 2

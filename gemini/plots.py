@@ -18,7 +18,7 @@ from gemini.summary import readable_unit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["plot_memory", "plot_timeline"]
+__all__ = ["plot_memory", "plot_timeline", "require_matplotlib"]
 
 # Chunk kinds as plotted: (label, kinds in MemoryReport.model_bytes_by_tier, colour).
 _KINDS = (
@@ -42,6 +42,12 @@ def _matplotlib() -> SimpleNamespace:
             f"plots need matplotlib, which is not installed ({e}): pip install 'gemini-offload[plot]'"
         ) from None
     return SimpleNamespace(Figure=Figure, Patch=Patch, MaxNLocator=MaxNLocator)
+
+
+def require_matplotlib() -> None:
+    """Raises the ImportError (saying how to install matplotlib) that drawing a plot would raise,
+    now: the CLI calls it when ``--plot-dir`` is given, before a model is built or trained."""
+    _matplotlib()
 
 
 def _save(fig, path: str | os.PathLike) -> Path:

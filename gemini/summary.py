@@ -31,16 +31,20 @@ def _share_of_budget(nbytes: int, budget_bytes: int | None, unit: str) -> str:
     return f" = {100 * nbytes / budget_bytes:.0f}% of {gib(budget_bytes, unit)}"
 
 
-def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str = "GiB") -> str:
+def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str = "GiB",
+                 total: int | None = None) -> str:
     """One line: time (transfers vs compute), device peak against the budget, model and
     non-model bytes, host and NVMe, bytes moved, optimizer-state chunks on the device.
-    Sizes are in ``unit`` ("GiB" or "MiB")."""
+    Sizes are in ``unit`` ("GiB" or "MiB"). Steps are counted from 1 ("step   1" is the report
+    with ``step == 0``); with ``total``, the step reads as "step   1/4"."""
     r = report
     uses_nvme = r.nvme_bytes or r.nvme_read_bytes or r.nvme_write_bytes or r.nvme_wait_seconds
     timing = f"transfers {r.transfer_seconds:.2f}"
     if uses_nvme:
         timing += f", NVMe wait {r.nvme_wait_seconds:.2f}"
-    parts = [f"step {r.step:>3}"]
+    # Text counts steps from 1 (the report's ``step`` field is the 0-based index), so that a
+    # progress line reads "step 1/4" for the first of four, as people count.
+    parts = [f"step {r.step + 1:>3}" + (f"/{total}" if total is not None else "")]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
     parts += [
@@ -63,11 +67,13 @@ def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str =
 
 
 def run_summary(reports: Sequence[MemoryReport], *, unit: str = "GiB") -> str:
-    """A few lines over a whole run: step time and its split, peaks, tiers, traffic, skips."""
+    """A few lines over a whole run: step time and its split, peaks, tiers, traffic, skips.
+    Steps are counted from 1, as in :func:`summary_line`."""
     if not reports:
         return "no reports"
     # The first step is a warm-up (traced, conservative): timed apart from the others.
-    steady = list(reports[1:]) or list(reports)
+    several = len(reports) > 1
+    steady = list(reports[1:]) if several else list(reports)
     step_s = statistics.median(r.step_seconds for r in steady)
     total_s = sum(r.step_seconds for r in steady) or 1.0
     share = {
@@ -75,26 +81,38 @@ def run_summary(reports: Sequence[MemoryReport], *, unit: str = "GiB") -> str:
         "NVMe waits": sum(r.nvme_wait_seconds for r in steady) / total_s,
         "compute": sum(r.compute_seconds for r in steady) / total_s,
     }
+    split = ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items())
     peak = max(reports, key=lambda r: r.device_peak_bytes)
     skipped = sum(r.skipped for r in reports)
     non_model = [r.device_non_model_peak_bytes for r in reports if r.device_non_model_peak_bytes is not None]
+    rss = [r.host_rss_bytes for r in reports if r.host_rss_bytes is not None]
     last = reports[-1]
+
+    def size(nbytes: int | None) -> str:
+        return "-" if nbytes is None else f"{gib(nbytes, unit)} {unit}"
+
+    if several:
+        timing = (f"step time median {step_s:.3f} s after the first ({reports[0].step_seconds:.3f} s, "
+                  f"the warm-up): {split}")
+    else:
+        timing = f"step time {step_s:.3f} s (the warm-up alone): {split}"
+    budget = peak.device_budget_bytes
+    against = (f" = {100 * peak.device_peak_bytes / budget:.0f}% of the {size(budget)} budget" if budget
+               else " (no device budget)")
+    where = "median after the first" if several else "the one step"
     lines = [
-        f"{len(reports)} steps ({skipped} skipped); step time median {step_s:.3f} s after the first "
-        f"({reports[0].step_seconds:.3f} s): " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in share.items()),
-        f"device peak {gib(peak.device_peak_bytes, unit)} {unit} at step {peak.step}"
-        f"{_share_of_budget(peak.device_peak_bytes, peak.device_budget_bytes, unit)} {unit} budget; "
-        f"model data there at the end {gib(last.device_model_bytes, unit)} {unit}, "
-        f"non-model peak {gib(max(non_model), unit) if non_model else '-'} {unit}",
-        f"host: chunks {gib(last.host_model_bytes, unit)} {unit}, pool {gib(last.host_pool_bytes, unit)} {unit}, "
-        f"process RSS max {gib(max((r.host_rss_bytes or 0) for r in reports), unit)} {unit}; "
-        f"NVMe {gib(last.nvme_bytes, unit)} {unit}",
-        "moved per step (median after the first): "
-        + ", ".join(f"{name} {gib(int(statistics.median(getattr(r, f'{key}_bytes') for r in steady)), unit)} {unit}"
+        f"{len(reports)} step{'s' if several else ''} ({skipped} skipped); {timing}",
+        f"device peak {size(peak.device_peak_bytes)} at step {peak.step + 1}{against}; "
+        f"model data on the device at the end {size(last.device_model_bytes)}, "
+        f"non-model peak {size(max(non_model) if non_model else None)}",
+        f"host: chunks {size(last.host_model_bytes)}, pool {size(last.host_pool_bytes)}, "
+        f"process RSS max {size(max(rss) if rss else None)}; NVMe {size(last.nvme_bytes)}",
+        f"moved per step ({where}): "
+        + ", ".join(f"{name} {size(int(statistics.median(getattr(r, f'{key}_bytes') for r in steady)))}"
                     for name, key in (("h2d", "h2d"), ("d2h", "d2h"), ("NVMe read", "nvme_read"),
                                       ("NVMe write", "nvme_write"))),
     ]
     whole = [r.device_used_peak_bytes for r in reports if r.device_used_peak_bytes is not None]
     if whole:
-        lines.append(f"whole GPU (NVML) used peak {gib(max(whole), unit)} {unit}")
+        lines.append(f"whole GPU (NVML) used peak {size(max(whole))}")
     return "\n".join(lines)

@@ -155,7 +155,58 @@ def test_summary_line_and_run_summary_of_a_real_run(auto_run):
     text = gemini.run_summary([*reports, skipped], unit="MiB")
     peak = max(reports, key=lambda x: x.device_peak_bytes)
     assert text.startswith("5 steps (1 skipped)")
-    assert f"device peak {peak.device_peak_bytes / 2**20:.3f} MiB at step {peak.step}" in text
+    assert f"device peak {peak.device_peak_bytes / 2**20:.3f} MiB at step {peak.step + 1}" in text
+
+
+MiB = 2**20
+
+
+def _report(step: int, **values) -> gemini.MemoryReport:
+    base = dict(step=step, device_peak_bytes=0, device_model_bytes=0, device_non_model_peak_bytes=None,
+                host_model_bytes=0, nvme_bytes=0, h2d_bytes=0, d2h_bytes=0, nvme_read_bytes=0, nvme_write_bytes=0,
+                chunks_on_device=0, os_chunks_on_device=0, step_seconds=1.0, transfer_seconds=0.0,
+                optimizer_cpu_seconds=0.0, optimizer_device_seconds=0.0, skipped=False, loss_scale=1.0)
+    return gemini.MemoryReport(**{**base, **values})
+
+
+def test_run_summary_reads_right_with_and_without_a_budget():
+    reports = [
+        _report(0, step_seconds=3.0, transfer_seconds=1.0, device_peak_bytes=100 * MiB, device_budget_bytes=160 * MiB,
+                device_non_model_peak_bytes=30 * MiB, host_rss_bytes=500 * MiB, h2d_bytes=64 * MiB),
+        _report(1, step_seconds=1.0, transfer_seconds=0.25, device_peak_bytes=120 * MiB,
+                device_budget_bytes=160 * MiB, device_model_bytes=40 * MiB, device_non_model_peak_bytes=50 * MiB,
+                host_model_bytes=200 * MiB, host_pool_bytes=8 * MiB, host_rss_bytes=600 * MiB,
+                h2d_bytes=32 * MiB, d2h_bytes=16 * MiB),
+        _report(2, step_seconds=2.0, transfer_seconds=0.5, nvme_wait_seconds=0.5, skipped=True,
+                device_peak_bytes=110 * MiB, device_budget_bytes=160 * MiB, device_model_bytes=40 * MiB,
+                host_model_bytes=180 * MiB, host_pool_bytes=8 * MiB, nvme_bytes=20 * MiB,
+                h2d_bytes=48 * MiB, d2h_bytes=16 * MiB, nvme_read_bytes=20 * MiB, nvme_write_bytes=20 * MiB),
+    ]
+    assert gemini.run_summary(reports, unit="MiB") == (
+        "3 steps (1 skipped); step time median 1.500 s after the first (3.000 s, the warm-up): "
+        "transfers 25%, NVMe waits 17%, compute 58%\n"
+        "device peak 120.000 MiB at step 2 = 75% of the 160.000 MiB budget; "
+        "model data on the device at the end 40.000 MiB, non-model peak 50.000 MiB\n"
+        "host: chunks 180.000 MiB, pool 8.000 MiB, process RSS max 600.000 MiB; NVMe 20.000 MiB\n"
+        "moved per step (median after the first): h2d 40.000 MiB, d2h 16.000 MiB, NVMe read 10.000 MiB, "
+        "NVMe write 10.000 MiB"
+    )
+    # One step, no budget, nothing measured: no "after the first", no "% of", "-" where unmeasured.
+    alone = _report(0, step_seconds=2.0, device_peak_bytes=3 * 2**30, device_model_bytes=2**30)
+    assert gemini.run_summary([alone]) == (
+        "1 step (0 skipped); step time 2.000 s (the warm-up alone): transfers 0%, NVMe waits 0%, compute 100%\n"
+        "device peak 3.000 GiB at step 1 (no device budget); model data on the device at the end 1.000 GiB, "
+        "non-model peak -\n"
+        "host: chunks 0.000 GiB, pool 0.000 GiB, process RSS max -; NVMe 0.000 GiB\n"
+        "moved per step (the one step): h2d 0.000 GiB, d2h 0.000 GiB, NVMe read 0.000 GiB, NVMe write 0.000 GiB"
+    )
+    assert gemini.run_summary([]) == "no reports"
+
+
+def test_summary_line_counts_steps_from_one():
+    r = _report(0, device_peak_bytes=MiB)
+    assert gemini.summary_line(r, unit="MiB").startswith("step   1 | 1.00 s (transfers 0.00, compute 1.00) | ")
+    assert gemini.summary_line(_report(9), total=10).startswith("step  10/10 | ")
 
 
 def test_plots_of_a_real_run_are_non_trivial_pngs(auto_run, tmp_path):
