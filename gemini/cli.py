@@ -376,10 +376,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = _gpt_config(args)
     with torch.device("meta"):  # no memory: plans models larger than this machine
         model = GPT(cfg)
-    # The compute device does not change the layout: plan on the CPU so that a machine
-    # without the target GPU can plan for it.
-    config = _gemini_config(args, device="cpu", report_path=None)
-    plan = plan_placement(model, config)
+    # The configured device, even one this machine lacks: GPU bytes are not host bytes.
+    config = _gemini_config(args, report_path=None)
+    # One forward and backward of a batch on the meta device counts the activations.
+    targets = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
+    plan = plan_placement(model, config, example_inputs=(((args.batch, args.seq), torch.long),),
+                          loss_fn=lambda logits: GPT.loss(logits, targets))
     print(plan.table())
     return 0 if plan.fits else 1
 
@@ -512,8 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
 
     pl = command("plan", "before training: does it fit, and where will params, grads and states go")
-    _add_model_args(pl, _TRAIN_MODEL, batch=False)
-    _add_engine_args(pl, placement=True, static=True, device=False)
+    _add_model_args(pl, _TRAIN_MODEL)
+    _add_engine_args(pl, placement=True, static=True)
     _add_margin_arg(pl)
     pl.set_defaults(func=cmd_plan)
     return p

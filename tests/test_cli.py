@@ -357,10 +357,11 @@ def _built(monkeypatch, argv: list[str]) -> Built:
     monkeypatch.setattr(cli, "synthetic_batch", capture("batch", cli.synthetic_batch))
     if argv[0] == "plan":  # the other commands plan too (the model's size), through the real planner
         monkeypatch.setattr(cli, "plan_placement", capture("plan"))
-    device = [] if argv[0] == "plan" else ["--device", "cpu"]
     with pytest.raises(_Built), redirect_stdout(io.StringIO()):
-        main([argv[0], *device, *SMALL_GPT, *argv[1:]])
+        main([argv[0], "--device", "cpu", *SMALL_GPT, *argv[1:]])
     batch = seen["batch"][0][1] if "batch" in seen else None
+    if "plan" in seen:  # the plan's example inputs: (batch, seq) tokens
+        batch = seen["plan"][1]["example_inputs"][0][0][0]
     if "tune_margin" in seen:
         (factory, _, config), kwargs = seen["tune_margin"]
         return Built(factory().cfg, config, kwargs, batch)
@@ -489,3 +490,20 @@ def test_a_budget_error_gives_sizes_in_bytes_and_readable_units(capsys):
     assert err.startswith("gemini train: error: ")
     assert "device_memory=100000 (97.66 KiB)" in err
     assert re.search(r"\d+ bytes \(\d+\.\d\d MiB\) are missing", err), err
+
+
+@pytest.mark.parametrize("budget,fits", [("20MiB", False), ("48MiB", True)])
+def test_plan_counts_activations_and_agrees_with_train(budget, fits, capsys):
+    """12.8 MiB of model data and about 19 MiB of activations: at 20 MiB the plan (a meta-device
+    run of the batch) refuses, as training does; at 48 MiB both go ahead."""
+    model = ["--device", "cpu", "--layers", "4", "--embd", "128", "--heads", "4", "--vocab", "256", "--seq", "64",
+             "--batch", "8", "--placement", "cuda", "--device-memory", budget]
+    assert main(["plan", *model]) == (0 if fits else 1)
+    out = capsys.readouterr().out
+    assert "of activations and temporaries" in out
+    try:
+        trained = main(["train", *model, "--steps", "2", "--quiet"]) == 0
+    except SystemExit as e:
+        trained = e.code == 0
+    capsys.readouterr()
+    assert trained == fits
