@@ -325,8 +325,9 @@ class HybridAdam(torch.optim.Optimizer):
             g.steps[1:].copy_(g.steps[:1].expand(len(g.slots) - 1))
         for g, i in batch.bump:
             g.steps[i] += 1
+        whole = set(batch.whole)
         for g in batch.members:
-            if g not in batch.whole:  # a group stepped in parts may have become uniform
+            if g not in whole:  # a group stepped in parts may have become uniform
                 g.steps_uniform = bool((g.steps == g.steps[0]).all())
         return seconds
 
