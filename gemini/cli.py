@@ -307,26 +307,56 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+class _TuneModel:
+    """The tuner's model_fn: the seeded GPT (a module-level class, so a trial process can rebuild it)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self) -> GPT:
+        return _seeded_gpt(self.cfg)
+
+
+class _TuneLoss:
+    """The tuner's loss_fn on one fixed batch (made here on the host, moved to the device where the trial runs)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, device: str) -> None:
+        self.x, self.y, self.device = x, y, device
+
+    def __call__(self, model) -> torch.Tensor:
+        if self.x.device.type != torch.device(self.device).type:
+            self.x, self.y = self.x.to(self.device), self.y.to(self.device)
+        return GPT.loss(model(self.x), self.y)
+
+
 def cmd_tune_margin(args: argparse.Namespace) -> int:
     cfg = _gpt_config(args)
     budget = args.device_memory or int(_model_data_bytes(cfg, args) / args.model_to_budget)
     config = _gemini_config(args, placement="auto", device_memory=budget, report_path=None)
-    device = config.resolved_device()
-    x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1), device=device)
-    print(f"tuning gpu_margin_mem_ratio over {args.ratios} with a {format_size(config.device_memory)} budget, "
-          f"{args.steps} steps each (the first is the warm-up)", flush=True)
+    device = str(config.resolved_device())
+    ratios = list(dict.fromkeys(args.ratios))
+    total = len(ratios) * args.rounds
+    print(f"tuning gpu_margin_mem_ratio over {','.join(f'{r:g}' for r in ratios)} with a "
+          f"{format_size(config.device_memory)} budget: {args.rounds} round(s) of {args.steps} steps per ratio "
+          f"(the first a warm-up), {total} trials, each in its own process", flush=True)
+    done = [0]
 
     def on_trial(t: MarginTrial) -> None:
+        done[0] += 1
         if t.failed:
-            what = t.error.splitlines()[0]
+            what = "failed: " + t.error.splitlines()[0]
         else:
-            what = f"{t.step_seconds:.3f} s/step, peak {format_size(t.device_peak_bytes)}"
-        print(f"  ratio {t.ratio:g}: {what}", flush=True)
+            needed = "-" if t.needed_bytes is None else format_size(t.needed_bytes)
+            what = f"{t.step_seconds:.3f} s/step, needs {needed}, measured peak {format_size(t.device_peak_bytes)}"
+        print(f"[trial {done[0]}/{total}] ratio {t.ratio:g} round {t.round + 1}: {what}", file=sys.stderr, flush=True)
 
-    tuning = tune_margin(lambda: _seeded_gpt(cfg), lambda m: GPT.loss(m(x), y), config, ratios=args.ratios,
-                         steps=args.steps, headroom_fraction=args.headroom_fraction, on_trial=on_trial, lr=args.lr)
+    x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1), device="cpu")
+    tuning = tune_margin(_TuneModel(cfg), _TuneLoss(x, y, device), config, ratios=ratios,
+                         steps=args.steps, rounds=args.rounds, headroom_fraction=args.headroom_fraction,
+                         on_trial=on_trial, lr=args.lr)
     print(tuning.table())
     print(tuning.recommendation())
+    print(tuning.host_memory())
     return 0 if tuning.recommended_ratio is not None else 1
 
 
@@ -493,7 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ratios", type=_ratios, default=list(DEFAULT_RATIOS),
                    help="comma-separated, each in [0, 1], e.g. 0,0.5,1 (default: "
                         + ",".join(f"{v:g}" for v in DEFAULT_RATIOS) + ")")
-    m.add_argument("--steps", type=_int_in(2), default=4, help="steps per ratio, the first a warm-up")
+    m.add_argument("--steps", type=_int_in(2), default=4, help="steps per trial, the first a warm-up")
+    m.add_argument("--rounds", type=_int_in(1), default=3,
+                   help="trials per ratio, interleaved (each round in a rotated order); ratios within the "
+                        "rounds' spread of the fastest are a tie, won by the one needing the least device memory")
     m.add_argument("--headroom-fraction", type=_number_in(0.0, 1.0, high_open=True), default=0.1,
                    help="share of the budget kept free")
     m.add_argument("--lr", type=_number_in(0.0), default=1e-3, help="AdamW learning rate")

@@ -1,22 +1,56 @@
 """The margin tuner: try ``gpu_margin_mem_ratio`` values, recommend the fastest that keeps headroom.
 
 [Note: what the ratio trades]
-Under placement="auto" the margin (budget − reserve − the warm-up's planned peak) times ``gpu_margin_mem_ratio`` holds whole optimizer-state chunk groups on the
-device, updated there and never copied. A larger ratio moves Adam work off the host, but
-leaves less room for caching parameter chunks, so more of them are fetched again each
-iteration; which side wins depends on the model, the batch and the machine. The tuner runs a
-few steps at each ratio and measures, and recommends the fastest ratio whose device peak stays
-``headroom_fraction`` below the budget (room for what the measured steps did not show: longer
-sequences, fragmentation).
+Under placement="auto" the margin (budget − reserve − the warm-up's planned peak) times
+``gpu_margin_mem_ratio`` holds whole optimizer-state chunk groups on the device, updated there
+and never copied. A larger ratio moves Adam work off the host, but leaves less room for caching
+parameter chunks, so more of them are fetched again each iteration; which side wins depends on
+the model, the batch and the machine. The tuner runs a few steps at each ratio and measures.
+
+[Note: needed memory, not the measured peak]
+Under auto the engine fills whatever the budget leaves with cached parameter chunks, evicting
+them when a period needs the room: the measured device peak is ~99% of the budget at every
+ratio, and says nothing about how close a ratio runs to the edge. What a step *needs* is what
+the engine cannot evict: the warm-up's planned peak (``MemoryPlan.planned_peak_bytes``: at each
+decision of the schedule, the chunks the step computes with, the buffers and the non-model
+memory, never below the warm-up's measured peak) plus the chunk groups the margin pinned on
+the device for good (every flavour of each: parameters, gradients, master, m, v). That sum is
+the tuner's ``needed_bytes`` (an upper bound: a pinned group's parameters may already be part
+of the planned peak); the engine itself guarantees it stays under ``budget − reserve``. A ratio
+keeps the headroom when ``needed_bytes <= (1 − headroom_fraction) × budget``: the room left is
+what longer sequences or fragmentation can use after the engine evicts its cache. Both figures
+are reported.
+
+[Note: timing within noise]
+Each ratio is run ``rounds`` times, the rounds interleaved (round r tries the ratios in an order
+rotated by r, so a drift of the machine is spread over all of them). A trial's time is the median
+of its steps after the warm-up; a ratio's time is the median of its trials, its spread their
+min–max range. Two ratios are tied when their ranges overlap or their medians differ by less
+than the larger of their two spreads: the data cannot tell them apart. Among the ratios that
+keep the headroom, the recommendation is, of those tied with the fastest, the one that needs
+the least device memory (then the smaller ratio): the same timings give the same answer.
+
+[Note: one engine at a time]
+A trial's engine is not freed when it is dropped (autograd hooks on module inputs form
+reference cycles through C++ that the garbage collector cannot see), so trials run in the same
+process would add the whole model's memory each. Where ``model_fn`` and ``loss_fn`` can be
+pickled, each trial runs in a fresh process (``spawn``; ``isolate=None`` or ``True``), which
+gives everything back when it exits; otherwise (``isolate=False``) they run here, each engine
+closed before the next starts.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import logging
 import math
+import multiprocessing
+import pickle
+import resource
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,36 +69,44 @@ from offload import format_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_RATIOS", "MarginTrial", "MarginTuning", "Measurement", "measure_reports", "recommend",
-           "tune_margin"]
+__all__ = ["DEFAULT_RATIOS", "MarginTrial", "MarginTuning", "Measurement", "RatioResult", "measure_reports",
+           "recommend", "summarize", "tune_margin"]
 
 DEFAULT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 @dataclass(kw_only=True)
 class Measurement:
-    """What a trial's steps say about its ratio: its step time and the device's peak."""
+    """What a trial's steps say about its ratio: its step time, the device's measured peak and
+    (when known) the device memory the step needs (see [Note: needed memory, not the measured peak])."""
 
     step_seconds: float
     device_peak_bytes: int
+    needed_bytes: int | None = None
 
     def __post_init__(self) -> None:
         seconds, peak = self.step_seconds, self.device_peak_bytes
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
             raise ValueError(f"Measurement.step_seconds={seconds!r} is invalid: expected a finite number >= 0")
-        if isinstance(peak, bool) or not isinstance(peak, int) or peak < 0:
-            raise ValueError(f"Measurement.device_peak_bytes={peak!r} is invalid: expected an int >= 0")
+        for name, value in (("device_peak_bytes", peak), ("needed_bytes", self.needed_bytes)):
+            if value is None and name == "needed_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Measurement.{name}={value!r} is invalid: expected an int >= 0")
 
 
 @dataclass(kw_only=True)
 class MarginTrial:
-    """One ratio tried: its measurement, or the error that stopped it."""
+    """One run of one ratio: its measurement, or the error that stopped it."""
 
     ratio: float
     os_chunks_on_device: int | None  # optimizer-state chunk groups the margin took
     os_chunks_total: int | None
     step_seconds: float | None
-    device_peak_bytes: int | None
+    device_peak_bytes: int | None  # measured (under auto: the budget filled with cached chunks)
+    needed_bytes: int | None = None  # planned peak + pinned groups; None when not known
+    round: int = 0
+    host_peak_bytes: int | None = None  # the trial process's peak RSS, when it ran in its own
     error: str | None = None  # e.g. a DeviceBudgetError: the ratio does not fit at all
 
     @property
@@ -73,55 +115,160 @@ class MarginTrial:
 
 
 @dataclass(kw_only=True)
+class RatioResult:
+    """A ratio over its rounds: median step time and its spread, and its memory."""
+
+    ratio: float
+    seconds: list[float]  # one per successful trial
+    needed_bytes: int | None  # the most any trial needed
+    device_peak_bytes: int | None  # the highest measured peak
+    os_chunks_on_device: int | None = None
+    os_chunks_total: int | None = None
+    error: str | None = None  # the first error, when no trial succeeded
+
+    @property
+    def failed(self) -> bool:
+        return not self.seconds
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def low(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def high(self) -> float:
+        return max(self.seconds)
+
+    @property
+    def spread(self) -> float:
+        return self.high - self.low
+
+    @property
+    def memory_bytes(self) -> int:
+        """The memory the headroom is judged on: needed when known, else the measured peak."""
+        return self.needed_bytes if self.needed_bytes is not None else self.device_peak_bytes
+
+    def tied_with(self, other: RatioResult) -> bool:
+        """Within noise of ``other``: overlapping ranges, or medians closer than the larger spread."""
+        overlap = self.low <= other.high and other.low <= self.high
+        return overlap or abs(self.median - other.median) < max(self.spread, other.spread)
+
+
+def summarize(trials: Sequence[MarginTrial]) -> list[RatioResult]:
+    """Per ratio (in order of first appearance): its trials' times, the most memory any needed."""
+    by_ratio: dict[float, list[MarginTrial]] = {}
+    for t in trials:
+        by_ratio.setdefault(t.ratio, []).append(t)
+    out = []
+    for ratio, ts in by_ratio.items():
+        ok = [t for t in ts if not t.failed]
+        needed = [t.needed_bytes for t in ok if t.needed_bytes is not None]
+        out.append(RatioResult(
+            ratio=ratio, seconds=[t.step_seconds for t in ok],
+            needed_bytes=max(needed) if needed else None,
+            device_peak_bytes=max((t.device_peak_bytes for t in ok), default=None),
+            os_chunks_on_device=ok[-1].os_chunks_on_device if ok else None,
+            os_chunks_total=ok[-1].os_chunks_total if ok else None,
+            error=None if ok else next((t.error for t in ts if t.failed), None)))
+    return out
+
+
+def fits_headroom(result: RatioResult, limit_bytes: int) -> bool:
+    return not result.failed and fits(limit_bytes, result.memory_bytes)
+
+
+def tied_fastest(results: Sequence[RatioResult], *, limit_bytes: int) -> list[RatioResult]:
+    """The ratios within headroom that are tied with the fastest of them (see [Note: timing within noise])."""
+    fitting = [r for r in results if fits_headroom(r, limit_bytes)]
+    if not fitting:
+        return []
+    fastest = min(fitting, key=lambda r: (r.median, r.ratio))
+    return [r for r in fitting if r is fastest or r.tied_with(fastest)]
+
+
+def recommend(results: Sequence[RatioResult], *, limit_bytes: int) -> float | None:
+    """Of the ratios within headroom tied with the fastest, the one needing the least device
+    memory (then the smaller ratio); None when no ratio keeps the headroom. Pure: the same
+    results give the same answer."""
+    tied = tied_fastest(results, limit_bytes=limit_bytes)
+    if not tied:
+        return None
+    return min(tied, key=lambda r: (r.memory_bytes, r.ratio)).ratio
+
+
+@dataclass(kw_only=True)
 class MarginTuning:
-    """Every trial, and the recommended ratio (None when no ratio kept the headroom)."""
+    """Every trial, per-ratio results, and the recommended ratio (None when no ratio kept the headroom)."""
 
     trials: list[MarginTrial]
     budget_bytes: int
     headroom_fraction: float
     recommended_ratio: float | None
+    results: list[RatioResult] = dataclasses.field(default_factory=list)
+    host_peak_bytes: int | None = None  # this process's peak RSS over the tuning
+    trial_host_peak_bytes: int | None = None  # the largest trial process's peak RSS (isolated trials)
+
+    def __post_init__(self) -> None:
+        if not self.results:
+            self.results = summarize(self.trials)
 
     @property
     def limit_bytes(self) -> int:
-        """The highest device peak that keeps the headroom."""
+        """The most device memory a ratio may need and keep the headroom."""
         return limit_bytes(self.budget_bytes, self.headroom_fraction)
 
     def table(self) -> str:
-        """ratio, optimizer-state chunks on the device, step time, device peak; ``*`` marks the pick."""
+        """Per ratio: optimizer-state chunks on the device, median step time and its min–max over
+        the rounds, the memory the step needs and the measured peak; ``*`` marks the pick, ``~``
+        the ratios within noise of the fastest."""
         unit = readable_unit(self.budget_bytes)[0]
-        header = f"  {'ratio':>5}  {'OS chunks on device':>19}  {'step time':>9}  {'device peak':>20}  within headroom"
+        tied = {r.ratio for r in tied_fastest(self.results, limit_bytes=self.limit_bytes)}
+
+        def size(n: int | None) -> str:
+            return "-" if n is None else f"{gib(n, unit)} {unit} ({100 * n / self.budget_bytes:.0f}%)"
+
+        header = (f"  {'ratio':>5}  {'OS chunks':>9}  {'median':>8}  {'min-max (s/step)':>16}  {'needed':>21}  "
+                  f"{'measured peak':>21}  within headroom")
         rows = [header]
-        for t in self.trials:
-            mark = "*" if t.ratio == self.recommended_ratio else " "
-            if t.failed:
-                rows.append(f"{mark} {t.ratio:5.2f}  {'-':>19}  {'-':>9}  {'-':>20}  failed: {t.error.splitlines()[0]}")
+        for r in self.results:
+            mark = "*" if r.ratio == self.recommended_ratio else ("~" if r.ratio in tied else " ")
+            if r.failed:
+                rows.append(f"{mark} {r.ratio:5.2f}  {'-':>9}  {'-':>8}  {'-':>16}  {'-':>21}  {'-':>21}  "
+                            f"failed: {(r.error or '').splitlines()[0] if r.error else ''}")
                 continue
-            chunks = f"{t.os_chunks_on_device}/{t.os_chunks_total}"
-            peak = f"{gib(t.device_peak_bytes, unit)} {unit} ({100 * t.device_peak_bytes / self.budget_bytes:.0f}%)"
-            ok = "yes" if fits(self.limit_bytes, t.device_peak_bytes) else "no"
-            rows.append(f"{mark} {t.ratio:5.2f}  {chunks:>19}  {t.step_seconds:8.3f}s  {peak:>20}  {ok}")
+            chunks = f"{r.os_chunks_on_device}/{r.os_chunks_total}"
+            spread = f"{r.low:.3f}-{r.high:.3f}"
+            ok = "yes" if fits_headroom(r, self.limit_bytes) else "no"
+            rows.append(f"{mark} {r.ratio:5.2f}  {chunks:>9}  {r.median:7.3f}s  {spread:>16}  "
+                        f"{size(r.needed_bytes):>21}  {size(r.device_peak_bytes):>21}  {ok}")
         return "\n".join(rows)
 
     def recommendation(self) -> str:
-        limit = (f"peak <= {format_size(self.limit_bytes)}: the {format_size(self.budget_bytes)} budget less "
+        limit = (f"needing <= {format_size(self.limit_bytes)}: the {format_size(self.budget_bytes)} budget less "
                  f"{100 * self.headroom_fraction:.0f}% headroom")
         if self.recommended_ratio is None:
             return (f"no ratio kept {limit}; raise device_memory, lower the batch or use activation "
                     f"checkpointing, or accept less headroom")
-        return f"recommended: gpu_margin_mem_ratio={self.recommended_ratio:g} (the fastest with {limit})"
+        tied = tied_fastest(self.results, limit_bytes=self.limit_bytes)
+        why = ("the fastest" if len(tied) == 1 else
+               f"the least device memory of {len(tied)} ratios tied within noise with the fastest")
+        return f"recommended: gpu_margin_mem_ratio={self.recommended_ratio:g} ({why}, {limit})"
+
+    def host_memory(self) -> str:
+        """One line: the host memory the tuning took."""
+        parts = []
+        if self.host_peak_bytes is not None:
+            parts.append(f"this process {format_size(self.host_peak_bytes)}")
+        if self.trial_host_peak_bytes is not None:
+            parts.append(f"largest trial process {format_size(self.trial_host_peak_bytes)}")
+        return "host memory peak: " + (", ".join(parts) if parts else "not measured")
 
 
 def limit_bytes(budget_bytes: int, headroom_fraction: float) -> int:
     return int(budget_bytes * (1.0 - headroom_fraction))
-
-
-def recommend(trials: Sequence[MarginTrial], *, limit_bytes: int) -> float | None:
-    """The ratio of the fastest trial whose device peak is at most ``limit_bytes``; among equally
-    fast ones the smallest ratio (it leaves more of the device free)."""
-    fitting = [t for t in trials if not t.failed and fits(limit_bytes, t.device_peak_bytes)]
-    if not fitting:
-        return None
-    return min(fitting, key=lambda t: (t.step_seconds, t.ratio)).ratio
 
 
 def measure_reports(ratio: float, reports: Sequence[MemoryReport]) -> Measurement:
@@ -139,20 +286,26 @@ def tune_margin(
     *,
     ratios: Sequence[float] = DEFAULT_RATIOS,
     steps: int = 4,
+    rounds: int = 3,
     headroom_fraction: float = 0.1,
     measure: Callable[[float, Sequence[MemoryReport]], Measurement] = measure_reports,
     on_trial: Callable[[MarginTrial], None] | None = None,
+    isolate: bool | None = None,
     **initialize_kwargs: Any,
 ) -> MarginTuning:
-    """Train ``steps`` steps at each ratio and recommend the fastest that keeps the headroom.
+    """Train ``steps`` steps at each ratio, ``rounds`` times interleaved, and recommend the
+    fastest (within noise, then the least device memory) that keeps the headroom.
 
     ``model_fn()`` builds a fresh model for each trial (the same one each time: seed it);
     ``loss_fn(model)`` runs forward and returns the loss. ``config`` needs placement="auto" and
     a ``device_memory`` budget; its ``gpu_margin_mem_ratio`` and ``report_path`` are replaced.
     ``measure(ratio, reports)`` turns a trial's reports into a :class:`Measurement` (inject
-    one to control timing); ``on_trial`` sees each trial as it ends. ``initialize_kwargs``
-    (``lr``, ``weight_decay``, ...) go to :func:`gemini.initialize`. See [Note: what the ratio
-    trades].
+    one to control timing; a ``needed_bytes`` it gives replaces the engine's); ``on_trial``
+    sees each trial as it ends. ``isolate``: run each trial in its own process (None: when
+    ``model_fn`` and ``loss_fn`` pickle; see [Note: one engine at a time]).
+    ``initialize_kwargs`` (``lr``, ``weight_decay``, ...) go to :func:`gemini.initialize`.
+    See [Note: what the ratio trades], [Note: needed memory, not the measured peak] and
+    [Note: timing within noise].
     """
     if config.placement != "auto":
         raise ValueError(f"GeminiConfig.placement={config.placement!r} is invalid for tune_margin: expected 'auto' "
@@ -163,39 +316,96 @@ def tune_margin(
     ratios = list(ratios)
     if not ratios or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1 for r in ratios):
         raise ValueError(f"ratios={ratios!r} is invalid: expected a non-empty list of numbers in [0, 1]")
+    ratios = [float(r) for r in dict.fromkeys(ratios)]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps={steps!r} is invalid: expected an int >= 2 (the first step is a warm-up)")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} is invalid: expected an int >= 1")
     if not (isinstance(headroom_fraction, (int, float)) and 0 <= headroom_fraction < 1):
         raise ValueError(f"headroom_fraction={headroom_fraction!r} is invalid: expected a number in [0, 1)")
-    trials = []
-    for ratio in ratios:
-        trial = _run_trial(model_fn, loss_fn, dataclasses.replace(config, gpu_margin_mem_ratio=float(ratio),
-                                                                  report_path=None),
-                           steps=steps, measure=measure, initialize_kwargs=initialize_kwargs)
-        logger.info("margin ratio %s: %s", ratio, trial)
-        trials.append(trial)
-        if on_trial is not None:
-            on_trial(trial)
+    if isolate is None:
+        isolate = _picklable(model_fn, loss_fn, initialize_kwargs)
+    elif isolate and not _picklable(model_fn, loss_fn, initialize_kwargs):
+        raise ValueError("isolate=True is invalid here: model_fn, loss_fn and the initialize arguments must pickle "
+                         "(module-level functions or objects) to run in their own process; pass isolate=False")
+    trials: list[MarginTrial] = []
+    total = rounds * len(ratios)
+    for round_index in range(rounds):
+        shift = round_index % len(ratios)
+        for ratio in ratios[shift:] + ratios[:shift]:
+            trial_config = dataclasses.replace(config, gpu_margin_mem_ratio=ratio, report_path=None)
+            args = (model_fn, loss_fn, trial_config, steps, initialize_kwargs)
+            run = _run_isolated if isolate else _run_trial
+            trial, reports = run(*args)
+            if not trial.failed:
+                m = measure(ratio, reports)
+                trial.step_seconds, trial.device_peak_bytes = m.step_seconds, m.device_peak_bytes
+                if m.needed_bytes is not None:
+                    trial.needed_bytes = m.needed_bytes
+            trial.round = round_index
+            trials.append(trial)
+            logger.info("margin trial %d/%d: %s", len(trials), total, trial)
+            if on_trial is not None:
+                on_trial(trial)
     limit = limit_bytes(config.device_memory, headroom_fraction)
+    results = summarize(trials)
+    hosts = [t.host_peak_bytes for t in trials if t.host_peak_bytes is not None]
     return MarginTuning(trials=trials, budget_bytes=config.device_memory, headroom_fraction=headroom_fraction,
-                        recommended_ratio=recommend(trials, limit_bytes=limit))
+                        recommended_ratio=recommend(results, limit_bytes=limit), results=results,
+                        host_peak_bytes=_max_rss_bytes(), trial_host_peak_bytes=max(hosts) if hosts else None)
 
 
-def _run_trial(model_fn, loss_fn, config: GeminiConfig, *, steps: int, measure, initialize_kwargs) -> MarginTrial:
+def _picklable(*objects) -> bool:
+    try:
+        pickle.dumps(objects)
+    except Exception:  # noqa: BLE001 - any failure means "cannot ship it to another process"
+        return False
+    return True
+
+
+def _max_rss_bytes() -> int:
+    """This process's peak resident memory (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _run_isolated(model_fn, loss_fn, config, steps, initialize_kwargs):
+    """:func:`_run_trial` in a fresh process (spawn: a forked torch can hang in OpenMP)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_run_trial, model_fn, loss_fn, config, steps, initialize_kwargs, isolated=True).result()
+
+
+def _run_trial(model_fn, loss_fn, config: GeminiConfig, steps: int, initialize_kwargs, *,
+               isolated: bool = False) -> tuple[MarginTrial, list[MemoryReport]]:
     ratio = config.gpu_margin_mem_ratio
     model, optimizer = initialize(model_fn(), config, **initialize_kwargs)
     try:
         results = train_steps(model, optimizer, loss_fn, steps=steps)
+        needed = _needed_bytes(optimizer)
     except DeviceBudgetError as e:
         return MarginTrial(ratio=ratio, os_chunks_on_device=None, os_chunks_total=None, step_seconds=None,
-                           device_peak_bytes=None, error=str(e))
+                           device_peak_bytes=None, error=str(e)), []
     finally:
         optimizer.close()
-        # The next trial builds a whole new model: free this one's chunks first.
         del model, optimizer
         gc.collect()
     reports = [r.report for r in results]
-    m = measure(ratio, reports)
-    return MarginTrial(ratio=ratio, os_chunks_on_device=reports[-1].os_chunks_on_device,
-                       os_chunks_total=reports[-1].os_chunks_total, step_seconds=m.step_seconds,
-                       device_peak_bytes=m.device_peak_bytes)
+    # Placeholders until the caller's measure() runs on the reports.
+    trial = MarginTrial(ratio=ratio, os_chunks_on_device=reports[-1].os_chunks_on_device,
+                        os_chunks_total=reports[-1].os_chunks_total, step_seconds=0.0,
+                        device_peak_bytes=max(r.device_peak_bytes for r in reports), needed_bytes=needed,
+                        host_peak_bytes=_max_rss_bytes() if isolated else None)
+    return trial, reports
+
+
+def _needed_bytes(optimizer) -> int | None:
+    """The warm-up's planned peak plus every chunk group pinned on the device (see [Note:
+    needed memory, not the measured peak]); None without a plan."""
+    runtime = optimizer._rt
+    plan, placement = runtime.plan, runtime.placement
+    if plan is None:
+        return None
+    pinned = getattr(placement, "os_on_device", set())
+    return plan.planned_peak_bytes + sum(placement.group_device_bytes(g) for g in runtime.manager.groups
+                                         if g.index in pinned)

@@ -123,15 +123,15 @@ def test_train_auto_on_cpu_without_a_budget_plans_against_the_machine(capsys):
 
 def test_tune_margin_prints_the_table_and_a_recommendation(capsys):
     argv = ["tune-margin", "--device", "cpu", *SMALL_GPT, "--batch", "2", "--device-memory", "6MiB",
-            "--ratios", "0,1", "--steps", "2"]
+            "--ratios", "0,1", "--steps", "2", "--rounds", "1"]
     rc = main(argv)
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0, out
-    assert "ratio 0: " in out and "ratio 1: " in out
-    table = out[out.index("  ratio  OS chunks on device"):].splitlines()
-    assert table[1].split()[-1] == "yes" or table[1].startswith("*")
+    assert "[trial 1/2] ratio 0 round 1: " in err and "[trial 2/2] ratio 1 round 1: " in err
+    table = out[out.index("  ratio  OS chunks"):].splitlines()
+    assert "needed" in table[0] and "measured peak" in table[0]
     assert sum(row.startswith("*") for row in table[1:3]) == 1
-    assert "recommended: gpu_margin_mem_ratio=" in out
+    assert "recommended: gpu_margin_mem_ratio=" in out and "host memory peak: " in out
 
 
 def test_plan_prints_where_each_kind_goes_and_whether_it_fits(tmp_path, capsys):
@@ -403,6 +403,7 @@ EFFECTS = {
     "--report": (["--report", "{tmp}/r.jsonl"], lambda b, tmp: str(b.config.report_path) == f"{tmp}/r.jsonl"),
     "--ratios": (["--ratios", "0,0.5"], lambda b, tmp: list(b.kwargs["ratios"]) == [0.0, 0.5]),
     "--steps": (["--steps", "3"], lambda b, tmp: b.kwargs["steps"] == 3),  # tune-margin's
+    "--rounds": (["--rounds", "2"], lambda b, tmp: b.kwargs["rounds"] == 2),
     "--headroom-fraction": (["--headroom-fraction", "0.2"], lambda b, tmp: b.kwargs["headroom_fraction"] == 0.2),
 }
 # What only a whole training run shows (demo and train), and the test that checks it there.
