@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from chunks import ChunkKind, Tier
+from chunks import ChunkKind, Tier, fits
 from gemini.config import GeminiConfig
 
-__all__ = ["DeviceGroups", "Layout", "chunk_bytes", "device_groups", "named_bytes", "static_choice"]
+__all__ = ["DeviceGroups", "Layout", "chunk_bytes", "device_groups", "margin_choice", "margin_room_bytes", "named_bytes",
+           "static_choice", "whole_group_bytes"]
 
 # ChunkManager.layout's rows: (tensor indices, param group index or -1 for frozen, capacity in elements).
 Layout = Sequence[tuple[Sequence[int], int, int]]
@@ -56,6 +57,38 @@ def static_choice(
     params_on_device = set(groups[: round(param_device_fraction * len(groups))])
     n_offload = round(optimizer_offload_fraction * len(trainable))
     return params_on_device, set(trainable[: len(trainable) - n_offload])
+
+
+def whole_group_bytes(capacity: int, *, param_dtype: torch.dtype, trainable: bool = True) -> int:
+    """Bytes of every chunk of a group of ``capacity`` elements: what keeping the whole group on
+    the device costs (parameters and gradients in ``param_dtype``; fp32 master under bf16/fp16;
+    fp32 m and v)."""
+    elem = torch.empty((), dtype=param_dtype).element_size()
+    if not trainable:
+        return capacity * elem
+    return capacity * (2 * elem + (4 if param_dtype != torch.float32 else 0) + 8)
+
+
+def margin_room_bytes(margin_bytes: int, ratio: float, *, param_dtype: torch.dtype, largest_capacity: int) -> int:
+    """Of the margin the warm-up leaves (``MemoryPlan.margin_bytes``), the bytes
+    ``gpu_margin_mem_ratio`` gives to optimizer-state groups kept on the device. Under bf16/fp16
+    the device Adam converts one gradient chunk at a time to fp32: that scratch comes off first."""
+    room = int(ratio * max(0, margin_bytes))
+    if param_dtype != torch.float32:
+        room -= largest_capacity * 4
+    return room
+
+
+def margin_choice(costs: Sequence[tuple[int, int]], room_bytes: int) -> frozenset[int]:
+    """placement="auto"'s rule for the margin: ``costs`` are (trainable group index, bytes of
+    the whole group) in model order; each group that still fits in what ``room_bytes`` has left
+    is kept on the device. A pure function, so the planner applies the engine's own rule."""
+    chosen = []
+    for index, cost in costs:
+        if fits(room_bytes, cost):
+            room_bytes -= cost
+            chosen.append(index)
+    return frozenset(chosen)
 
 
 def device_groups(config: GeminiConfig, layout: Layout) -> DeviceGroups:

@@ -28,17 +28,20 @@ not charged.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.monitors import TensorAccountingMonitor
 
-__all__ = ["meta_inputs", "non_model_peak_bytes"]
+__all__ = ["MetaPeaks", "meta_inputs", "meta_peaks", "non_model_peak_bytes"]
 
 
 def meta_inputs(example_inputs: Sequence[Any]) -> tuple[Any, ...]:
@@ -79,7 +82,14 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        if q.dim() == 4:
+            # The fused kernels (CPU flash, CUDA flash and memory-efficient) write their output
+            # (batch, query, heads, dim) in memory and return it transposed, so the usual
+            # ``y.transpose(1, 2).contiguous()`` that follows copies nothing.
+            b, h, t, _ = q.shape
+            out = q.new_empty(b, t, h, v.shape[-1]).transpose(1, 2)
+        else:
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -105,11 +115,55 @@ class _AttentionAsFused(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class MetaPeaks:
+    """Non-model peaks of one forward and backward (see [Note: when chunks visit])."""
+
+    non_model_bytes: int  # the most alive at once
+    computing_bytes: int  # the most alive while a module owning parameters computes (or backward runs)
+
+
+# [Note: when chunks visit]
+# Under placements that fetch chunks for compute ("cpu", and "auto"'s warm-up) a chunk group
+# is on the device only while a module using it runs forward, and during backward. The largest
+# non-model peak often falls between those times: the loss on the logits (and its backward)
+# runs after the root module's forward and before the first module's backward, when every
+# chunk was dropped. So the meta run keeps two peaks: of all time, and of the times when
+# chunks may visit (a module's forward; backward from the first module's backward pre-hook);
+# the plan adds the visiting chunks only to the second.
+
+
+class _PeakWhileComputing(TorchDispatchMode):
+    """After each operator, the monitor's count enters the computing peak while ``computing``."""
+
+    def __init__(self, monitor: TensorAccountingMonitor) -> None:
+        super().__init__()
+        self.monitor = monitor
+        self.depth = 0  # modules owning parameters whose forward is running
+        self.backward = False  # a module's backward has begun
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if self.depth or self.backward:
+            self.peak = max(self.peak, self.monitor.current_bytes())
+        return out
+
+
 def non_model_peak_bytes(model: nn.Module, example_inputs: Sequence[Any], *,
                          loss_fn: Callable[[Any], torch.Tensor] | None = None,
                          param_dtype: torch.dtype = torch.float32) -> int:
     """The most bytes of non-model tensors alive at once in one forward and backward of
-    ``model`` on ``example_inputs`` (see [Note: planning on the meta device]).
+    ``model`` on ``example_inputs`` (see [Note: planning on the meta device])."""
+    return meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype).non_model_bytes
+
+
+def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
+               loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               param_dtype: torch.dtype = torch.float32) -> MetaPeaks:
+    """The non-model peaks of one forward and backward of ``model`` on ``example_inputs``: of
+    all time and while chunks may visit (see [Note: planning on the meta device] and [Note:
+    when chunks visit]).
 
     ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
     output, in fp32). Raises ``ValueError`` if the model cannot run on the meta device.
@@ -129,8 +183,28 @@ def non_model_peak_bytes(model: nn.Module, example_inputs: Sequence[Any], *,
     args = meta_inputs(example_inputs)
     monitor = TensorAccountingMonitor("meta")
     monitor.exclude(list(state.values()))  # model data: counted by the plan's chunk bytes
+    computing = _PeakWhileComputing(monitor)
+
+    def enter(*_: Any) -> None:
+        computing.depth += 1
+
+    def leave(*_: Any) -> None:
+        computing.depth -= 1
+
+    def backward_begins(*_: Any) -> None:
+        computing.backward = True
+
+    handles = []
+    for sub in model.modules():
+        if next(sub.parameters(recurse=False), None) is not None:
+            handles.append(sub.register_forward_pre_hook(enter))
+            handles.append(sub.register_forward_hook(leave, always_call=True))
+            handles.append(sub.register_full_backward_pre_hook(backward_begins))
     try:
-        with monitor, _AttentionAsFused():
+        with monitor, _AttentionAsFused(), computing, warnings.catch_warnings():
+            # A module whose inputs need no gradient (the embedding) fires its pre-hook when its
+            # outputs' gradients arrive, which is the moment wanted here: torch's warning is moot.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             output = functional_call(model, state, args)
             loss = loss_fn(output) if loss_fn is not None else _first_output(output).float().sum()
             del output
@@ -141,5 +215,7 @@ def non_model_peak_bytes(model: nn.Module, example_inputs: Sequence[Any], *,
         raise ValueError(
             f"example_inputs: the model could not run on the meta device to measure its activations ({type(e).__name__}: "
             f"{e}); plan without example_inputs (activations are then not counted), or pass loss_fn") from e
-    return monitor.peak_bytes()
-
+    finally:
+        for h in handles:
+            h.remove()
+    return MetaPeaks(non_model_bytes=monitor.peak_bytes(), computing_bytes=computing.peak)

@@ -16,7 +16,7 @@ import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
 from gemini.activations import ActivationOffload
-from gemini.footprint import DeviceGroups, chunk_bytes, static_choice
+from gemini.footprint import DeviceGroups, chunk_bytes, margin_choice, margin_room_bytes, static_choice
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.nvme_tier import NvmeTier
 from gemini.plan import MemoryPlan
@@ -491,20 +491,15 @@ class AutoPlacement(PlacementPolicy):
         and (with activation offload) the saved activations that stay there."""
         self.plan = plan
         margin = max(0, plan.margin_bytes)
-        room = int(self.margin_ratio * margin)
         # The rest of the margin keeps the last saved activations on the device; those bytes
         # are then part of every period's non-model memory (see [Note: activation offload]).
-        self.activation_bytes = activations.plan(margin - room) if activations is not None else 0
-        if self.manager.param_dtype != torch.float32:
-            # Device Adam converts one bf16/fp16 gradient chunk at a time to fp32.
-            room -= max((g.param.capacity * 4 for g in self.manager.trainable_groups), default=0)
-        chosen = []
-        for g in self.manager.trainable_groups:
-            cost = self.group_device_bytes(g)
-            if fits(room, cost):
-                room -= cost
-                chosen.append(g)
-        self.os_on_device = {g.index for g in chosen}
+        self.activation_bytes = (activations.plan(margin - int(self.margin_ratio * margin))
+                                 if activations is not None else 0)
+        trainable = self.manager.trainable_groups
+        room = margin_room_bytes(margin, self.margin_ratio, param_dtype=self.manager.param_dtype,
+                                 largest_capacity=max((g.param.capacity for g in trainable), default=0))
+        self.os_on_device = set(margin_choice([(g.index, self.group_device_bytes(g)) for g in trainable], room))
+        chosen = [g for g in trainable if g.index in self.os_on_device]
         for g in chosen:
             self._pin_on_device(g)
         # If every chunk that can be on the device fits there at once next to the largest

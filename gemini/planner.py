@@ -23,10 +23,11 @@ from torch import nn
 
 from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
-from gemini.footprint import chunk_bytes, device_groups, named_bytes
+from gemini.footprint import (DeviceGroups, chunk_bytes, device_groups, margin_choice, margin_room_bytes, named_bytes,
+                              whole_group_bytes)
 from gemini.initialize import resolve_chunk_size, split_param_groups
 from gemini.memory import planned_reserve_bytes
-from gemini.meta_run import non_model_peak_bytes
+from gemini.meta_run import meta_peaks
 from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
 from gemini.summary import readable_unit
 from offload import format_size
@@ -70,7 +71,13 @@ class PlacementPlan:
     # forward and backward, and the device's predicted peak (model data held then + that + the
     # safety reserve's share the warm-up would keep). None: not counted.
     non_model_peak_bytes: int | None = None
-    device_peak_bytes: int | None = None
+    device_peak_bytes: int | None = None  # every step after the first
+    # The first step's: under "cuda"/"static" the device's gradient chunks do not exist yet at
+    # its activation peak; under "auto" it is the warm-up, which holds only what it computes with.
+    first_step_peak_bytes: int | None = None
+    # placement "auto" with example inputs and a budget: the margin the warm-up will leave
+    # (budget - reserve - the warm-up's peak), of which gpu_margin_mem_ratio holds whole groups.
+    margin_bytes: int | None = None
     problems: list[str] = field(default_factory=list)  # why it does not fit; empty: it fits
     notes: list[str] = field(default_factory=list)
 
@@ -125,12 +132,14 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> PlacementPlan:
     """Where ``initialize(model, config, param_groups=...)`` will put every chunk, before it runs.
 
-    Exact for placements "cuda", "cpu" and "static"; for "auto" the host and NVMe figures are
-    those of ``gpu_margin_mem_ratio=0`` and the device's share is decided by the warm-up (see
-    the plan's notes). With ``example_inputs`` (the model's positional arguments: tensors, or
-    ``(shape, dtype)`` pairs) one forward and backward runs on the meta device — no memory, no
-    compute — and the verdict counts the activations (``non_model_peak_bytes``,
-    ``device_peak_bytes``); ``loss_fn(output)`` gives the scalar to differentiate (default: the
+    With ``example_inputs`` (the model's positional arguments: tensors, or ``(shape, dtype)``
+    pairs) one forward and backward runs on the meta device — no memory, no compute — and the
+    verdict counts the activations (``non_model_peak_bytes``, ``first_step_peak_bytes``,
+    ``device_peak_bytes``; see [Note: the predicted device peak]). Under "auto" they also
+    predict the margin the warm-up will leave, and ``gpu_margin_mem_ratio``'s groups in it are
+    chosen by the engine's own rule (:func:`gemini.footprint.margin_choice`); without them (or
+    without ``device_memory``) auto's host and NVMe figures are those of ratio 0 and the notes
+    say so. ``loss_fn(output)`` gives the scalar to differentiate (default: the
     sum of the first output). Without them the verdict says that activations were not counted.
     """
     _, named_groups, frozen = split_param_groups(model, param_groups)
@@ -140,16 +149,25 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     layout = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=chunk_size,
                           param_dtype=config.param_dtype).layout(named_groups, frozen)
     trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
+    elem = torch.empty((), dtype=config.param_dtype).element_size()
+    buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
+    working_set = max((capacity * elem * (2 if pg >= 0 else 1) for _, pg, capacity in layout), default=0)
+    non_model = visiting_peak = None
+    if example_inputs is not None:
+        peaks = meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=config.param_dtype)
+        non_model = peaks.non_model_bytes
+        # Fetching for compute (placement "cpu", auto's warm-up): see [Note: when chunks visit].
+        visiting_peak = buffer_bytes + max(non_model, peaks.computing_bytes + working_set)
     choice = device_groups(config, layout)
+    margin = None
+    if config.placement == "auto" and visiting_peak is not None and config.device_memory is not None:
+        margin = _auto_margin(config, layout, trainable, warmup_peak_bytes=visiting_peak, non_model_bytes=non_model)
+        choice = margin.choice
     os_on_device = [i for i in trainable if i in choice.whole]
     problems: list[str] = []
     notes: list[str] = []
     nvme = _nvme_layout(config, layout, trainable, [i for i in trainable if i not in choice.whole], problems)
     by_tier = named_bytes(chunk_bytes(layout, choice, param_dtype=config.param_dtype, nvme_groups=nvme.nvme_groups))
-
-    elem = torch.empty((), dtype=config.param_dtype).element_size()
-    buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
-    working_set = max((capacity * elem * (2 if pg >= 0 else 1) for _, pg, capacity in layout), default=0)
     plan = PlacementPlan(
         placement=config.placement, precision=config.precision, chunk_size=chunk_size,
         n_params=sum(n for group in numels for n in group), chunk_groups=len(layout),
@@ -158,12 +176,10 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         nvme_staging_bytes=nvme.staging_bytes, nvme_undo_bytes=nvme.undo_bytes,
         nvme_undo_file_bytes=_undo_file_bytes(nvme, layout, config), device_budget_bytes=config.device_memory,
         cpu_memory_bytes=config.cpu_memory, host_available_bytes=psutil.virtual_memory().available,
-        nvme_free_bytes=_free_disk_bytes(config.nvme_dir), problems=problems, notes=notes,
+        nvme_free_bytes=_free_disk_bytes(config.nvme_dir), non_model_peak_bytes=non_model,
+        margin_bytes=None if margin is None else margin.margin_bytes, problems=problems, notes=notes,
     )
-    if example_inputs is not None:
-        plan.non_model_peak_bytes = non_model_peak_bytes(model, example_inputs, loss_fn=loss_fn,
-                                                         param_dtype=config.param_dtype)
-    _check_device(plan, config)
+    _check_device(plan, config, visiting_peak, _auto_cached_bytes(layout, choice, config.param_dtype))
     _check_host_and_nvme(plan, config)
     return plan
 
@@ -190,15 +206,85 @@ def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups
         return NvmeLayout(frozenset(), sum(b for _, b in os_bytes), 0, 0)
 
 
-def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
+@dataclass(frozen=True)
+class _AutoMargin:
+    margin_bytes: int
+    choice: DeviceGroups
+
+
+def _auto_margin(config: GeminiConfig, layout, trainable: list[int], *, warmup_peak_bytes: int,
+                 non_model_bytes: int) -> _AutoMargin:
+    """The margin the warm-up will leave and the groups ``gpu_margin_mem_ratio`` keeps in it, by
+    the engine's own rule (``AutoPlacement.adopt``): the warm-up holds what it computes with,
+    so its peak is predicted like placement "cpu"'s."""
+    reserve = planned_reserve_bytes(non_model_bytes, config.resolved_device())
+    margin = config.device_memory - reserve - warmup_peak_bytes
+    room = margin_room_bytes(margin, config.gpu_margin_mem_ratio, param_dtype=config.param_dtype,
+                             largest_capacity=max((layout[i][2] for i in trainable), default=0))
+    costs = [(i, whole_group_bytes(layout[i][2], param_dtype=config.param_dtype)) for i in trainable]
+    return _AutoMargin(margin, DeviceGroups(whole=margin_choice(costs, room)))
+
+
+def _auto_cached_bytes(layout, choice: DeviceGroups, param_dtype: torch.dtype) -> int:
+    """What placement "auto" holds on the device once nothing presses it: the margin's whole
+    groups, every other group's parameters, and one gradient chunk being filled."""
+    elem = torch.empty((), dtype=param_dtype).element_size()
+    pinned = sum(whole_group_bytes(cap, param_dtype=param_dtype) for i, (_, _, cap) in enumerate(layout)
+                 if i in choice.whole)
+    params = sum(cap * elem for i, (_, _, cap) in enumerate(layout) if i not in choice.whole)
+    grad = max((cap * elem for i, (_, pg, cap) in enumerate(layout) if pg >= 0 and i not in choice.whole), default=0)
+    return pinned + params + grad
+
+
+def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, visiting_peak_bytes: int,
+                   auto_cached_bytes: int) -> tuple[int, int, str]:
+    """(first step's peak, later steps' peak, what the model data on the device is) from the
+    meta run's non-model peak; see [Note: the predicted device peak]."""
+    # [Note: the predicted device peak]
+    # The activation peak (the end of forward, the start of backward) meets the model data the
+    # placement holds then:
+    # - "cuda" and "static": the chunks they keep; the gradient chunks exist only from the first
+    #   backward on, so the first step's peak lacks them;
+    # - "cpu": the largest group's parameters and gradients, visiting for compute (only while
+    #   modules compute: see [Note: when chunks visit]);
+    # - "auto": its first step is the warm-up, which behaves like "cpu". Later it keeps every
+    #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
+    #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
+    nm = plan.non_model_peak_bytes
+    fixed = plan.buffer_bytes + nm
+    device = plan.model_bytes_by_tier["device"]
+    if config.placement in ("cuda", "static"):
+        steady = sum(device.values()) + fixed
+        if config.placement == "static" and plan.model_bytes_by_tier["host"][ChunkKind.PARAM.value]:
+            steady += plan.device_working_set_bytes  # host-only groups visit for compute
+        return steady - device[ChunkKind.GRAD.value], steady, "the chunks it keeps"
+    first = visiting_peak_bytes
+    if config.placement == "cpu":
+        return first, first, "the largest chunk group's parameters and gradients visiting it"
+    cached = auto_cached_bytes + fixed
+    if plan.device_budget_bytes is not None:
+        cached = min(cached, plan.device_budget_bytes - reserve)
+    return first, max(first, cached), ("the parameter chunks it caches and the margin's whole groups (its "
+                                        "warm-up: the largest chunk group visiting)")
+
+
+def _check_device(plan: PlacementPlan, config: GeminiConfig, visiting_peak_bytes: int | None,
+                  auto_cached_bytes: int) -> None:
     device_bytes = plan.tier_bytes("device") + plan.buffer_bytes
     budget = config.device_memory
     if config.placement == "auto":
-        plan.notes.append(
-            "auto: parameter and gradient chunks are cached on the device as the budget allows after the warm-up; "
-            + (f"gpu_margin_mem_ratio={config.gpu_margin_mem_ratio:g} also moves optimizer states into the margin "
-               "the warm-up measures (host and NVMe shrink by what moves)" if config.gpu_margin_mem_ratio > 0
-               else "optimizer states stay on the host (gpu_margin_mem_ratio=0)"))
+        if config.gpu_margin_mem_ratio == 0:
+            share = "optimizer states stay on the host (gpu_margin_mem_ratio=0)"
+        elif plan.margin_bytes is not None:
+            share = (f"the warm-up will leave a margin of {format_size(max(0, plan.margin_bytes))}; "
+                     f"gpu_margin_mem_ratio={config.gpu_margin_mem_ratio:g} of it holds {plan.os_groups_on_device} "
+                     f"whole chunk groups (their optimizer states are updated on the device)")
+        else:
+            share = (f"gpu_margin_mem_ratio={config.gpu_margin_mem_ratio:g} also moves optimizer states into the "
+                     f"margin the warm-up measures; without example_inputs and device_memory that margin is "
+                     f"unknown, so host and NVMe are shown as at ratio 0 (they shrink by what moves)")
+        plan.notes.append("auto: parameter chunks are cached on the device as the budget allows after the warm-up; "
+                          + share)
     if config.offload_activations:
         plan.notes.append(
             f"offload_activations: saved activations of at least {format_size(config.activation_offload_min_bytes)} "
@@ -212,18 +298,21 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig) -> None:
     else:
         what = "the chunks it keeps"
     if plan.non_model_peak_bytes is not None:
-        plan.device_peak_bytes = device_bytes + plan.non_model_peak_bytes
         reserve = planned_reserve_bytes(plan.non_model_peak_bytes, config.resolved_device())
-        plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)}: {format_size(device_bytes)} "
-                          f"for {what} (with buffers) + {format_size(plan.non_model_peak_bytes)} of activations and "
-                          f"temporaries (one forward and backward on the meta device); the warm-up keeps a reserve "
-                          f"of {format_size(reserve)} besides")
+        plan.first_step_peak_bytes, plan.device_peak_bytes, what = _predict_peaks(plan, config, reserve, visiting_peak_bytes, auto_cached_bytes)
+        peak = max(plan.first_step_peak_bytes, plan.device_peak_bytes)
+        model_bytes = peak - plan.non_model_peak_bytes
+        plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
+                          f"{format_size(plan.first_step_peak_bytes)}): at most {format_size(model_bytes)} for {what} "
+                          f"(with buffers) + {format_size(plan.non_model_peak_bytes)} of activations and temporaries "
+                          f"(one forward and backward on the meta device); the warm-up keeps a reserve of "
+                          f"{format_size(reserve)} besides")
         if budget is None:
             return
-        missing = missing_bytes(budget, plan.device_peak_bytes, reserve)
+        missing = missing_bytes(budget, peak, reserve)
         if missing:
             plan.problems.append(
-                f"the device needs {format_size(plan.device_peak_bytes + reserve)} at its peak ({format_size(device_bytes)} "
+                f"the device needs {format_size(peak + reserve)} at its peak ({format_size(model_bytes)} "
                 f"for {what} with buffers, {format_size(plan.non_model_peak_bytes)} of activations and temporaries, "
                 f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: {format_size(missing)} "
                 f"are missing; raise device_memory, use activation checkpointing or offload_activations, a smaller "
