@@ -28,8 +28,7 @@ not charged.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tracer.hooks import Boundary, PeriodHooks, Phase
 from tracer.monitors import TensorAccountingMonitor
 
 __all__ = ["MetaPeaks", "meta_inputs", "meta_peaks", "non_model_peak_bytes"]
@@ -117,36 +117,108 @@ class _AttentionAsFused(TorchFunctionMode):
 
 @dataclass(frozen=True)
 class MetaPeaks:
-    """Non-model peaks of one forward and backward (see [Note: when chunks visit])."""
+    """What one forward and backward on the meta device needs on the device (see [Note: the
+    warm-up replayed on meta])."""
 
-    non_model_bytes: int  # the most alive at once
-    computing_bytes: int  # the most alive while a module owning parameters computes (or backward runs)
-
-
-# [Note: when chunks visit]
-# Under placements that fetch chunks for compute ("cpu", and "auto"'s warm-up) a chunk group
-# is on the device only while a module using it runs forward, and during backward. The largest
-# non-model peak often falls between those times: the loss on the logits (and its backward)
-# runs after the root module's forward and before the first module's backward, when every
-# chunk was dropped. So the meta run keeps two peaks: of all time, and of the times when
-# chunks may visit (a module's forward; backward from the first module's backward pre-hook);
-# the plan adds the visiting chunks only to the second.
+    non_model_bytes: int  # the most non-model bytes alive at once
+    # With the chunk groups given: the warm-up's peak (non-model bytes and the chunks it holds,
+    # at the same moment), and its planned peak (per period, the most chunk bytes held plus the
+    # most non-model bytes, as ``MemoryPlan.planned_peak_bytes`` charges them). Buffers aside.
+    warmup_peak_bytes: int
+    planned_peak_bytes: int
 
 
-class _PeakWhileComputing(TorchDispatchMode):
-    """After each operator, the monitor's count enters the computing peak while ``computing``."""
+# [Note: the warm-up replayed on meta]
+# The warm-up (placement "cpu", and "auto" before its plan) holds a chunk group on the device
+# only while it computes: from the forward pre-hook of the first module using it in a forward
+# until the last such module's forward ends (tied and straddling groups wait for their last
+# use), and in backward from the backward of a module using it until all its gradients are in,
+# with its gradient chunk from the first gradient to the last. The meta run follows the same
+# events with module hooks and gradient hooks, and after every operator adds the chunk bytes
+# held to the non-model bytes alive: the largest sum is the warm-up's peak. The largest
+# non-model peak often falls where no chunk is held (the loss on the logits runs after the
+# root module's forward), so adding the largest group to it, as a sum of peaks would, over-
+# states the peak. The engine's plan charges each period (from one module's forward or
+# backward to the next) its own most chunk bytes plus its own non-model peak, since later
+# iterations keep fetched chunks cached; the meta run keeps the same per-period figures. It
+# does not see the engine's finer cuts inside backward (marks), so its planned peak can only
+# be higher.
 
-    def __init__(self, monitor: TensorAccountingMonitor) -> None:
+
+class _WarmupReplay(TorchDispatchMode):
+    """Follows the chunk groups the warm-up holds, and the peaks (see [Note: the warm-up
+    replayed on meta])."""
+
+    def __init__(self, monitor: TensorAccountingMonitor, group_bytes: Sequence[int],
+                 uses: dict[int, int], grads_expected: dict[int, int]) -> None:
         super().__init__()
         self.monitor = monitor
-        self.depth = 0  # modules owning parameters whose forward is running
-        self.backward = False  # a module's backward has begun
-        self.peak = 0
+        self.group_bytes = group_bytes
+        self.uses = uses  # group -> module calls using it in one forward
+        self.grads_expected = grads_expected  # group -> trainable parameters in it
+        self.uses_left: dict[int, int] = {}
+        self.refs: dict[int, int] = {}  # forward: modules using the group now
+        self.backward_held: set[int] = set()
+        self.grads_in: dict[int, int] = {}
+        self.held_bytes = 0
+        self.warmup_peak = 0
+        self.period_non_model = 0
+        self.period_held = 0
+        self.planned_peak = 0
+
+    def _update(self) -> None:
+        held = set(g for g, n in self.refs.items() if n) | set(g for g, n in self.uses_left.items() if n) \
+            | self.backward_held
+        grads = set(g for g, n in self.grads_in.items() if 0 < n < self.grads_expected.get(g, 0))
+        self.held_bytes = sum(self.group_bytes[g] for g in held) + sum(self.group_bytes[g] for g in grads)
+        self._measure()
+
+    def _measure(self) -> None:
+        now = self.monitor.current_bytes()
+        self.warmup_peak = max(self.warmup_peak, now + self.held_bytes)
+        self.period_non_model = max(self.period_non_model, now)
+        self.period_held = max(self.period_held, self.held_bytes)
+
+    def new_period(self) -> None:
+        self.planned_peak = max(self.planned_peak, self.period_non_model + self.period_held)
+        self.period_non_model = self.monitor.current_bytes()
+        self.period_held = self.held_bytes
+
+    def on_boundary(self, boundary: Boundary, groups: Sequence[int]) -> None:
+        """A period begins (the engine's own boundaries: tracer/hooks.py); a backward one
+        fetches the module's groups."""
+        self.new_period()
+        if boundary.phase is Phase.BACKWARD and groups:
+            self.backward_held.update(groups)
+            self._update()
+
+    def forward_begins(self, groups: Sequence[int]) -> None:
+        for g in groups:
+            if not self.uses_left.get(g):
+                self.uses_left[g] = self.uses[g]
+            self.refs[g] = self.refs.get(g, 0) + 1
+        self._update()
+
+    def forward_ends(self, groups: Sequence[int]) -> None:
+        for g in groups:
+            self.refs[g] -= 1
+            self.uses_left[g] -= 1
+        self._update()
+
+    def grad_in(self, group: int) -> None:
+        self.grads_in[group] = self.grads_in.get(group, 0) + 1
+        if self.grads_in[group] == 1:
+            self._update()  # the gradient chunk arrives with its first gradient
+        if self.grads_in[group] >= self.grads_expected[group]:
+            self.backward_held.discard(group)
+            self._update()
+
+    def finish(self) -> None:
+        self.new_period()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        if self.depth or self.backward:
-            self.peak = max(self.peak, self.monitor.current_bytes())
+        self._measure()
         return out
 
 
@@ -160,57 +232,68 @@ def non_model_peak_bytes(model: nn.Module, example_inputs: Sequence[Any], *,
 
 def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
                loss_fn: Callable[[Any], torch.Tensor] | None = None,
-               param_dtype: torch.dtype = torch.float32) -> MetaPeaks:
-    """The non-model peaks of one forward and backward of ``model`` on ``example_inputs``: of
-    all time and while chunks may visit (see [Note: planning on the meta device] and [Note:
-    when chunks visit]).
+               param_dtype: torch.dtype = torch.float32,
+               group_of: Mapping[str, int] | None = None, group_bytes: Sequence[int] = ()) -> MetaPeaks:
+    """The device's needs in one forward and backward of ``model`` on ``example_inputs``, on
+    the meta device (see [Note: planning on the meta device]). ``group_of`` maps each
+    parameter's name (as ``model.named_parameters()`` gives it) to its chunk group, and
+    ``group_bytes[g]`` is group g's parameter (and gradient) chunk bytes: with them the
+    warm-up's chunk visits are replayed (see [Note: the warm-up replayed on meta]).
 
     ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
     output, in fp32). Raises ``ValueError`` if the model cannot run on the meta device.
     """
+    group_of = dict(group_of or {})
     state: dict[str, torch.Tensor] = {}
     trainable = []
+    grads_expected: dict[int, int] = {}
+    monitor = TensorAccountingMonitor("meta")
+    uses: dict[int, int] = {}
+    replay = _WarmupReplay(monitor, group_bytes, uses, grads_expected)
     for name, p in model.named_parameters():
         dtype = param_dtype if p.is_floating_point() else p.dtype
         t = torch.empty(p.shape, dtype=dtype, device="meta", requires_grad=p.requires_grad)
         if p.requires_grad:
-            # The engine takes each gradient into its chunk as it arrives: it is not held.
-            t.register_post_accumulate_grad_hook(lambda leaf: setattr(leaf, "grad", None))
+            group = group_of.get(name)
+
+            def taken(leaf: torch.Tensor, group: int | None = group) -> None:
+                # The engine takes each gradient into its chunk as it arrives: it is not held.
+                leaf.grad = None
+                if group is not None:
+                    replay.grad_in(group)
+
+            t.register_post_accumulate_grad_hook(taken)
             trainable.append(t)
+            if group is not None:
+                grads_expected[group] = grads_expected.get(group, 0) + 1
         state[name] = t
     for name, b in model.named_buffers():
         state[name] = torch.empty(b.shape, dtype=param_dtype if b.is_floating_point() else b.dtype, device="meta")
     args = meta_inputs(example_inputs)
-    monitor = TensorAccountingMonitor("meta")
     monitor.exclude(list(state.values()))  # model data: counted by the plan's chunk bytes
-    computing = _PeakWhileComputing(monitor)
 
-    def enter(*_: Any) -> None:
-        computing.depth += 1
-
-    def leave(*_: Any) -> None:
-        computing.depth -= 1
-
-    def backward_begins(*_: Any) -> None:
-        computing.backward = True
-
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups_of: dict[nn.Module, list[int]] = {}
     handles = []
     for sub in model.modules():
-        if next(sub.parameters(recurse=False), None) is not None:
-            handles.append(sub.register_forward_pre_hook(enter))
-            handles.append(sub.register_forward_hook(leave, always_call=True))
-            handles.append(sub.register_full_backward_pre_hook(backward_begins))
+        groups = sorted({group_of[names[id(p)]] for p in sub.parameters(recurse=False)
+                         if names.get(id(p)) in group_of})
+        groups_of[sub] = groups
+        if groups:
+            for g in groups:
+                uses[g] = uses.get(g, 0) + 1
+            handles.append(sub.register_forward_pre_hook(lambda *_, gs=groups: replay.forward_begins(gs)))
+            handles.append(sub.register_forward_hook(lambda *_, gs=groups: replay.forward_ends(gs), always_call=True))
+    periods = PeriodHooks(model, lambda boundary: replay.on_boundary(boundary, groups_of.get(boundary.module, ())))
     try:
-        with monitor, _AttentionAsFused(), computing, warnings.catch_warnings():
-            # A module whose inputs need no gradient (the embedding) fires its pre-hook when its
-            # outputs' gradients arrive, which is the moment wanted here: torch's warning is moot.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        with monitor, _AttentionAsFused(), replay, periods:
             output = functional_call(model, state, args)
             loss = loss_fn(output) if loss_fn is not None else _first_output(output).float().sum()
             del output
             if trainable and loss.requires_grad:
                 loss.backward()
             del loss
+            replay.finish()
     except (RuntimeError, NotImplementedError, TypeError) as e:
         raise ValueError(
             f"example_inputs: the model could not run on the meta device to measure its activations ({type(e).__name__}: "
@@ -218,4 +301,5 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     finally:
         for h in handles:
             h.remove()
-    return MetaPeaks(non_model_bytes=monitor.peak_bytes(), computing_bytes=computing.peak)
+    return MetaPeaks(non_model_bytes=monitor.peak_bytes(), warmup_peak_bytes=replay.warmup_peak,
+                     planned_peak_bytes=max(replay.planned_peak, replay.warmup_peak))

@@ -152,16 +152,18 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     elem = torch.empty((), dtype=config.param_dtype).element_size()
     buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
     working_set = max((capacity * elem * (2 if pg >= 0 else 1) for _, pg, capacity in layout), default=0)
-    non_model = visiting_peak = None
+    non_model = peaks = None
     if example_inputs is not None:
-        peaks = meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=config.param_dtype)
+        group_of = {named[m][0]: i for i, (members, pg, _) in enumerate(layout)
+                    for named in [named_groups[pg] if pg >= 0 else frozen] for m in members}
+        peaks = meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=config.param_dtype,
+                           group_of=group_of, group_bytes=[capacity * elem for _, _, capacity in layout])
         non_model = peaks.non_model_bytes
-        # Fetching for compute (placement "cpu", auto's warm-up): see [Note: when chunks visit].
-        visiting_peak = buffer_bytes + max(non_model, peaks.computing_bytes + working_set)
     choice = device_groups(config, layout)
     margin = None
-    if config.placement == "auto" and visiting_peak is not None and config.device_memory is not None:
-        margin = _auto_margin(config, layout, trainable, warmup_peak_bytes=visiting_peak, non_model_bytes=non_model)
+    if config.placement == "auto" and peaks is not None and config.device_memory is not None:
+        margin = _auto_margin(config, layout, trainable, planned_peak_bytes=buffer_bytes + peaks.planned_peak_bytes,
+                              non_model_bytes=non_model)
         choice = margin.choice
     os_on_device = [i for i in trainable if i in choice.whole]
     problems: list[str] = []
@@ -179,7 +181,8 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         nvme_free_bytes=_free_disk_bytes(config.nvme_dir), non_model_peak_bytes=non_model,
         margin_bytes=None if margin is None else margin.margin_bytes, problems=problems, notes=notes,
     )
-    _check_device(plan, config, visiting_peak, _auto_cached_bytes(layout, choice, config.param_dtype))
+    warmup_peak = None if peaks is None else buffer_bytes + peaks.warmup_peak_bytes
+    _check_device(plan, config, warmup_peak, _auto_cached_bytes(layout, choice, config.param_dtype))
     _check_host_and_nvme(plan, config)
     return plan
 
@@ -212,13 +215,13 @@ class _AutoMargin:
     choice: DeviceGroups
 
 
-def _auto_margin(config: GeminiConfig, layout, trainable: list[int], *, warmup_peak_bytes: int,
+def _auto_margin(config: GeminiConfig, layout, trainable: list[int], *, planned_peak_bytes: int,
                  non_model_bytes: int) -> _AutoMargin:
-    """The margin the warm-up will leave and the groups ``gpu_margin_mem_ratio`` keeps in it, by
-    the engine's own rule (``AutoPlacement.adopt``): the warm-up holds what it computes with,
-    so its peak is predicted like placement "cpu"'s."""
+    """The margin the warm-up will leave (``MemoryPlan.margin_bytes``, from the warm-up replayed
+    on meta) and the groups ``gpu_margin_mem_ratio`` keeps in it, by the engine's own rule
+    (``AutoPlacement.adopt``)."""
     reserve = planned_reserve_bytes(non_model_bytes, config.resolved_device())
-    margin = config.device_memory - reserve - warmup_peak_bytes
+    margin = config.device_memory - reserve - planned_peak_bytes
     room = margin_room_bytes(margin, config.gpu_margin_mem_ratio, param_dtype=config.param_dtype,
                              largest_capacity=max((layout[i][2] for i in trainable), default=0))
     costs = [(i, whole_group_bytes(layout[i][2], param_dtype=config.param_dtype)) for i in trainable]
@@ -236,7 +239,7 @@ def _auto_cached_bytes(layout, choice: DeviceGroups, param_dtype: torch.dtype) -
     return pinned + params + grad
 
 
-def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, visiting_peak_bytes: int,
+def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warmup_peak_bytes: int,
                    auto_cached_bytes: int) -> tuple[int, int, str]:
     """(first step's peak, later steps' peak, what the model data on the device is) from the
     meta run's non-model peak; see [Note: the predicted device peak]."""
@@ -245,8 +248,8 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, visi
     # placement holds then:
     # - "cuda" and "static": the chunks they keep; the gradient chunks exist only from the first
     #   backward on, so the first step's peak lacks them;
-    # - "cpu": the largest group's parameters and gradients, visiting for compute (only while
-    #   modules compute: see [Note: when chunks visit]);
+    # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
+    #   [Note: the warm-up replayed on meta] in gemini/meta_run.py);
     # - "auto": its first step is the warm-up, which behaves like "cpu". Later it keeps every
     #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
     #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
@@ -258,17 +261,17 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, visi
         if config.placement == "static" and plan.model_bytes_by_tier["host"][ChunkKind.PARAM.value]:
             steady += plan.device_working_set_bytes  # host-only groups visit for compute
         return steady - device[ChunkKind.GRAD.value], steady, "the chunks it keeps"
-    first = visiting_peak_bytes
+    first = warmup_peak_bytes
     if config.placement == "cpu":
-        return first, first, "the largest chunk group's parameters and gradients visiting it"
+        return first, first, "the chunk groups visiting it for compute"
     cached = auto_cached_bytes + fixed
     if plan.device_budget_bytes is not None:
         cached = min(cached, plan.device_budget_bytes - reserve)
     return first, max(first, cached), ("the parameter chunks it caches and the margin's whole groups (its "
-                                        "warm-up: the largest chunk group visiting)")
+                                        "warm-up: the chunk groups visiting for compute)")
 
 
-def _check_device(plan: PlacementPlan, config: GeminiConfig, visiting_peak_bytes: int | None,
+def _check_device(plan: PlacementPlan, config: GeminiConfig, warmup_peak_bytes: int | None,
                   auto_cached_bytes: int) -> None:
     device_bytes = plan.tier_bytes("device") + plan.buffer_bytes
     budget = config.device_memory
@@ -299,7 +302,8 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig, visiting_peak_bytes
         what = "the chunks it keeps"
     if plan.non_model_peak_bytes is not None:
         reserve = planned_reserve_bytes(plan.non_model_peak_bytes, config.resolved_device())
-        plan.first_step_peak_bytes, plan.device_peak_bytes, what = _predict_peaks(plan, config, reserve, visiting_peak_bytes, auto_cached_bytes)
+        plan.first_step_peak_bytes, plan.device_peak_bytes, what = _predict_peaks(plan, config, reserve,
+                                                                                  warmup_peak_bytes, auto_cached_bytes)
         peak = max(plan.first_step_peak_bytes, plan.device_peak_bytes)
         model_bytes = peak - plan.non_model_peak_bytes
         plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
