@@ -23,6 +23,7 @@ import torch
 
 from chunks.ledger import MemoryLedger
 from offload import NvmeStore, PinnedHostPool, Tier
+from offload.profiling import trace_range
 
 if TYPE_CHECKING:
     from chunks.chunk import ChunkKind
@@ -168,7 +169,7 @@ class ChunkStorage:
         start = time.perf_counter()
         event = None
         host = payload if src is Tier.HOST else out
-        with torch.profiler.record_function("gemini::transfer"), self.move_context():
+        with trace_range("gemini::transfer"), self.move_context():
             if self._copy_stream is not None and src is not dst and host.is_pinned():
                 current = torch.cuda.current_stream(self.device)
                 self._copy_stream.wait_stream(current)
@@ -210,7 +211,7 @@ class ChunkStorage:
         """
         start = time.perf_counter()
         try:
-            with torch.profiler.record_function("gemini::nvme_wait"):
+            with trace_range("gemini::nvme_wait"):
                 future.result()
         finally:
             self.ledger.transfers.nvme_wait_seconds += time.perf_counter() - start

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from chunks import ChunkStorage
+from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class ActivationOffload:
         if self._following and self.keep_from is not None and index >= self.keep_from:
             self.ledger.transfers.activation_kept_bytes += nbytes
             return t
-        with torch.profiler.record_function("gemini::offload_activation"):
+        with trace_range("gemini::offload_activation"):
             packed = self._copy_out(index, t, nbytes)
         self._packed[index] = weakref.ref(packed)
         self._seen[key] = (weakref.ref(t), packed)
@@ -205,7 +206,7 @@ class ActivationOffload:
     def _unpack(self, packed):
         if not isinstance(packed, _Offloaded):
             return packed
-        with torch.profiler.record_function("gemini::restore_activation"):
+        with trace_range("gemini::restore_activation"):
             self._unpack_order.append(packed.index)
             out = self._device_copy(packed)
             if self.prefetch and self._following:

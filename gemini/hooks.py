@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from chunks import ChunkGroup, ChunkManager
 from gemini.memory import DeviceBudgetError
 from gemini.placement import PlacementPolicy
+from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class ModuleHooks:
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        with torch.profiler.record_function(name):
+        with trace_range(name):
             try:
                 yield
             except DeviceBudgetError:
@@ -145,7 +146,7 @@ class ModuleHooks:
 
     @torch._disable_dynamo
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):
-        with torch.profiler.record_function("gemini::post_forward"):
+        with trace_range("gemini::post_forward"):
             use = self._open_uses[module].pop()
             self.placement.after_compute(groups)
             # Under ZeRO-3 a released group's parameters become empty tensors, which the
@@ -241,7 +242,7 @@ class ModuleHooks:
 
     def _end_of_backward(self) -> None:
         """Close chunk groups whose parameters got no gradient (unused or frozen)."""
-        with torch.profiler.record_function("gemini::end_of_backward"):
+        with trace_range("gemini::end_of_backward"):
             self._backward_queued = False
             self.backward_passes += 1
             for group in self.placement.groups_fetched_for_backward():

@@ -31,6 +31,7 @@ import torch
 
 from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
 from offload import format_size
+from offload.profiling import trace_range
 
 if TYPE_CHECKING:
     from gemini.transaction import StepTransaction
@@ -313,7 +314,7 @@ class NvmeTier:
                 for c in self.chunks_of(g):
                     if c.state is ChunkState.HOST_AND_NVME:
                         c.drop_nvme_copy()  # about to be updated: the file goes stale
-                with torch.profiler.record_function("gemini::nvme_update"):
+                with trace_range("gemini::nvme_update"):
                     yield g
                 for c in self.chunks_of(g):
                     c.start_spill()

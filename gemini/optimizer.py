@@ -20,6 +20,7 @@ from gemini.loss_scaler import DynamicLossScaler
 from gemini.report import MemoryReport, WarmupTimeline
 from gemini.transaction import UNDO_KIND, StepTransaction
 from gemini.zero import agree_grad_ready, gather_params, gather_state
+from offload.profiling import trace_range
 
 if TYPE_CHECKING:
     from gemini.runtime import GeminiRuntime
@@ -166,11 +167,11 @@ class HybridAdam(torch.optim.Optimizer):
             nvme.begin_step(streamed, tx)
             nvme.prefetch(streamed)  # the first reads overlap the norm
         scale = self.loss_scale
-        with torch.profiler.record_function("gemini::gather_for_step"):
+        with trace_range("gemini::gather_for_step"):
             tiers = {g.index: rt.placement.before_step(g) for g in groups}
         norm = None
         if rt.config.clip_grad_norm > 0 or self.scaler is not None:
-            with torch.profiler.record_function("gemini::grad_norm"):
+            with trace_range("gemini::grad_norm"):
                 norm = grad_norm(groups, tiers, rt.param_order, zero=zero) / scale
         overflow = self.scaler is not None and not math.isfinite(norm.item())
         if self.scaler is not None:
@@ -203,7 +204,7 @@ class HybridAdam(torch.optim.Optimizer):
                 stream.close()  # every write confirmed, or (after an error) every request ended
         for batch in batches:
             seconds[batch.tier] += self._run(batch)
-        with torch.profiler.record_function("gemini::params_from_masters"):
+        with trace_range("gemini::params_from_masters"):
             for g in resident:
                 rt.placement.after_step(g)
         return False, norm_value, seconds, scale
@@ -306,7 +307,7 @@ class HybridAdam(torch.optim.Optimizer):
         tier, device = batch.tier, self._rt.storage.tier_device(batch.tier)
         quiet = self._rt.memory.quiet() if tier is Tier.HOST else contextlib.nullcontext()
         start = time.perf_counter()
-        with torch.profiler.record_function(f"gemini::adam_{tier.value}"), quiet:
+        with trace_range(f"gemini::adam_{tier.value}"), quiet:
             if batch.scratch is None:
                 calls = [(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.steps)]
             else:

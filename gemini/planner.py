@@ -182,7 +182,8 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         margin_bytes=None if margin is None else margin.margin_bytes, problems=problems, notes=notes,
     )
     warmup_peak = None if peaks is None else buffer_bytes + peaks.warmup_peak_bytes
-    _check_device(plan, config, warmup_peak, _auto_cached_bytes(layout, choice, config.param_dtype))
+    planned_peak = buffer_bytes + peaks.planned_peak_bytes if peaks is not None and config.placement == "auto" else None
+    _check_device(plan, config, warmup_peak, _auto_cached_bytes(layout, choice, config.param_dtype), planned_peak)
     _check_host_and_nvme(plan, config)
     return plan
 
@@ -272,7 +273,7 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
 
 
 def _check_device(plan: PlacementPlan, config: GeminiConfig, warmup_peak_bytes: int | None,
-                  auto_cached_bytes: int) -> None:
+                  auto_cached_bytes: int, planned_peak_bytes: int | None = None) -> None:
     device_bytes = plan.tier_bytes("device") + plan.buffer_bytes
     budget = config.device_memory
     if config.placement == "auto":
@@ -305,22 +306,24 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig, warmup_peak_bytes: 
         plan.first_step_peak_bytes, plan.device_peak_bytes, what = _predict_peaks(plan, config, reserve,
                                                                                   warmup_peak_bytes, auto_cached_bytes)
         peak = max(plan.first_step_peak_bytes, plan.device_peak_bytes)
-        model_bytes = peak - plan.non_model_peak_bytes
         plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
-                          f"{format_size(plan.first_step_peak_bytes)}): at most {format_size(model_bytes)} for {what} "
-                          f"(with buffers) + {format_size(plan.non_model_peak_bytes)} of activations and temporaries "
-                          f"(one forward and backward on the meta device); the warm-up keeps a reserve of "
-                          f"{format_size(reserve)} besides")
+                          f"{format_size(plan.first_step_peak_bytes)}): {what}, buffers, and activations and "
+                          f"temporaries (at most {format_size(plan.non_model_peak_bytes)} at once: one forward and "
+                          f"backward on the meta device); the warm-up keeps a reserve of {format_size(reserve)} besides")
         if budget is None:
             return
-        missing = missing_bytes(budget, peak, reserve)
+        needed, why = peak, "at its peak"
+        if planned_peak_bytes is not None and planned_peak_bytes > peak:
+            # The warm-up refuses a budget its planned peak does not fit (MemoryPlan.planned_peak_bytes).
+            needed, why = planned_peak_bytes, "for the warm-up's plan, each period's chunks with its activations"
+        missing = missing_bytes(budget, needed, reserve)
         if missing:
+            advice = "" if config.placement in ("cpu", "auto") else ", or placement 'cpu'/'auto'"
             plan.problems.append(
-                f"the device needs {format_size(peak + reserve)} at its peak ({format_size(model_bytes)} "
-                f"for {what} with buffers, {format_size(plan.non_model_peak_bytes)} of activations and temporaries, "
-                f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: {format_size(missing)} "
-                f"are missing; raise device_memory, use activation checkpointing or offload_activations, a smaller "
-                f"batch, or placement 'cpu'/'auto'")
+                f"the device needs {format_size(needed + reserve)} {why} ({format_size(needed)} predicted, "
+                f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: "
+                f"{format_size(missing)} are missing; raise device_memory, use activation checkpointing or "
+                f"offload_activations, or a smaller batch{advice}")
         return
     if budget is None:
         plan.notes.append(f"no device budget: the whole device; it needs {format_size(device_bytes)} for {what}, "

@@ -6,13 +6,13 @@ import contextlib
 import enum
 import logging
 
-import torch
 from torch import nn
 
 from chunks import ChunkStorage, Tier, missing_bytes
 from gemini.memory import DeviceBudgetError, DeviceMemory
 from gemini.plan import MemoryPlan
 from tracer import RuntimeTracer
+from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Warmup:
         trace, self._trace = self._trace, None
         self.storage.move_context = contextlib.nullcontext
         self.state = WarmupState.DONE
-        with torch.profiler.record_function("gemini::plan"):
+        with trace_range("gemini::plan"):
             trace.__exit__(None, None, None)
             periods = self.tracer.periods
             warmup_peak = max(p.peak_bytes for p in periods)

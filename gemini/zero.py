@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from chunks import ChunkGroup, ChunkManager, ChunkState, Tier
 from gemini.collectives import Collectives, Pending
+from offload.profiling import trace_range
 
 if TYPE_CHECKING:
     from gemini.placement import PlacementPolicy
@@ -89,7 +90,7 @@ class GradReducer:
 
     def end_backward(self) -> None:
         """The backward pass is over: reduce the rest (zeros where no gradient came) and wait."""
-        with torch.profiler.record_function("gemini::reduce_scatter_rest"):
+        with trace_range("gemini::reduce_scatter_rest"):
             while self._next < len(self.order):
                 self._launch(self.manager.groups[self.order[self._next]])
                 self._next += 1
@@ -99,7 +100,7 @@ class GradReducer:
         self._next = 0
 
     def _launch(self, g: ChunkGroup) -> None:
-        with torch.profiler.record_function("gemini::reduce_scatter"):
+        with trace_range("gemini::reduce_scatter"):
             if g.grad.state is ChunkState.RELEASED:
                 # No gradient here this pass: contribute zeros (the padding is zero too).
                 bucket = torch.zeros(g.grad.capacity, dtype=g.grad.dtype, device=self.manager.storage.device)
@@ -163,7 +164,7 @@ class ParamGatherer:
 
     def gather(self, groups: Sequence[ChunkGroup]) -> None:
         """Every group of ``groups`` gathered (waiting for prefetched ones), then prefetch."""
-        with torch.profiler.record_function("gemini::all_gather_params"):
+        with trace_range("gemini::all_gather_params"):
             for g in groups:
                 if not self.gathered(g):
                     self._start(g)
@@ -258,7 +259,7 @@ def gather_params(comm: Collectives, groups: Sequence[ChunkGroup], storage, *, m
             if tier is not primary:
                 storage.copy_(g.param.payload(tier), g.param.payload(primary), src=primary, dst=tier)
 
-    with torch.profiler.record_function("gemini::all_gather_params"):
+    with trace_range("gemini::all_gather_params"):
         for g in groups:
             primary = g.param.primary_tier
             full = g.param.payload(primary)

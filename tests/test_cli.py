@@ -501,7 +501,7 @@ def test_plan_counts_activations_and_agrees_with_train(budget, fits, capsys):
              "--batch", "8", "--placement", "cuda", "--device-memory", budget]
     assert main(["plan", *model]) == (0 if fits else 1)
     out = capsys.readouterr().out
-    assert "of activations and temporaries" in out
+    assert "activations and temporaries" in out and "predicted device peak" in out
     try:
         trained = main(["train", *model, "--steps", "2", "--quiet"]) == 0
     except SystemExit as e:

@@ -41,6 +41,7 @@ from torch import nn
 from tracer.hooks import Boundary, PeriodHooks, Phase, in_autograd_engine
 from tracer.monitors import MemoryMonitor
 from tracer.signature import InputSignature, input_signature
+from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ class RuntimeTracer:
         signature_handle = None
         started_monitor = False
         finished = False
-        with torch.profiler.record_function("gemini::trace"):
+        with trace_range("gemini::trace"):
             try:
                 if self._track_module_tensors:
                     self._monitor.track(self._module_tensors())
@@ -334,7 +335,7 @@ class RuntimeTracer:
     def _on_boundary(self, boundary: Boundary) -> None:
         if self._state is not TracerState.TRACING:
             return  # a retained graph's hook firing after the trace ended
-        with self._lock, torch.profiler.record_function("gemini::trace::period"):
+        with self._lock, trace_range("gemini::trace::period"):
             assert self._meter is not None, "tracing without a period meter"
             if self._meter.boundary is not None:
                 self._close_period()
