@@ -1,15 +1,22 @@
 """Training-step and optimizer-step time: gemini against plain PyTorch and DeepSpeed, same run.
 
-    python benchmarks/bench_step.py                   # ~50M-parameter GPT on the CPU
+    python benchmarks/bench_step.py                   # three GPT sizes on the CPU
     python benchmarks/bench_step.py --device cuda     # the same on a GPU
+    python benchmarks/bench_step.py --sizes small     # one size (small, medium, 55m)
 
 Contenders are timed in interleaved rounds (A, B, A, B, ...) so that drift of the machine
 (other processes, thermal state) hits them alike; the table reports medians.
 
-1. Whole training step (forward, backward, optimizer step, zero_grad) of a GPT:
-   gemini with placement "cuda" (all chunks on the compute device) against the same model
-   with plain ``torch.optim.AdamW(fused=True)``.
-2. The optimizer step alone, over the same parameters with gradients present: gemini's
+1. Whole training step (forward, backward, optimizer step, zero_grad) of a GPT at three sizes
+   (per-module costs hide in big models): small (d 128, 4 layers, batch 4x64), medium (d 256,
+   8 layers, 8 heads, ctx 64, batch 8, tied embeddings) and 55M (d 768, 6 layers, batch 4x256):
+   gemini with placement "cuda" (all chunks on the compute device), and placement "auto" with
+   a budget that holds everything (4x the model data), against the same model with plain
+   ``torch.optim.AdamW(fused=True)``. Goals (issue 17): cuda / plain <= 1.05 (small: 1.10),
+   auto / cuda <= 1.03. On the CPU stand-in a budget runs the tensor-accounting monitor (a
+   Python call per operator) in every step, which a GPU's allocator counters do not need: the
+   auto row there measures that too.
+2. The optimizer step alone (the 55M GPT), over the same parameters with gradients present: gemini's
    HybridAdam over chunks, ``AdamW(fused=True)`` over the model's parameters, and DeepSpeed's
    CPU Adam (``DeepSpeedCPUAdam``, its AVX kernel) when deepspeed is installed (CPU only).
 
@@ -108,29 +115,44 @@ def interleave(contenders: dict, rounds: int, warmup: int, device: str) -> dict[
     return times
 
 
-def bench_training_step(cfg: GPTConfig, args) -> dict:
+SIZES = {  # name -> (GPTConfig fields, batch, seq)
+    "small": (dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128), 4, 64),
+    "medium": (dict(vocab_size=1024, block_size=64, n_layer=8, n_head=8, n_embd=256), 8, 64),
+    "55m": (dict(vocab_size=16384, block_size=256, n_layer=6, n_head=12, n_embd=768), 4, 256),
+}
+
+
+def bench_training_step(cfg: GPTConfig, batch: int, seq: int, args) -> dict:
     torch.manual_seed(0)
     base = GPT(cfg)
     plain = copy.deepcopy(base).to(args.device)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    gmodel, gopt = gemini.initialize(
-        base, gemini.GeminiConfig(device=args.device, placement="cuda"), lr=1e-4, weight_decay=0.1
-    )
-    x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1), device=args.device)
+    engines = {}
+    model_data = 16 * cfg.num_params()  # fp32 parameters, gradients, m and v
+    for label, extra in (("gemini placement=cuda", dict(placement="cuda")),
+                         ("gemini placement=auto, budget 4x model data",
+                          dict(placement="auto", device_memory=4 * model_data))):
+        engines[label] = gemini.initialize(copy.deepcopy(base), gemini.GeminiConfig(device=args.device, **extra),
+                                           lr=1e-4, weight_decay=0.1)
+    x, y = synthetic_batch(cfg, batch, seq, generator=torch.Generator().manual_seed(1), device=args.device)
 
     def plain_step():
         GPT.loss(plain(x), y).backward()
         plain_opt.step()
         plain_opt.zero_grad()
 
-    def gemini_step():
-        gopt.backward(GPT.loss(gmodel(x), y))
-        gopt.step()
-        gopt.zero_grad()
+    def gemini_step(model, opt):
+        def step():
+            opt.backward(GPT.loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        return step
 
-    times = interleave({"torch AdamW(fused)": plain_step, "gemini placement=cuda": gemini_step},
-                       args.rounds, args.warmup, args.device)
-    return {"times": times, "chunk_size": gopt._rt.manager.chunk_size, "chunk_groups": len(gopt._rt.manager.groups)}
+    contenders = {"torch AdamW(fused)": plain_step}
+    contenders.update({label: gemini_step(*engine) for label, engine in engines.items()})
+    times = interleave(contenders, args.rounds, args.warmup, args.device)
+    manager = engines["gemini placement=cuda"][1]._rt.manager
+    return {"times": times, "chunk_size": manager.chunk_size, "chunk_groups": len(manager.groups)}
 
 
 def bench_optimizer_step(cfg: GPTConfig, args) -> dict:
@@ -173,44 +195,57 @@ def summarize(times: dict[str, list[float]], baseline: str) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--embd", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="result file stem (default step_<device>)")
     args = p.parse_args()
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
-    n_params = cfg.num_params()
-    print(f"GPT {n_params / 1e6:.1f}M parameters, batch {args.batch}x{args.seq}, device {args.device}", flush=True)
-    train = bench_training_step(cfg, args)
-    optim = bench_optimizer_step(cfg, args)
-    result = {
-        "machine": machine_info(args.device),
-        "model": {"params": n_params, **cfg.__dict__},
-        "batch": args.batch,
-        "seq": args.seq,
-        "training_step": {**train, "summary": summarize(train["times"], "torch AdamW(fused)")},
-        "optimizer_step": {**optim, "summary": summarize(optim["times"], "torch AdamW(fused)")},
-    }
+    sizes = args.sizes.split(",")
+    unknown = [n for n in sizes if n not in SIZES]
+    if unknown:
+        p.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
+    result = {"machine": machine_info(args.device), "sizes": {}}
+    for name in sizes:
+        fields, batch, seq = SIZES[name]
+        cfg = GPTConfig(**fields)
+        print(f"{name}: GPT {cfg.num_params() / 1e6:.1f}M parameters, batch {batch}x{seq}, device {args.device}",
+              flush=True)
+        train = bench_training_step(cfg, batch, seq, args)
+        rows = summarize(train["times"], "torch AdamW(fused)")
+        cuda = next(r for r in rows if "cuda" in r["contender"])["median_s"]
+        for r in rows:
+            r["ratio_to_gemini_cuda"] = r["median_s"] / cuda
+        result["sizes"][name] = {"model": {"params": cfg.num_params(), **cfg.__dict__}, "batch": batch, "seq": seq,
+                                 "training_step": {**train, "summary": rows}}
+    optim = None
+    if "55m" in sizes:
+        optim = bench_optimizer_step(GPTConfig(**SIZES["55m"][0]), args)
+        result["optimizer_step"] = {**optim, "summary": summarize(optim["times"], "torch AdamW(fused)")}
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = args.out or f"step_{args.device}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    md = [f"# Step time, {n_params / 1e6:.1f}M-parameter GPT, device {args.device}", "",
-          f"{result['machine']['date']} on {result['machine']['cpu']} ({result['machine']['cores']} cores, "
-          f"torch {result['machine']['torch']}{', ' + result['machine'].get('gpu', '') if args.device == 'cuda' else ''}). "
-          f"Batch {args.batch}x{args.seq}; medians of interleaved rounds.", "",
+    info = result["machine"]
+    md = [f"# Step time, device {args.device}", "",
+          f"{info['date']} on {info['cpu']} ({info['cores']} cores, torch {info['torch']}"
+          f"{', ' + info.get('gpu', '') if args.device == 'cuda' else ''}). Medians of interleaved rounds.", "",
           "Command: `python benchmarks/bench_step.py" + (" --device cuda" if args.device == "cuda" else "") + "`", ""]
-    for title, part in (("Whole training step", "training_step"), ("Optimizer step alone", "optimizer_step")):
-        md += [f"## {title}", "", "| contender | median s | min s | ratio to torch AdamW(fused) | rounds |", "|---|---|---|---|---|"]
-        for row in result[part]["summary"]:
-            md.append(f"| {row['contender']} | {row['median_s']:.4f} | {row['min_s']:.4f} | {row['ratio_to_baseline']:.3f} | {row['n']} |")
+    for name, part in result["sizes"].items():
+        m = part["model"]
+        md += [f"## Whole training step: {name} ({m['params'] / 1e6:.1f}M parameters, d {m['n_embd']}, "
+               f"{m['n_layer']} layers, batch {part['batch']}x{part['seq']})", "",
+               "| contender | median s | min s | / torch AdamW(fused) | / gemini cuda | rounds |", "|---|---|---|---|---|---|"]
+        for row in part["training_step"]["summary"]:
+            md.append(f"| {row['contender']} | {row['median_s']:.4f} | {row['min_s']:.4f} | "
+                      f"{row['ratio_to_baseline']:.3f} | {row['ratio_to_gemini_cuda']:.3f} | {row['n']} |")
         md.append("")
-    for note in optim["notes"]:
-        md.append(f"- {note}")
+    if optim is not None:
+        md += ["## Optimizer step alone (55m)", "", "| contender | median s | min s | ratio to torch AdamW(fused) | rounds |",
+               "|---|---|---|---|---|"]
+        for row in result["optimizer_step"]["summary"]:
+            md.append(f"| {row['contender']} | {row['median_s']:.4f} | {row['min_s']:.4f} | "
+                      f"{row['ratio_to_baseline']:.3f} | {row['n']} |")
+        md.append("")
+        md += [f"- {note}" for note in optim["notes"]]
     (RESULTS / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
