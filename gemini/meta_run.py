@@ -28,6 +28,7 @@ not charged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.hooks import Boundary, PeriodHooks, Phase
@@ -107,11 +109,9 @@ class _AttentionAsFused(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention and args and args[0].device.type == "meta":
-            query, key, value = args[:3]
-            if kwargs.get("enable_gqa") and key.shape[-3] != query.shape[-3]:  # keys shared by head groups
-                repeat = query.shape[-3] // key.shape[-3]
-                key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
-            return _FusedAttention.apply(query, key, value)
+            # Keys shared by head groups (enable_gqa) are read in place by the fused kernels,
+            # never repeated: the stand-in keeps them at their own shape too.
+            return _FusedAttention.apply(*args[:3])
         return func(*args, **kwargs)
 
 
@@ -132,17 +132,19 @@ class MetaPeaks:
 # The warm-up (placement "cpu", and "auto" before its plan) holds a chunk group on the device
 # only while it computes: from the forward pre-hook of the first module using it in a forward
 # until the last such module's forward ends (tied and straddling groups wait for their last
-# use), and in backward from the backward of a module using it until all its gradients are in,
-# with its gradient chunk from the first gradient to the last. The meta run follows the same
-# events with module hooks and gradient hooks, and after every operator adds the chunk bytes
-# held to the non-model bytes alive: the largest sum is the warm-up's peak. The largest
-# non-model peak often falls where no chunk is held (the loss on the logits runs after the
-# root module's forward), so adding the largest group to it, as a sum of peaks would, over-
-# states the peak. The engine's plan charges each period (from one module's forward or
-# backward to the next) its own most chunk bytes plus its own non-model peak, since later
-# iterations keep fetched chunks cached; the meta run keeps the same per-period figures. It
-# does not see the engine's finer cuts inside backward (marks), so its planned peak can only
-# be higher.
+# use); in backward from the backward of a module call using it until every begun call using
+# it is done (its inputs' gradients computed) or all its gradients are in, with its gradient
+# chunk from the first gradient to the last. The meta run follows the same events with the
+# engine's own period hooks (tracer/hooks.py), module hooks and gradient hooks, and after every
+# operator adds the chunk bytes held to the non-model bytes alive: the largest sum is the
+# warm-up's peak. (The largest non-model peak often falls where no chunk is held: the loss on
+# the logits runs after the root module's forward. Adding the largest group to it, as a sum
+# of peaks would, overstates the peak.) The engine's plan charges each segment — a period,
+# from one module's forward or backward to the next, cut again where backward marks a
+# decision: a group's first gradient, a call's backward done — its own most chunk bytes plus
+# its own non-model peak, since later iterations keep fetched chunks cached; the meta run
+# keeps the same per-segment figures, so its planned peak, and the margin auto computes from
+# it, are the engine's (bench_plan.py compares them).
 
 
 class _WarmupReplay(TorchDispatchMode):
@@ -158,7 +160,7 @@ class _WarmupReplay(TorchDispatchMode):
         self.grads_expected = grads_expected  # group -> trainable parameters in it
         self.uses_left: dict[int, int] = {}
         self.refs: dict[int, int] = {}  # forward: modules using the group now
-        self.backward_held: set[int] = set()
+        self.backward_open: dict[int, int] = {}  # group -> module calls whose backward began, not done
         self.grads_in: dict[int, int] = {}
         self.held_bytes = 0
         self.warmup_peak = 0
@@ -168,7 +170,7 @@ class _WarmupReplay(TorchDispatchMode):
 
     def _update(self) -> None:
         held = set(g for g, n in self.refs.items() if n) | set(g for g, n in self.uses_left.items() if n) \
-            | self.backward_held
+            | set(g for g, n in self.backward_open.items() if n)
         grads = set(g for g, n in self.grads_in.items() if 0 < n < self.grads_expected.get(g, 0))
         self.held_bytes = sum(self.group_bytes[g] for g in held) + sum(self.group_bytes[g] for g in grads)
         self._measure()
@@ -189,7 +191,8 @@ class _WarmupReplay(TorchDispatchMode):
         fetches the module's groups."""
         self.new_period()
         if boundary.phase is Phase.BACKWARD and groups:
-            self.backward_held.update(groups)
+            for g in groups:
+                self.backward_open[g] = self.backward_open.get(g, 0) + 1
             self._update()
 
     def forward_begins(self, groups: Sequence[int]) -> None:
@@ -197,6 +200,15 @@ class _WarmupReplay(TorchDispatchMode):
             if not self.uses_left.get(g):
                 self.uses_left[g] = self.uses[g]
             self.refs[g] = self.refs.get(g, 0) + 1
+        self._update()
+
+    def backward_done(self, groups: Sequence[int]) -> None:
+        """A module call's inputs have their gradients: the engine marks, and releases the
+        groups no other begun call still reads."""
+        self.new_period()
+        for g in groups:
+            if self.backward_open.get(g):
+                self.backward_open[g] -= 1
         self._update()
 
     def forward_ends(self, groups: Sequence[int]) -> None:
@@ -208,9 +220,11 @@ class _WarmupReplay(TorchDispatchMode):
     def grad_in(self, group: int) -> None:
         self.grads_in[group] = self.grads_in.get(group, 0) + 1
         if self.grads_in[group] == 1:
-            self._update()  # the gradient chunk arrives with its first gradient
+            # The engine marks a decision here (a new segment), then the gradient chunk arrives.
+            self.new_period()
+            self._update()
         if self.grads_in[group] >= self.grads_expected[group]:
-            self.backward_held.discard(group)
+            self.backward_open.pop(group, None)
             self._update()
 
     def finish(self) -> None:
@@ -272,6 +286,17 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     args = meta_inputs(example_inputs)
     monitor.exclude(list(state.values()))  # model data: counted by the plan's chunk bytes
 
+    grad_hooks = []
+
+    def begin_call(groups: list[int], module: nn.Module, inputs: tuple) -> None:
+        replay.forward_begins(groups)
+        needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needing and torch.is_grad_enabled():
+            # Done when its inputs' gradients are computed (as the engine follows it); a call
+            # whose inputs need none (the embedding) holds its groups until their gradients are in.
+            grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                needing, lambda _grads: replay.backward_done(groups), mode="all"))
+
     names = {id(p): n for n, p in model.named_parameters()}
     groups_of: dict[nn.Module, list[int]] = {}
     handles = []
@@ -282,7 +307,7 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
         if groups:
             for g in groups:
                 uses[g] = uses.get(g, 0) + 1
-            handles.append(sub.register_forward_pre_hook(lambda *_, gs=groups: replay.forward_begins(gs)))
+            handles.append(sub.register_forward_pre_hook(functools.partial(begin_call, groups)))
             handles.append(sub.register_forward_hook(lambda *_, gs=groups: replay.forward_ends(gs), always_call=True))
     periods = PeriodHooks(model, lambda boundary: replay.on_boundary(boundary, groups_of.get(boundary.module, ())))
     try:
@@ -299,7 +324,7 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
             f"example_inputs: the model could not run on the meta device to measure its activations ({type(e).__name__}: "
             f"{e}); plan without example_inputs (activations are then not counted), or pass loss_fn") from e
     finally:
-        for h in handles:
+        for h in handles + grad_hooks:
             h.remove()
     return MetaPeaks(non_model_bytes=monitor.peak_bytes(), warmup_peak_bytes=replay.warmup_peak,
                      planned_peak_bytes=max(replay.planned_peak, replay.warmup_peak))

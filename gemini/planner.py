@@ -251,7 +251,8 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
     #   backward on, so the first step's peak lacks them;
     # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
     #   [Note: the warm-up replayed on meta] in gemini/meta_run.py);
-    # - "auto": its first step is the warm-up, which behaves like "cpu". Later it keeps every
+    # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
+    #   margin's groups to the device for its optimizer step. Later it keeps every
     #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
     #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
     nm = plan.non_model_peak_bytes
@@ -265,6 +266,9 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
     first = warmup_peak_bytes
     if config.placement == "cpu":
         return first, first, "the chunk groups visiting it for compute"
+    # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam
+    # updates them there once the activations are gone.
+    first = max(first, sum(device.values()) + plan.buffer_bytes)
     cached = auto_cached_bytes + fixed
     if plan.device_budget_bytes is not None:
         cached = min(cached, plan.device_budget_bytes - reserve)
