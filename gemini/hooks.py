@@ -83,7 +83,9 @@ class ModuleHooks:
         # that module's compute references leaked, one per iteration, and its chunks could
         # never be evicted again.
         self._handles.append(module.register_forward_hook(self._root_post_forward, always_call=True))
-        for sub in module.modules():
+        # Only modules owning parameters get hooks, and none when the policy never moves a chunk
+        # (placement "cuda"): the gradient hooks below are all such a policy needs.
+        for sub in module.modules() if placement.follows_modules else ():
             groups = manager.groups_of(sub.parameters(recurse=False))
             if not groups:
                 continue

@@ -79,6 +79,14 @@ class PlacementPolicy:
     def setup(self) -> None:
         """Called once after registration: move chunks to where the policy keeps them."""
 
+    @property
+    def follows_modules(self) -> bool:
+        """Whether chunks move around module calls, so that each module owning parameters needs
+        the forward and backward hooks that drive them (see gemini/hooks.py). A policy that
+        keeps every chunk on the device for good needs none: the hooks would cost a few
+        microseconds a module call for nothing."""
+        return True
+
     # ------------------------------------------------------------------ decided per policy
     def initial_tier(self, kind: ChunkKind) -> Tier:
         raise NotImplementedError
@@ -344,6 +352,10 @@ class CudaPlacement(PlacementPolicy):
     """Everything on the device: parameters, gradients, masters and Adam states."""
 
     name = "cuda"
+
+    @property
+    def follows_modules(self) -> bool:
+        return self.gatherer is not None  # ZeRO-3 gathers each module's parameters around its call
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.DEVICE
