@@ -60,6 +60,7 @@ class ModuleHooks:
         on_backward_begin: Callable[[], None] = lambda: None,
         on_backward_end: Callable[[], None] = lambda: None,
         on_root_forward_end: Callable[[], None] = lambda: None,
+        accumulated_in_place: Callable[[nn.Parameter], bool] = lambda param: False,
     ) -> None:
         self.manager = manager
         self.placement = placement
@@ -67,6 +68,7 @@ class ModuleHooks:
         self._on_backward_begin = on_backward_begin
         self._on_backward_end = on_backward_end
         self._on_root_forward_end = on_root_forward_end
+        self._accumulated_in_place = accumulated_in_place
         self._handles: list = []
         self._open_uses: dict[nn.Module, list[_BackwardUse | None]] = {}
         self._backward_queued = False
@@ -224,6 +226,13 @@ class ModuleHooks:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
+        if self._accumulated_in_place(param):
+            # Autograd added it into the chunk: nothing to move, no decision to mark (see [Note:
+            # autograd accumulates into the chunks] in gemini/grad_views.py).
+            group, slot = self.manager.locate(param)
+            group.grad_ready[slot.index] = True
+            self._count_grad(group)
+            return
         with self._phase("gemini::grad_to_chunk"):
             group, slot = self.manager.locate(param)
             if group.grads_this_backward == 0:
@@ -237,10 +246,14 @@ class ModuleHooks:
                 dst.copy_(src)
                 group.grad_ready[slot.index] = True
             param.grad = None
-            group.grads_this_backward += 1
-            if group.grads_this_backward == len(group.slots):
-                group.grads_this_backward = 0
-                self.placement.after_backward(group)
+            self._count_grad(group)
+
+    def _count_grad(self, group: ChunkGroup) -> None:
+        """One more of ``group``'s gradients is in; after the last, the group's backward is over."""
+        group.grads_this_backward += 1
+        if group.grads_this_backward == len(group.slots):
+            group.grads_this_backward = 0
+            self.placement.after_backward(group)
 
     def _end_of_backward(self) -> None:
         """Close chunk groups whose parameters got no gradient (unused or frozen)."""

@@ -162,8 +162,8 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
         runtime.activations = ActivationOffload(storage, min_bytes=config.activation_offload_min_bytes)
     runtime.hooks = ModuleHooks(
         model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window,
-        on_backward_begin=runtime.grad_views.hide, on_backward_end=runtime.on_backward_end,
-        on_root_forward_end=runtime.on_root_forward_end,
+        on_backward_begin=runtime.on_backward_begin, on_backward_end=runtime.on_backward_end,
+        on_root_forward_end=runtime.on_root_forward_end, accumulated_in_place=runtime.grad_views.accumulated_in_place,
     )
     wrapped = GeminiModel(model, runtime)
     optimizer = HybridAdam(

@@ -143,6 +143,14 @@ class GeminiRuntime:
         if self.activations is not None:
             self.activations.end_forward()
 
+    def on_backward_begin(self) -> None:
+        """A backward pass begins: no gradient view may move under autograd's feet; where no
+        chunk ever moves, autograd accumulates into the chunks themselves."""
+        if self.placement.follows_modules:
+            self.grad_views.hide()
+        else:
+            self.grad_views.arm(self.placement.grad_buffer)
+
     def on_backward_end(self) -> None:
         """A backward pass is over: gradients are in their chunks."""
         if self.activations is not None:
