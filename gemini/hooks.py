@@ -46,6 +46,41 @@ class _BackwardUse:
 _MAX_NODES_FOLLOWED = 64
 
 
+def _needing_grad(tree) -> list[torch.Tensor]:
+    if not torch.is_grad_enabled():
+        return []
+    tensors = {id(t): t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad}
+    return list(tensors.values())
+
+
+# [Note: a hook on all inputs' gradients without a cycle]
+# ``register_multi_grad_hook(mode="all")`` keeps the tensors' autograd nodes in the closure of
+# the hooks it puts on those very nodes: a cycle through C++ that the garbage collector cannot
+# see, so every module call leaked its input nodes — and through their edges the rest of its
+# graph, with the hooks of every call in it (about 30 closures an iteration on a 2-layer GPT,
+# for good). This hook counts instead: each input tensor's hook adds one, and ``hook`` runs when
+# all have fired, holding nothing of the graph. An input whose gradient this backward never
+# computes (a partial backward) leaves the count short: the call is then never reported done and
+# its groups are held until their gradients are in, the conservative path (see [Note: a group
+# between its uses in backward] in gemini/placement.py).
+def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
+    """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed
+    (see [Note: a hook on all inputs' gradients without a cycle]); False if none needs one."""
+    tensors = _needing_grad(tree)
+    if not tensors:
+        return False
+    left = [len(tensors)]
+
+    def one(grad: torch.Tensor) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            hook()
+
+    for t in tensors:
+        t.register_hook(one)
+    return True
+
+
 class ModuleHooks:
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
@@ -139,10 +174,9 @@ class ModuleHooks:
             # between its uses in backward]); a recompute's inputs never get gradients.
             if torch._C._current_graph_task_id() == -1 and self.placement.track_backward_uses(groups):
                 use = uses[-1] = _BackwardUse(groups)
-                use.via_inputs = self._hook_grads_of(args, functools.partial(self._backward_use_done, use),
-                                                     mode="all")
+                use.via_inputs = hook_all_grads_of(args, functools.partial(self._backward_use_done, use))
 
-    def _backward_use_done(self, use: _BackwardUse, grads) -> None:
+    def _backward_use_done(self, use: _BackwardUse, *grads) -> None:
         if use.begun and not use.done:  # inputs that got gradients along another path: not this use's
             use.done = True
             with self._phase("gemini::backward_use_done"):
@@ -200,14 +234,13 @@ class ModuleHooks:
         self._hook_grads_of(output, lambda grad: self._begin_backward_pass())
 
     @staticmethod
-    def _hook_grads_of(tree, hook, *, mode: str = "any") -> bool:
-        """``hook`` on the gradients of the tensors in ``tree`` that need one (see
-        ``torch.autograd.graph.register_multi_grad_hook`` for ``mode``); False if none does."""
-        if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode=mode)
-                return True
+    def _hook_grads_of(tree, hook) -> bool:
+        """``hook(grad)`` once, when the first gradient of the tensors in ``tree`` that need one
+        arrives (``register_multi_grad_hook``'s mode "any"); False if none needs one."""
+        tensors = _needing_grad(tree)
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+            return True
         return False
 
     # -------------------------------------------------------------------------- backward

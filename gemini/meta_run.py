@@ -37,9 +37,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gemini.hooks import hook_all_grads_of
 from tracer.hooks import Boundary, PeriodHooks, Phase
 from tracer.monitors import TensorAccountingMonitor
 
@@ -286,16 +286,11 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     args = meta_inputs(example_inputs)
     monitor.exclude(list(state.values()))  # model data: counted by the plan's chunk bytes
 
-    grad_hooks = []
-
     def begin_call(groups: list[int], module: nn.Module, inputs: tuple) -> None:
         replay.forward_begins(groups)
-        needing = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if needing and torch.is_grad_enabled():
-            # Done when its inputs' gradients are computed (as the engine follows it); a call
-            # whose inputs need none (the embedding) holds its groups until their gradients are in.
-            grad_hooks.append(torch.autograd.graph.register_multi_grad_hook(
-                needing, lambda _grads: replay.backward_done(groups), mode="all"))
+        # Done when its inputs' gradients are computed (as the engine follows it); a call whose
+        # inputs need none (the embedding) holds its groups until their gradients are in.
+        hook_all_grads_of(inputs, lambda: replay.backward_done(groups))
 
     names = {id(p): n for n, p in model.named_parameters()}
     groups_of: dict[nn.Module, list[int]] = {}
@@ -324,7 +319,7 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
             f"example_inputs: the model could not run on the meta device to measure its activations ({type(e).__name__}: "
             f"{e}); plan without example_inputs (activations are then not counted), or pass loss_fn") from e
     finally:
-        for h in handles + grad_hooks:
+        for h in handles:
             h.remove()
     return MetaPeaks(non_model_bytes=monitor.peak_bytes(), warmup_peak_bytes=replay.warmup_peak,
                      planned_peak_bytes=max(replay.planned_peak, replay.warmup_peak))
