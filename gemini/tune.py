@@ -31,12 +31,12 @@ keep the headroom, the recommendation is, of those tied with the fastest, the on
 the least device memory (then the smaller ratio): the same timings give the same answer.
 
 [Note: one engine at a time]
-A trial's engine is not freed when it is dropped (autograd hooks on module inputs form
-reference cycles through C++ that the garbage collector cannot see), so trials run in the same
-process would add the whole model's memory each. Where ``model_fn`` and ``loss_fn`` can be
-pickled, each trial runs in a fresh process (``spawn``; ``isolate=None`` or ``True``), which
-gives everything back when it exits; otherwise (``isolate=False``) they run here, each engine
-closed before the next starts.
+Each trial builds a whole new model and engine. Where ``model_fn`` and ``loss_fn`` can be
+pickled, each trial runs in a fresh process (``spawn``; ``isolate=None`` or ``True``): every
+trial starts from the same clean state (no allocator cache or pinned pool warmed by the trial
+before) and its memory goes back to the system when it exits. Otherwise (``isolate=False``)
+they run here, each engine closed (which frees it: see ``GeminiRuntime.close``) before the
+next starts.
 """
 
 from __future__ import annotations
