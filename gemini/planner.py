@@ -247,8 +247,9 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
     # [Note: the predicted device peak]
     # The activation peak (the end of forward, the start of backward) meets the model data the
     # placement holds then:
-    # - "cuda" and "static": the chunks they keep; the gradient chunks exist only from the first
-    #   backward on, so the first step's peak lacks them;
+    # - "cuda" and "static": the chunks they keep. Under "static" (and "cuda" with fp16) the
+    #   gradient chunks come as the gradients do, so the first step's activation peak lacks
+    #   them; under "cuda" they are there as its backward begins;
     # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
     #   [Note: the warm-up replayed on meta] in gemini/meta_run.py);
     # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
@@ -262,6 +263,10 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
         steady = sum(device.values()) + fixed
         if config.placement == "static" and plan.model_bytes_by_tier["host"][ChunkKind.PARAM.value]:
             steady += plan.device_working_set_bytes  # host-only groups visit for compute
+        if config.placement == "cuda" and config.precision != "fp16":
+            # Autograd accumulates into the gradient chunks, allocated as the first backward
+            # begins (see [Note: autograd accumulates into the chunks] in gemini/grad_views.py).
+            return steady, steady, "the chunks it keeps"
         return steady - device[ChunkKind.GRAD.value], steady, "the chunks it keeps"
     first = warmup_peak_bytes
     if config.placement == "cpu":
