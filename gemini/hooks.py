@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 import logging
 from collections.abc import Callable
 
@@ -44,6 +45,18 @@ class _BackwardUse:
 # beyond this many nodes, hooking them all costs more than holding its chunks until its
 # gradients are in.
 _MAX_NODES_FOLLOWED = 64
+
+
+def _weak_method(method: Callable) -> Callable:
+    """``method`` without keeping its object alive (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _needing_grad(tree) -> list[torch.Tensor]:
@@ -130,10 +143,15 @@ class ModuleHooks:
             self._handles.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
             self._handles.append(sub.register_forward_hook(functools.partial(self._post_forward, groups),
                                                            always_call=True))
+        # A parameter's hooks live in its C++ tensor, where the garbage collector cannot follow
+        # them: one holding these hooks strongly kept the whole engine (every chunk) alive for
+        # good, even with the model and the optimizer dropped. So it holds them weakly; the
+        # module hooks above keep them alive as long as the model can run.
+        on_grad = _weak_method(self._on_grad)
         for group in manager.trainable_groups:
             for p in group.params:
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
     def remove(self) -> None:
         for h in self._handles:

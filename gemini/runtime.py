@@ -211,14 +211,6 @@ class GeminiRuntime:
         return self.nvme.resident(group, modify=modify, chunks=chunks, overwrite=overwrite)
 
     def close(self) -> None:
-        # The hooks on the model's modules and parameters hold this engine through autograd's
-        # C++ objects, where the garbage collector cannot see the cycle: removed, the engine and
-        # its chunks are freed once the model and the optimizer are dropped.
-        if self.hooks is not None:
-            self.hooks.remove()
-        if self._period_hooks is not None:
-            self._period_hooks.remove()
-            self._period_hooks = None
         if self.activations is not None:
             self.activations.close()
         if self.nvme is not None:

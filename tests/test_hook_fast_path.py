@@ -34,8 +34,9 @@ def test_cuda_placement_installs_no_module_hooks_and_equals_adamw(micro_batches)
 
 def test_placements_that_move_chunks_keep_their_module_hooks():
     _, mine = clone_pair()
-    gemini.initialize(mine, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000))
+    model, opt = gemini.initialize(mine, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000))
     assert _module_hooks(mine) > 0
+    opt.close()
 
 
 def test_autograd_accumulates_into_the_gradient_chunk_itself():
