@@ -121,6 +121,8 @@ class MetaPeaks:
     warm-up replayed on meta])."""
 
     non_model_bytes: int  # the most non-model bytes alive at once
+    forward_non_model_bytes: int  # the most before backward begins (the forward and the loss)
+    backward_non_model_bytes: int  # the most from then on
     # With the chunk groups given: the warm-up's peak (non-model bytes and the chunks it holds,
     # at the same moment), and its planned peak (per period, the most chunk bytes held plus the
     # most non-model bytes, as ``MemoryPlan.planned_peak_bytes`` charges them). Buffers aside.
@@ -310,8 +312,11 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
             output = functional_call(model, state, args)
             loss = loss_fn(output) if loss_fn is not None else _first_output(output).float().sum()
             del output
+            forward_peak = monitor.peak_bytes()  # the forward and the loss
+            monitor.reset_peak()
             if trainable and loss.requires_grad:
                 loss.backward()
+            backward_peak = monitor.peak_bytes()
             del loss
             replay.finish()
     except (RuntimeError, NotImplementedError, TypeError) as e:
@@ -321,5 +326,6 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     finally:
         for h in handles:
             h.remove()
-    return MetaPeaks(non_model_bytes=monitor.peak_bytes(), warmup_peak_bytes=replay.warmup_peak,
-                     planned_peak_bytes=max(replay.planned_peak, replay.warmup_peak))
+    return MetaPeaks(non_model_bytes=max(forward_peak, backward_peak), forward_non_model_bytes=forward_peak,
+                     backward_non_model_bytes=backward_peak,
+                     warmup_peak_bytes=replay.warmup_peak, planned_peak_bytes=max(replay.planned_peak, replay.warmup_peak))

@@ -183,7 +183,8 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     )
     warmup_peak = None if peaks is None else buffer_bytes + peaks.warmup_peak_bytes
     planned_peak = buffer_bytes + peaks.planned_peak_bytes if peaks is not None and config.placement == "auto" else None
-    _check_device(plan, config, warmup_peak, _auto_cached_bytes(layout, choice, config.param_dtype), planned_peak)
+    _check_device(plan, config, warmup_peak, _auto_cached_bytes(layout, choice, config.param_dtype), planned_peak,
+                  (0, 0) if peaks is None else (peaks.forward_non_model_bytes, peaks.backward_non_model_bytes))
     _check_host_and_nvme(plan, config)
     return plan
 
@@ -241,7 +242,8 @@ def _auto_cached_bytes(layout, choice: DeviceGroups, param_dtype: torch.dtype) -
 
 
 def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warmup_peak_bytes: int,
-                   auto_cached_bytes: int) -> tuple[int, int, str]:
+                   auto_cached_bytes: int, forward_non_model_bytes: int, backward_non_model_bytes: int
+                   ) -> tuple[int, int, str]:
     """(first step's peak, later steps' peak, what the model data on the device is) from the
     meta run's non-model peak; see [Note: the predicted device peak]."""
     # [Note: the predicted device peak]
@@ -263,11 +265,14 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
         steady = sum(device.values()) + fixed
         if config.placement == "static" and plan.model_bytes_by_tier["host"][ChunkKind.PARAM.value]:
             steady += plan.device_working_set_bytes  # host-only groups visit for compute
+        grads = device[ChunkKind.GRAD.value]
         if config.placement == "cuda" and config.precision != "fp16":
             # Autograd accumulates into the gradient chunks, allocated as the first backward
-            # begins (see [Note: autograd accumulates into the chunks] in gemini/grad_views.py).
-            return steady, steady, "the chunks it keeps"
-        return steady - device[ChunkKind.GRAD.value], steady, "the chunks it keeps"
+            # begins (see [Note: autograd accumulates into the chunks] in gemini/grad_views.py):
+            # a peak in the forward or the loss comes before them.
+            first = steady - nm - grads + max(forward_non_model_bytes, backward_non_model_bytes + grads)
+            return first, steady, "the chunks it keeps"
+        return steady - grads, steady, "the chunks it keeps"
     first = warmup_peak_bytes
     if config.placement == "cpu":
         return first, first, "the chunk groups visiting it for compute"
@@ -282,7 +287,8 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
 
 
 def _check_device(plan: PlacementPlan, config: GeminiConfig, warmup_peak_bytes: int | None,
-                  auto_cached_bytes: int, planned_peak_bytes: int | None = None) -> None:
+                  auto_cached_bytes: int, planned_peak_bytes: int | None = None,
+                  split_non_model_bytes: tuple[int, int] = (0, 0)) -> None:
     device_bytes = plan.tier_bytes("device") + plan.buffer_bytes
     budget = config.device_memory
     if config.placement == "auto":
@@ -312,8 +318,8 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig, warmup_peak_bytes: 
         what = "the chunks it keeps"
     if plan.non_model_peak_bytes is not None:
         reserve = planned_reserve_bytes(plan.non_model_peak_bytes, config.resolved_device())
-        plan.first_step_peak_bytes, plan.device_peak_bytes, what = _predict_peaks(plan, config, reserve,
-                                                                                  warmup_peak_bytes, auto_cached_bytes)
+        plan.first_step_peak_bytes, plan.device_peak_bytes, what = _predict_peaks(
+            plan, config, reserve, warmup_peak_bytes, auto_cached_bytes, *split_non_model_bytes)
         peak = max(plan.first_step_peak_bytes, plan.device_peak_bytes)
         plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
                           f"{format_size(plan.first_step_peak_bytes)}): {what}, buffers, and activations and "
