@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gemini.hooks import hook_all_grads_of
@@ -121,8 +122,8 @@ class MetaPeaks:
     warm-up replayed on meta])."""
 
     non_model_bytes: int  # the most non-model bytes alive at once
-    forward_non_model_bytes: int  # the most before backward begins (the forward and the loss)
-    backward_non_model_bytes: int  # the most from then on
+    forward_non_model_bytes: int  # the most until the model's output has its gradient (the loss's too)
+    backward_non_model_bytes: int  # the most from then on (the model's own backward)
     # With the chunk groups given: the warm-up's peak (non-model bytes and the chunks it holds,
     # at the same moment), and its planned peak (per period, the most chunk bytes held plus the
     # most non-model bytes, as ``MemoryPlan.planned_peak_bytes`` charges them). Buffers aside.
@@ -310,14 +311,26 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     try:
         with monitor, _AttentionAsFused(), replay, periods:
             output = functional_call(model, state, args)
+            # Until the model's output has its gradient, the engine's backward has not begun (its
+            # gradient chunks come then): the loss and its backward belong to the first part.
+            split = [None]
+
+            def output_grad(_grad: torch.Tensor) -> None:
+                split[0] = monitor.peak_bytes()
+                monitor.reset_peak()
+
+            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(outputs, output_grad, mode="any")
             loss = loss_fn(output) if loss_fn is not None else _first_output(output).float().sum()
-            del output
-            forward_peak = monitor.peak_bytes()  # the forward and the loss
-            monitor.reset_peak()
+            del output, outputs
             if trainable and loss.requires_grad:
                 loss.backward()
-            backward_peak = monitor.peak_bytes()
             del loss
+            if split[0] is None:  # no backward reached the model
+                forward_peak, backward_peak = monitor.peak_bytes(), 0
+            else:
+                forward_peak, backward_peak = split[0], monitor.peak_bytes()
             replay.finish()
     except (RuntimeError, NotImplementedError, TypeError) as e:
         raise ValueError(
