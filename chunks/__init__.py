@@ -4,9 +4,10 @@ from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
 from chunks.ledger import MemoryLedger, fits, missing_bytes
 from chunks.manager import (CAPACITY_ALIGN_ELEMENTS, ChunkGroup, ChunkManager, ValueSource, chunk_capacity, plan_layout,
                             values_of_params)
-from chunks.shard import Shard, round_up
+from chunks.shard import Shard
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
 from chunks.storage import ChunkStorage, StorageObserver, Tier
+from offload import round_up
 
 __all__ = [
     "CAPACITY_ALIGN_ELEMENTS",

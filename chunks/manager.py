@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
-from chunks.shard import Shard, round_up
+from chunks.shard import Shard
 from chunks.storage import ChunkStorage, Tier
+from offload import round_up
 
 logger = logging.getLogger(__name__)
 

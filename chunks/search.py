@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from offload import round_up
+
 __all__ = ["ChunkSizeSearch", "search_chunk_size", "waste_for", "default_search_range"]
 
 # Candidate sizes are multiples of this many elements (4 KiB of fp32): aligned views and a
@@ -72,8 +74,8 @@ def default_search_range(groups: Sequence[Sequence[int]], *, min_chunks: int = 8
     mean = sum(sizes) / len(sizes)
     std = math.sqrt(sum((n - mean) ** 2 for n in sizes) / len(sizes))
     regular = [n for n in sizes if n <= mean + 3 * std] or sizes
-    lo = _round_up(max(regular), DEFAULT_STEP_ELEMENTS)
-    hi = max(lo, _round_up(math.ceil(sum(sizes) / min_chunks), DEFAULT_STEP_ELEMENTS))
+    lo = round_up(max(regular), DEFAULT_STEP_ELEMENTS)
+    hi = max(lo, round_up(math.ceil(sum(sizes) / min_chunks), DEFAULT_STEP_ELEMENTS))
     return lo, hi
 
 
@@ -111,7 +113,3 @@ def search_chunk_size(
             best = (waste, size, count)
     assert best is not None
     return ChunkSizeSearch(chunk_size=best[1], waste=best[0], n_chunks=best[2], candidates=candidates)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple

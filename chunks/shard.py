@@ -19,14 +19,7 @@ import torch
 
 from chunks.chunk import TensorSlot
 
-__all__ = ["Shard", "round_up"]
-
-
-def round_up(n: int, multiple: int) -> int:
-    """The least multiple of ``multiple`` that is >= ``n``."""
-    if multiple <= 0:
-        raise ValueError(f"{multiple=} must be positive")
-    return -(-n // multiple) * multiple
+__all__ = ["Shard"]
 
 
 @dataclass(frozen=True)

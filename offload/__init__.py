@@ -1,6 +1,6 @@
 """Where bytes live off the compute device: tiers and sizes, a pinned host pool, an NVMe store."""
 
-from offload.aligned import byte_view
+from offload.aligned import byte_view, round_up
 from offload.errors import NvmeCorruptionError, NvmeStoreError
 from offload.nvme_store import IoMode, NvmeStats, NvmeStore, NvmeStoreConfig, StoreState
 from offload.pinned_pool import PinnedHostPool, PoolStats
@@ -21,4 +21,5 @@ __all__ = [
     "byte_view",
     "format_size",
     "parse_size",
+    "round_up",
 ]

@@ -17,8 +17,11 @@ __all__ = ["ALIGNMENT_BYTES", "HUGE_PAGE_BYTES", "round_up", "aligned_empty", "b
 ALIGNMENT_BYTES = 4096
 
 
-def round_up(nbytes: int, multiple: int = ALIGNMENT_BYTES) -> int:
-    return (nbytes + multiple - 1) // multiple * multiple
+def round_up(n: int, multiple: int) -> int:
+    """The least multiple of ``multiple`` that is >= ``n`` (bytes in offload, elements in chunks)."""
+    if multiple <= 0:
+        raise ValueError(f"{multiple=} must be positive")
+    return -(-n // multiple) * multiple
 
 
 HUGE_PAGE_BYTES = 2 << 20

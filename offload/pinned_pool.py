@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from offload.aligned import ALIGNMENT_BYTES, aligned_empty
+from offload.aligned import ALIGNMENT_BYTES, aligned_empty, round_up
 from offload.sizes import format_size, parse_size
 
 __all__ = ["PinnedHostPool", "PoolStats", "size_class_bytes", "HOST_ALIGNMENT_BYTES"]
@@ -50,8 +50,7 @@ def size_class_bytes(nbytes: int) -> int:
         return _MIN_CLASS_BYTES
     if nbytes <= _SMALL_CLASS_LIMIT_BYTES:
         return 1 << (nbytes - 1).bit_length()
-    mib = _SMALL_CLASS_LIMIT_BYTES
-    return (nbytes + mib - 1) // mib * mib
+    return round_up(nbytes, _SMALL_CLASS_LIMIT_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -272,7 +272,7 @@ def test_a_full_drive_is_an_error_not_a_fallback_to_buffered_io(tmp_path, kind):
 
 def test_the_probe_reports_a_full_drive_when_emulated(tmp_path, monkeypatch):
     # Runs where no small file system can be mounted: the probe's write fails as on a full disk.
-    import offload.nvme_store as module
+    import offload.direct_io as module  # where the probe writes
 
     def full_pwrite(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -202,7 +202,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_io_with_a_warning(tmp_path
 
 
 def test_full_disk_is_reported_before_writing(tmp_path, monkeypatch):
-    import offload.nvme_store as module
+    import offload.nvme_files as module  # where a write checks the free space
 
     with NvmeStore(tmp_path) as s:
         real = module.shutil.disk_usage
