@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
 from bench_step import RESULTS, machine_info, pyplot, save_figure  # noqa: E402
-from gemini.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
 def timed_step(gmodel, opt, x, y, device: str) -> float:
@@ -144,7 +144,7 @@ def main() -> int:
     for frac in (float(f) for f in args.fractions.split(",")):
         try:
             row = run(cfg, args, placement="auto", budget=int(frac * model_data))
-        except gemini.memory.DeviceBudgetError as e:
+        except gemini.engine.memory.DeviceBudgetError as e:
             row = {"placement": "auto", "budget_bytes": int(frac * model_data), "error": str(e)[:160]}
         row["fraction_of_model_data"] = frac
         sweep.append(row)

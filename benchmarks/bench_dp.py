@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import gemini  # noqa: E402
 from bench_step import machine_info  # noqa: E402
-from gemini.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from multiprocess import free_port  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

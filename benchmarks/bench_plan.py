@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
 from bench_step import RESULTS, machine_info  # noqa: E402
-from gemini.gpt import GPT, GPTConfig  # noqa: E402
-from gemini.memory import DeviceBudgetError  # noqa: E402
+from gemini.tools.gpt import GPT, GPTConfig  # noqa: E402
+from gemini.engine.memory import DeviceBudgetError  # noqa: E402
 
 STEPS = 3
 TOLERANCE = 0.10

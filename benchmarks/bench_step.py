@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gemini  # noqa: E402
-from gemini.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

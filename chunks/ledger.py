@@ -11,7 +11,7 @@ tiers counts on both, since both copies use memory), a file on NVMe when its wri
 confirmed. The pinned host pool's reserved bytes are a gauge beside the tiers: they are the
 memory behind the host payloads (rounded up to the pool's size classes) plus idle buffers kept
 for reuse, so they are never added to the host tier's count. Saved activations waiting in host
-memory (``GeminiConfig.offload_activations``, gemini/activations.py) are not model data: they
+memory (``GeminiConfig.offload_activations``, gemini/engine/activations.py) are not model data: they
 have their own account beside the tiers, and their copies their own transfer counters.
 
 [Note: fits]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import gemini
-from gemini.gpt import GPT, GPTConfig, synthetic_batch
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import gemini
-from gemini.gpt import GPT, GPTConfig, synthetic_batch
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 
 def main(argv: list[str] | None = None) -> int:

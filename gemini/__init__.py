@@ -3,15 +3,15 @@
 from gemini.checkpoint import load_checkpoint, save_checkpoint
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
-from gemini.loss_scaler import DynamicLossScaler
+from gemini.optim.loss_scaler import DynamicLossScaler
 from gemini.module import GeminiModel
-from gemini.optimizer import HybridAdam
-from gemini.planner import PlacementPlan, plan_placement
-from gemini.plots import plot_memory, plot_timeline
+from gemini.optim.hybrid_adam import HybridAdam
+from gemini.tools.planner import PlacementPlan, plan_placement
+from gemini.tools.plots import plot_memory, plot_timeline
 from gemini.pretrained import save_pretrained
 from gemini.report import MemoryReport, ReportRun, TimelinePeriod, WarmupTimeline, read_report_runs, read_reports
-from gemini.summary import run_summary, summary_line
-from gemini.tune import MarginTrial, MarginTuning, Measurement, tune_margin
+from gemini.tools.summary import run_summary, summary_line
+from gemini.tools.tune import MarginTrial, MarginTuning, Measurement, tune_margin
 
 __all__ = [
     "DynamicLossScaler",

@@ -1,8 +1,8 @@
-"""``python -m gemini`` and the ``gemini`` console script: see :mod:`gemini.cli`."""
+"""``python -m gemini`` and the ``gemini`` console script: see :mod:`gemini.tools.cli`."""
 
 import sys
 
-from gemini.cli import main
+from gemini.tools.cli import main
 
 __all__ = ["main"]
 

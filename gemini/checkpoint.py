@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from gemini.module import GeminiModel
-from gemini.optimizer import HybridAdam
+from gemini.optim.hybrid_adam import HybridAdam
 from offload import byte_view
 
 __all__ = ["CheckpointCorruptionError", "CheckpointDiskFullError", "load_checkpoint", "save_checkpoint"]

@@ -96,7 +96,7 @@ class GeminiConfig:
     offload_activations: bool = False
     """Tensors autograd saves for backward (at least ``activation_offload_min_bytes``) wait in
     host memory between forward and backward instead of on the device; under "auto" the budget's
-    margin keeps the last ones on the device (see gemini/activations.py)."""
+    margin keeps the last ones on the device (see gemini/engine/activations.py)."""
 
     activation_offload_min_bytes: int = 64 * 1024
     """With ``offload_activations``: smaller saved tensors stay on the device (a copy costs more

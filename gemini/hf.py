@@ -43,9 +43,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
 from gemini.module import GeminiModel
-from gemini.optimizer import HybridAdam
+from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import load_pretrained_into, save_pretrained
-from gemini.zero import resolve_group
+from gemini.parallel.zero import resolve_group
 
 __all__ = ["GeminiTrainer"]
 

@@ -16,19 +16,19 @@ from torch import nn
 
 from chunks import ChunkManager, ChunkStorage, Tier, missing_bytes, round_up, search_chunk_size
 from offload import NvmeStore
-from gemini.activations import ActivationOffload
+from gemini.engine.activations import ActivationOffload
 from gemini.config import GeminiConfig
-from gemini.footprint import Layout, chunk_bytes, device_groups
-from gemini.hooks import ModuleHooks
-from gemini.memory import DeviceBudgetError, DeviceMemory
+from gemini.policies.footprint import Layout, chunk_bytes, device_groups
+from gemini.engine.hooks import ModuleHooks
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
-from gemini.nvme_tier import NvmeTier
-from gemini.optimizer import HybridAdam
+from gemini.engine.nvme_tier import NvmeTier
+from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
-from gemini.placement import AutoPlacement, StaticPlacement, make_placement
+from gemini.policies.placement import AutoPlacement, StaticPlacement, make_placement
 from gemini.report import ReportWriter
-from gemini.runtime import GeminiRuntime
-from gemini.zero import GradReducer, ParamGatherer, resolve_group
+from gemini.engine.runtime import GeminiRuntime
+from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]], *, world: 
 
 
 def _attach_zero(zero, manager: ChunkManager, placement) -> None:
-    """ZeRO's collectives, driven by the placement's hooks (see gemini/zero.py)."""
+    """ZeRO's collectives, driven by the placement's hooks (see gemini/parallel/zero.py)."""
     placement.reducer = GradReducer(zero, manager, placement)
     if manager.shard_params:
         placement.gatherer = ParamGatherer(zero, manager)

@@ -12,10 +12,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from chunks import ChunkState
-from gemini.zero import gather_state
+from gemini.parallel.zero import gather_state
 
 if TYPE_CHECKING:
-    from gemini.runtime import GeminiRuntime
+    from gemini.engine.runtime import GeminiRuntime
 
 __all__ = ["GeminiModel"]
 

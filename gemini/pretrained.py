@@ -50,7 +50,7 @@ from torch import nn
 
 from chunks import TensorSlot, ValueSource, values_of_params
 from gemini.module import GeminiModel
-from gemini.zero import gather_state
+from gemini.parallel.zero import gather_state
 from offload import byte_view, format_size, parse_size
 
 logger = logging.getLogger(__name__)

@@ -32,14 +32,14 @@ class WarmupTimeline:
     """What the warm-up measured, period by period, and the budget it planned against.
 
     ``margin_bytes`` = budget − reserve − the warm-up's planned peak (see
-    ``gemini.plan.MemoryPlan.planned_peak_bytes``): the room ``gpu_margin_mem_ratio`` shares out
+    ``gemini.engine.plan.MemoryPlan.planned_peak_bytes``): the room ``gpu_margin_mem_ratio`` shares out
     to optimizer-state chunk groups (and, with activation offload, saved activations kept on
     the device).
     """
 
     periods: list[TimelinePeriod]
     budget_bytes: int
-    reserve_bytes: int  # kept free under the budget (see gemini/memory.py, the safety reserve)
+    reserve_bytes: int  # kept free under the budget (see gemini/engine/memory.py, the safety reserve)
     fixed_bytes: int  # buffers on the device
     warmup_peak_bytes: int  # the device's measured peak over the warm-up iteration
     warmup_model_peak_bytes: int  # the most chunk bytes the warm-up held on the device at once
@@ -108,12 +108,12 @@ class MemoryReport:
     param_gathers: int = 0
     # GeminiConfig.offload_activations: saved activations copied to host memory this step (each
     # comes back once for backward), the most held there at once, and the bytes the budget
-    # kept on the device instead (see gemini/activations.py).
+    # kept on the device instead (see gemini/engine/activations.py).
     activation_offload_bytes: int = 0
     activation_host_peak_bytes: int = 0
     activation_kept_bytes: int = 0
     # Files holding the step's copies of parameters aside when cpu_memory sends them to NVMe
-    # (see gemini/transaction.py); not model data, so not in ``nvme_bytes``.
+    # (see gemini/engine/transaction.py); not model data, so not in ``nvme_bytes``.
     nvme_undo_bytes: int = 0
     # Only on the report of a step that ended a warm-up trace (the first step under
     # placement="auto", and any step traced again after input shapes changed).

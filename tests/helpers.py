@@ -7,7 +7,7 @@ import copy
 import torch
 
 import gemini
-from gemini.gpt import GPT, GPTConfig, synthetic_batch
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 TINY = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 

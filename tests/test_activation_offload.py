@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gemini
-from gemini.gpt import GPT, GPTConfig
+from gemini.tools.gpt import GPT, GPTConfig
 from helpers import assert_params_close, batches, clone_pair, train_reference
 
 MIN_BYTES = 4096  # the test model's activations are small

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemini.adam import adam_update
+from gemini.optim.adam import adam_update
 
 
 @pytest.mark.parametrize("decoupled", [True, False])

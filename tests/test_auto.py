@@ -9,8 +9,8 @@ import torch
 
 import gemini
 from chunks import Tier, chunk_capacity
-from gemini.gpt import GPT, GPTConfig
-from gemini.memory import DeviceBudgetError
+from gemini.tools.gpt import GPT, GPTConfig
+from gemini.engine.memory import DeviceBudgetError
 from helpers import assert_params_close, batches, clone_pair, train_gemini, train_reference
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)

@@ -20,7 +20,7 @@ import torch
 
 import gemini
 from gemini.checkpoint import CheckpointCorruptionError, CheckpointDiskFullError
-from gemini.gpt import GPT
+from gemini.tools.gpt import GPT
 from helpers import TINY, assert_params_close, batches, clone_pair, make_gpt, train_reference
 
 

@@ -16,8 +16,8 @@ from contextlib import redirect_stdout
 import pytest
 
 import gemini
-from gemini import cli
-from gemini.cli import build_parser, main
+from gemini.tools import cli
+from gemini.tools.cli import build_parser, main
 from gemini.report import ReportWriter
 
 SMALL_GPT = ["--layers", "4", "--embd", "128", "--heads", "4", "--vocab", "256", "--seq", "16"]
@@ -287,7 +287,7 @@ def test_demo_help_states_its_models_size():
     # (about: chunk padding moves the bytes a little as the chunk-size search changes).
     import torch
 
-    from gemini.gpt import GPT
+    from gemini.tools.gpt import GPT
 
     args = build_parser().parse_args(["demo", "--device", "cpu"])
     cfg = cli._gpt_config(args)

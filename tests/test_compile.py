@@ -4,7 +4,7 @@ Each test trains the same GPT and data with plain PyTorch and through gemini wit
 compiled, and checks after every step: the same losses and parameters, graphs really
 compiled, and none compiled after the first step (``error_on_recompile`` from then on: every
 later step reuses the first step's graphs). gemini's forward hooks are graph breaks (see
-[Note: hooks under torch.compile] in gemini/hooks.py), so the graphs are the pieces between
+[Note: hooks under torch.compile] in gemini/engine/hooks.py), so the graphs are the pieces between
 them.
 
 Backends: "aot_eager" runs the captured graphs through AOTAutograd with the eager kernels,
@@ -20,7 +20,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import gemini
-from gemini.gpt import GPT
+from gemini.tools.gpt import GPT
 from helpers import TINY, assert_params_close, batches, clone_pair, train_reference
 
 STEPS = 3

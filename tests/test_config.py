@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gemini
-from gemini.gpt import GPT
+from gemini.tools.gpt import GPT
 from helpers import TINY
 
 BAD = [

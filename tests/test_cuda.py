@@ -7,7 +7,7 @@ import torch
 
 import gemini
 from chunks import Tier
-from gemini.gpt import GPT
+from gemini.tools.gpt import GPT
 from helpers import TINY, assert_params_close, batches, clone_pair
 
 pytestmark = pytest.mark.cuda

@@ -9,8 +9,8 @@ import weakref
 import pytest
 
 import gemini
-from gemini.gpt import GPT
-from gemini.hooks import _BackwardUse
+from gemini.tools.gpt import GPT
+from gemini.engine.hooks import _BackwardUse
 from helpers import TINY, batches, make_gpt
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gemini
-from gemini.gpt import GPT, GPTConfig
+from gemini.tools.gpt import GPT, GPTConfig
 from helpers import TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
 
 PLACEMENTS = ["cuda", "cpu"]

@@ -78,7 +78,7 @@ def test_train_data_parallel_under_torchrun(tmp_path):
     assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
     import torch
 
-    from gemini.gpt import GPT, GPTConfig
+    from gemini.tools.gpt import GPT, GPTConfig
 
     plain = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=64))
     plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True)["model"])

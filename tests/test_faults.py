@@ -26,9 +26,9 @@ import torch
 
 import gemini
 from gemini.checkpoint import load_checkpoint, save_checkpoint
-from gemini.gpt import GPT
-from gemini.nvme_tier import NvmeTier
-from gemini.transaction import UNDO_KIND
+from gemini.tools.gpt import GPT
+from gemini.engine.nvme_tier import NvmeTier
+from gemini.engine.transaction import UNDO_KIND
 from offload import NvmeStoreError, Tier
 
 from helpers import TINY, batches, clone_pair, train_reference
@@ -264,8 +264,8 @@ _KILLED_CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import torch, gemini
     import gemini.checkpoint as ckpt
-    from gemini.gpt import GPT
-    from gemini.nvme_tier import NvmeTier
+    from gemini.tools.gpt import GPT
+    from gemini.engine.nvme_tier import NvmeTier
     from helpers import TINY, batches, clone_pair
 
     moment, folder = {moment!r}, {folder!r}

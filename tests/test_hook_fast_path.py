@@ -52,7 +52,7 @@ def test_autograd_accumulates_into_the_gradient_chunk_itself():
     buffer = rt.placement.grad_buffer
     rt.placement.grad_buffer = lambda group: calls.append(group.index) or buffer(group)
     (x, y), = batches(TINY, 1)
-    from gemini.gpt import GPT
+    from gemini.tools.gpt import GPT
     for micro in range(2):  # the second accumulates onto the first, in the same storage
         opt.backward(GPT.loss(gmodel(x), y))
         for p in mine.parameters():
@@ -77,7 +77,7 @@ def test_a_grad_replaced_between_passes_takes_the_copying_path():
     ref, mine = clone_pair()
     gmodel, opt = gemini.initialize(mine, gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=2000),
                                     lr=1e-2)
-    from gemini.gpt import GPT
+    from gemini.tools.gpt import GPT
     data = batches(TINY, 2)
     for x, y in data:
         opt.backward(GPT.loss(gmodel(x), y))

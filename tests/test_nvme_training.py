@@ -14,8 +14,8 @@ import pytest
 
 import gemini
 from chunks import ChunkKind, ChunkState
-from gemini.gpt import GPT
-from gemini.transaction import UNDO_KIND
+from gemini.tools.gpt import GPT
+from gemini.engine.transaction import UNDO_KIND
 from helpers import TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
 from offload import NvmeCorruptionError, NvmeStoreError, Tier
 
@@ -166,7 +166,7 @@ def test_a_flipped_byte_on_disk_is_a_clear_error(tmp_path):
         b = f.read(1)
         f.seek(100)
         f.write(bytes([b[0] ^ 0x01]))
-    from gemini.gpt import GPT
+    from gemini.tools.gpt import GPT
 
     x, y = data[1]
     opt.backward(GPT.loss(model(x), y))
@@ -208,7 +208,7 @@ _FSIZE_CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import torch, gemini
     from chunks import ChunkState
-    from gemini.gpt import GPT
+    from gemini.tools.gpt import GPT
     from helpers import TINY, batches, clone_pair
     from offload import NvmeStoreError
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import gemini
-from gemini.gpt import GPT, GPTConfig, synthetic_batch
-from gemini.memory import DeviceBudgetError
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
+from gemini.engine.memory import DeviceBudgetError
 from helpers import TINY, batches, make_gpt
 
 
@@ -50,7 +50,7 @@ def _configs(tmp_path):
 @pytest.mark.parametrize("name", ["cpu-fp32-nvme", "cpu-bf16-nvme", "cpu-bf16-nvme-fraction", "cuda-bf16",
                                   "cuda-fp32", "cpu-fp32", "cpu-bf16", "static-fp32", "static-bf16"])
 def test_plan_agrees_with_what_a_real_run_measures(tmp_path, name):
-    """The plan's figures (gemini/footprint.py's pure function of the layout and the placement's
+    """The plan's figures (gemini/policies/footprint.py's pure function of the layout and the placement's
     choice) equal the ledger's count after a real step, tier by tier and kind by kind."""
     config = gemini.GeminiConfig(device="cpu", chunk_size=2000, **_configs(tmp_path)[name])
     plan = gemini.plan_placement(_model(), config)

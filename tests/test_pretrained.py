@@ -21,7 +21,7 @@ from transformers.utils import logging as hf_logging
 
 import gemini
 from chunks import ChunkManager, ChunkState
-from gemini.nvme_tier import NvmeTier
+from gemini.engine.nvme_tier import NvmeTier
 from gemini.pretrained import SafetensorsCheckpoint, WeightsError, load_pretrained_into
 
 hf_logging.disable_progress_bar()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import gemini
-from gemini.gpt import GPT
+from gemini.tools.gpt import GPT
 from helpers import TINY, batches, make_gpt
 
 

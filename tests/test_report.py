@@ -11,7 +11,7 @@ import pytest
 
 import gemini
 from chunks import ChunkKind, Tier
-from gemini.gpt import GPT
+from gemini.tools.gpt import GPT
 from helpers import TINY, batches, make_gpt
 
 

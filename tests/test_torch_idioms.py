@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import gemini
-from gemini.gpt import GPT, GPTConfig
-from gemini.grad_views import UnavailableGrad
+from gemini.tools.gpt import GPT, GPTConfig
+from gemini.engine.grad_views import UnavailableGrad
 from helpers import assert_params_close, batches, clone_pair
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)

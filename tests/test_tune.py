@@ -8,9 +8,9 @@ import itertools
 import pytest
 
 import gemini
-from gemini.cli import main
-from gemini.gpt import GPT
-from gemini.tune import MarginTrial, RatioResult, recommend, summarize, tied_fastest
+from gemini.tools.cli import main
+from gemini.tools.gpt import GPT
+from gemini.tools.tune import MarginTrial, RatioResult, recommend, summarize, tied_fastest
 from helpers import TINY, batches, make_gpt
 
 BUDGET = 2_500_000  # room for TINY's warm-up, and a margin that holds several chunk groups

@@ -14,7 +14,7 @@ import torch
 import gemini
 import zero_workers as zw
 from chunks import ChunkManager, ChunkStorage
-from gemini.footprint import chunk_bytes, device_groups, named_bytes
+from gemini.policies.footprint import chunk_bytes, device_groups, named_bytes
 from gemini.initialize import split_param_groups
 from multiprocess import run_ranks
 
@@ -100,7 +100,7 @@ def test_optimizer_state_per_rank_is_half(two_rank_runs, name, tmp_path):
 
 @pytest.mark.parametrize("name", [n for n, s in SPECS if s["config"]["placement"] != "auto"])
 def test_each_rank_measures_the_footprint_of_its_shards(two_rank_runs, name, tmp_path):
-    """gemini/footprint.py's figures for one of 2 ranks (shards, released gradient buckets, ZeRO-3's
+    """gemini/policies/footprint.py's figures for one of 2 ranks (shards, released gradient buckets, ZeRO-3's
     parameter shards) equal what each rank's ledger counted after the last step."""
     cfg = zw.config(_spec(dict(SPECS)[name]), str(tmp_path))
     _, named, frozen = split_param_groups(zw.make_net(), None)
@@ -172,7 +172,7 @@ def test_shard_params_must_be_a_bool():
 @pytest.mark.parametrize("shard_params", [False, True], ids=["zero2", "zero3"])
 def test_two_ranks_on_cuda_over_gloo_equal_adamw(tmp_path, shard_params):
     """Chunks on the GPU, collectives on gloo: every collective goes through the CPU staging
-    copies of gemini/collectives.py. Compared with the CPU reference (kernels differ: 1e-5)."""
+    copies of gemini/parallel/collectives.py. Compared with the CPU reference (kernels differ: 1e-5)."""
     spec = _spec({"device": "cuda", "config": {"placement": "auto", "shard_params": shard_params,
                                                "gpu_margin_mem_ratio": 0.5}})
     run_ranks(zw.run_specs, [spec], str(tmp_path), timeout_seconds=300)

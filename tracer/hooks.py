@@ -124,7 +124,7 @@ class PeriodHooks:
         self.remove()
 
     # Run eagerly, never traced, inside a torch.compile'd model: the callback moves chunks and
-    # reads Python state (see [Note: hooks under torch.compile] in gemini/hooks.py).
+    # reads Python state (see [Note: hooks under torch.compile] in gemini/engine/hooks.py).
     @torch._disable_dynamo
     def _forward_pre(self, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         phase = Phase.RECOMPUTE if in_autograd_engine() else Phase.FORWARD

@@ -61,10 +61,10 @@ from torch import nn
 from chunks import fits
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
-from gemini.loop import train_steps
-from gemini.memory import DeviceBudgetError
+from gemini.tools.loop import train_steps
+from gemini.engine.memory import DeviceBudgetError
 from gemini.report import MemoryReport
-from gemini.summary import gib, readable_unit
+from gemini.tools.summary import gib, readable_unit
 from offload import format_size
 
 logger = logging.getLogger(__name__)

@@ -15,12 +15,12 @@ from contextlib import AbstractContextManager
 import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
-from gemini.activations import ActivationOffload
-from gemini.footprint import DeviceGroups, chunk_bytes, margin_choice, margin_room_bytes, static_choice
-from gemini.memory import DeviceBudgetError, DeviceMemory
-from gemini.nvme_tier import NvmeTier
-from gemini.plan import MemoryPlan
-from gemini.zero import GradReducer, ParamGatherer
+from gemini.engine.activations import ActivationOffload
+from gemini.policies.footprint import DeviceGroups, chunk_bytes, margin_choice, margin_room_bytes, static_choice
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory
+from gemini.engine.nvme_tier import NvmeTier
+from gemini.engine.plan import MemoryPlan
+from gemini.parallel.zero import GradReducer, ParamGatherer
 from tracer import Boundary, EvictionError, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class PlacementPolicy:
         # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
         self.nvme: NvmeTier | None = None
         # ZeRO (None without data parallelism): the gradient reduce-scatter, and with
-        # parameter sharding the parameter all-gather (see gemini/zero.py).
+        # parameter sharding the parameter all-gather (see gemini/parallel/zero.py).
         self.reducer: GradReducer | None = None
         self.gatherer: ParamGatherer | None = None
 
@@ -82,7 +82,7 @@ class PlacementPolicy:
     @property
     def follows_modules(self) -> bool:
         """Whether chunks move around module calls, so that each module owning parameters needs
-        the forward and backward hooks that drive them (see gemini/hooks.py). A policy that
+        the forward and backward hooks that drive them (see gemini/engine/hooks.py). A policy that
         keeps every chunk on the device for good needs none: the hooks would cost a few
         microseconds a module call for nothing."""
         return True
@@ -266,7 +266,7 @@ class PlacementPolicy:
         tier = self.optimizer_tier(group)
         for chunk in group.optimizer_chunks:
             if chunk.in_file or chunk.io_pending:
-                # On NVMe: the NVMe tier streams it into host memory (see gemini/nvme_tier.py).
+                # On NVMe: the NVMe tier streams it into host memory (see gemini/engine/nvme_tier.py).
                 assert tier is Tier.HOST, f"{chunk} is on NVMe but its group updates on {tier}"
                 continue
             chunk.move_to(tier)
@@ -279,7 +279,7 @@ class PlacementPolicy:
 
         Under ZeRO the masters are this rank's range: with parameter sharding they refresh the
         param shard; without, this rank's range of the param chunk's primary copy (the others
-        arrive by ``gemini.zero.gather_params`` once every group is updated).
+        arrive by ``gemini.parallel.zero.gather_params`` once every group is updated).
         """
         if group.shard is not None and group.param_shard is None:
             param = group.param
@@ -297,7 +297,7 @@ class PlacementPolicy:
 
     def after_commit(self, group: ChunkGroup) -> None:
         """The step has landed (every group updated): restore placements the step changed.
-        Must not raise (see [Note: a step is all or nothing] in gemini/transaction.py)."""
+        Must not raise (see [Note: a step is all or nothing] in gemini/engine/transaction.py)."""
 
     def _cast_master(self, master, numel: int, out: torch.Tensor, tier: Tier) -> None:
         """``out`` (on ``tier``) = the first ``numel`` master elements in ``out``'s dtype."""

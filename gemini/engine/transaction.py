@@ -11,7 +11,7 @@ that can fail either happens before anything changes, or can be undone:
 1. Checks and moves that change no value: the budget checks, every group's chunks brought
    to the tier of its update, the gradient norm, and every temporary the in-memory update
    needs (see ``HybridAdam._prepare``).
-2. The groups on NVMe, streamed (gemini/nvme_tier.py). Their files from before the step are
+2. The groups on NVMe, streamed (gemini/engine/nvme_tier.py). Their files from before the step are
    held (see [Note: file slots] in chunks/chunk.py): new bytes go to a second file. Before a
    group is updated, its parameter chunk (the only in-memory data its update changes: under
    fp32 the master, under bf16/fp16 the low-precision copy cast from the master) and its step
@@ -49,7 +49,7 @@ class StepTransaction:
     """What one step must be able to put back; see [Note: a step is all or nothing].
 
     ``undo_on_nvme``: the copies aside go to NVMe files (``cpu_memory`` cannot hold them all,
-    see :class:`gemini.nvme_tier.NvmeLayout`): one is in host memory at a time, while its write
+    see :class:`gemini.engine.nvme_tier.NvmeLayout`): one is in host memory at a time, while its write
     runs behind the group's update; the files are read only to undo a failed step.
     """
 

@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup, ChunkManager
-from gemini.memory import DeviceBudgetError
-from gemini.placement import PlacementPolicy
+from gemini.engine.memory import DeviceBudgetError
+from gemini.policies.placement import PlacementPolicy
 from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def _needing_grad(tree) -> list[torch.Tensor]:
 # all have fired, holding nothing of the graph. An input whose gradient this backward never
 # computes (a partial backward) leaves the count short: the call is then never reported done and
 # its groups are held until their gradients are in, the conservative path (see [Note: a group
-# between its uses in backward] in gemini/placement.py).
+# between its uses in backward] in gemini/policies/placement.py).
 def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
     """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed
     (see [Note: a hook on all inputs' gradients without a cycle]); False if none needs one."""
@@ -279,7 +279,7 @@ class ModuleHooks:
         """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
         if self._accumulated_in_place(param):
             # Autograd added it into the chunk: nothing to move, no decision to mark (see [Note:
-            # autograd accumulates into the chunks] in gemini/grad_views.py).
+            # autograd accumulates into the chunks] in gemini/engine/grad_views.py).
             group, slot = self.manager.locate(param)
             group.grad_ready[slot.index] = True
             self._count_grad(group)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gemini.optimizer import HybridAdam
+from gemini.optim.hybrid_adam import HybridAdam
 from gemini.report import MemoryReport
 
 __all__ = ["StepResult", "train_steps"]

@@ -13,7 +13,7 @@ i-depth .. i-1 drain behind it. The first reads start when ``step()`` begins, so
 the gradient norm and the update of the groups resident in memory. Host memory in use by the
 pipeline is at most ``2 * depth + 1`` groups' offloaded chunks; ``cpu_memory`` budgets it.
 Any failure undoes the whole step, the files from before it having been held (see [Note: a
-step is all or nothing] in gemini/transaction.py): nothing is half-applied, and a retry reads
+step is all or nothing] in gemini/engine/transaction.py): nothing is half-applied, and a retry reads
 the same files again.
 """
 
@@ -34,7 +34,7 @@ from offload import format_size
 from offload.profiling import trace_range
 
 if TYPE_CHECKING:
-    from gemini.transaction import StepTransaction
+    from gemini.engine.transaction import StepTransaction
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class NvmeLayout:
     staging_bytes: int  # host memory the pipeline uses at most while streaming
     depth: int = 1  # the pipeline's depth: nvme_pipeline_depth, or less where cpu_memory is small
     # The step's copies aside of the streamed groups' parameters (see [Note: a step is all or
-    # nothing] in gemini/transaction.py): host bytes they take, and whether they go to NVMe
+    # nothing] in gemini/engine/transaction.py): host bytes they take, and whether they go to NVMe
     # files (one copy in host memory at a time) because cpu_memory cannot hold them all.
     undo_bytes: int = 0
     undo_on_nvme: bool = False
@@ -276,7 +276,7 @@ class NvmeTier:
     def begin_step(self, groups: Sequence[ChunkGroup], tx: StepTransaction) -> None:
         """Before a step changes anything: write out chunks left in host memory by an earlier
         failed write, then hold every file of ``groups`` until the step ends (see [Note: a step
-        is all or nothing] in gemini/transaction.py)."""
+        is all or nothing] in gemini/engine/transaction.py)."""
         self._check_open()
         chunks = [c for g in groups for c in self.chunks_of(g)]
         unwritten = [c for c in chunks if c.state is ChunkState.HOST]

@@ -21,14 +21,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gemini.config import PLACEMENTS, PRECISIONS, GeminiConfig
-from gemini.gpt import GPT, GPTConfig, synthetic_batch
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 from gemini.initialize import initialize
-from gemini.loop import StepResult, train_steps
-from gemini.memory import DeviceBudgetError
-from gemini.planner import plan_placement
+from gemini.tools.loop import StepResult, train_steps
+from gemini.engine.memory import DeviceBudgetError
+from gemini.tools.planner import plan_placement
 from gemini.report import MemoryReport, ReportRun, WarmupTimeline, read_report_runs
-from gemini.summary import UNITS, readable_unit, run_summary, summary_line
-from gemini.tune import DEFAULT_RATIOS, MarginTrial, tune_margin
+from gemini.tools.summary import UNITS, readable_unit, run_summary, summary_line
+from gemini.tools.tune import DEFAULT_RATIOS, MarginTrial, tune_margin
 from offload import format_size, parse_size
 
 __all__ = ["build_parser", "main"]
@@ -279,7 +279,7 @@ def _train(args: argparse.Namespace, cfg: GPTConfig, config: GeminiConfig) -> li
 
 
 def _write_plots(reports: Sequence[MemoryReport], folder: str) -> list[str]:
-    from gemini.plots import plot_memory, plot_timeline  # matplotlib is optional: only when asked
+    from gemini.tools.plots import plot_memory, plot_timeline  # matplotlib is optional: only when asked
 
     paths = [str(plot_memory(reports, os.path.join(folder, "memory.png")))]
     timeline = next((r.timeline for r in reports if r.timeline is not None), None)
@@ -453,7 +453,7 @@ def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         if os.path.exists(plot_dir) and not os.path.isdir(plot_dir):
             sub.error(f"argument --plot-dir: {plot_dir!r} is a file, not a folder")
         # Plots are drawn after training: a missing matplotlib found then would cost the whole run.
-        from gemini.plots import require_matplotlib
+        from gemini.tools.plots import require_matplotlib
 
         try:
             require_matplotlib()

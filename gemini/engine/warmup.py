@@ -9,8 +9,8 @@ import logging
 from torch import nn
 
 from chunks import ChunkStorage, Tier, missing_bytes
-from gemini.memory import DeviceBudgetError, DeviceMemory
-from gemini.plan import MemoryPlan
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory
+from gemini.engine.plan import MemoryPlan
 from tracer import RuntimeTracer
 from offload.profiling import trace_range
 

@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from chunks import Chunk, ChunkGroup, Tier
-from gemini.adam import adam_update
-from gemini.clipping import clip_coefficient, grad_norm
-from gemini.loss_scaler import DynamicLossScaler
+from gemini.optim.adam import adam_update
+from gemini.optim.clipping import clip_coefficient, grad_norm
+from gemini.optim.loss_scaler import DynamicLossScaler
 from gemini.report import MemoryReport, WarmupTimeline
-from gemini.transaction import UNDO_KIND, StepTransaction
-from gemini.zero import agree_grad_ready, gather_params, gather_state
+from gemini.engine.transaction import UNDO_KIND, StepTransaction
+from gemini.parallel.zero import agree_grad_ready, gather_params, gather_state
 from offload.profiling import trace_range
 
 if TYPE_CHECKING:
-    from gemini.runtime import GeminiRuntime
+    from gemini.engine.runtime import GeminiRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class HybridAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One Adam step over every chunk group with gradients: all or nothing (see [Note: a step
-        is all or nothing] in gemini/transaction.py). If it raises, parameters, m, v, step counts
+        is all or nothing] in gemini/engine/transaction.py). If it raises, parameters, m, v, step counts
         and the loss scale are as before the call, and calling it again once the cause is fixed
         gives the uninterrupted result."""
         loss = None

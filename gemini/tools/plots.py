@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from gemini.report import MemoryReport, WarmupTimeline
-from gemini.summary import readable_unit
+from gemini.tools.summary import readable_unit
 
 logger = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from torch import nn
 
 from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
-from gemini.footprint import (DeviceGroups, chunk_bytes, device_groups, margin_choice, margin_room_bytes, named_bytes,
+from gemini.policies.footprint import (DeviceGroups, chunk_bytes, device_groups, margin_choice, margin_room_bytes, named_bytes,
                               whole_group_bytes)
 from gemini.initialize import resolve_chunk_size, split_param_groups
-from gemini.memory import planned_reserve_bytes
-from gemini.meta_run import meta_peaks
-from gemini.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
-from gemini.summary import readable_unit
+from gemini.engine.memory import planned_reserve_bytes
+from gemini.tools.meta_run import meta_peaks
+from gemini.engine.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
+from gemini.tools.summary import readable_unit
 from offload import format_size
 
 __all__ = ["PlacementPlan", "plan_placement"]
@@ -59,7 +59,7 @@ class PlacementPlan:
     buffer_bytes: int  # module buffers, kept on the device
     device_working_set_bytes: int  # the largest chunk group's parameters and gradients
     nvme_staging_bytes: int  # host memory the NVMe pipeline uses while streaming
-    # The step's copies aside of the streamed groups' parameters (gemini/transaction.py): host
+    # The step's copies aside of the streamed groups' parameters (gemini/engine/transaction.py): host
     # bytes at most, and bytes of their NVMe files when cpu_memory sends them there.
     nvme_undo_bytes: int = 0
     nvme_undo_file_bytes: int = 0
@@ -67,7 +67,7 @@ class PlacementPlan:
     cpu_memory_bytes: int | None
     host_available_bytes: int
     nvme_free_bytes: int | None
-    # With example inputs (see gemini/meta_run.py): the activations' and temporaries' peak of one
+    # With example inputs (see gemini/tools/meta_run.py): the activations' and temporaries' peak of one
     # forward and backward, and the device's predicted peak (model data held then + that + the
     # safety reserve's share the warm-up would keep). None: not counted.
     non_model_peak_bytes: int | None = None
@@ -137,7 +137,7 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     verdict counts the activations (``non_model_peak_bytes``, ``first_step_peak_bytes``,
     ``device_peak_bytes``; see [Note: the predicted device peak]). Under "auto" they also
     predict the margin the warm-up will leave, and ``gpu_margin_mem_ratio``'s groups in it are
-    chosen by the engine's own rule (:func:`gemini.footprint.margin_choice`); without them (or
+    chosen by the engine's own rule (:func:`gemini.policies.footprint.margin_choice`); without them (or
     without ``device_memory``) auto's host and NVMe figures are those of ratio 0 and the notes
     say so. ``loss_fn(output)`` gives the scalar to differentiate (default: the
     sum of the first output). Without them the verdict says that activations were not counted.
@@ -253,7 +253,7 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
     #   gradient chunks come as the gradients do, so the first step's activation peak lacks
     #   them; under "cuda" they are there as its backward begins;
     # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
-    #   [Note: the warm-up replayed on meta] in gemini/meta_run.py);
+    #   [Note: the warm-up replayed on meta] in gemini/tools/meta_run.py);
     # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
     #   margin's groups to the device for its optimizer step. Later it keeps every
     #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
@@ -268,7 +268,7 @@ def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warm
         grads = device[ChunkKind.GRAD.value]
         if config.placement == "cuda" and config.precision != "fp16":
             # Autograd accumulates into the gradient chunks, allocated as the first backward
-            # begins (see [Note: autograd accumulates into the chunks] in gemini/grad_views.py):
+            # begins (see [Note: autograd accumulates into the chunks] in gemini/engine/grad_views.py):
             # a peak in the forward or the loss comes before them.
             first = steady - nm - grads + max(forward_non_model_bytes, backward_non_model_bytes + grads)
             return first, steady, "the chunks it keeps"

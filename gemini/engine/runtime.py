@@ -9,22 +9,22 @@ from dataclasses import dataclass, field
 import torch
 
 from chunks import ChunkManager, ChunkState, ChunkStorage, Tier
-from gemini.activations import ActivationOffload
-from gemini.clipping import clip_coefficient, grad_norm, scale_grads_
-from gemini.collectives import Collectives
+from gemini.engine.activations import ActivationOffload
+from gemini.optim.clipping import clip_coefficient, grad_norm, scale_grads_
+from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
-from gemini.footprint import named_bytes
-from gemini.grad_views import GradViews
-from gemini.hooks import ModuleHooks
-from gemini.loss_scaler import DynamicLossScaler
-from gemini.memory import DeviceMemory
-from gemini.nvme_tier import NvmeTier
-from gemini.placement import AutoPlacement, PlacementPolicy
-from gemini.plan import MemoryPlan
+from gemini.policies.footprint import named_bytes
+from gemini.engine.grad_views import GradViews
+from gemini.engine.hooks import ModuleHooks
+from gemini.optim.loss_scaler import DynamicLossScaler
+from gemini.engine.memory import DeviceMemory
+from gemini.engine.nvme_tier import NvmeTier
+from gemini.policies.placement import AutoPlacement, PlacementPolicy
+from gemini.engine.plan import MemoryPlan
 from gemini.report import ReportWriter, WarmupTimeline
-from gemini.system_memory import SystemMemory
-from gemini.warmup import Warmup, check_peak
-from gemini.zero import agree_grad_ready
+from gemini.engine.system_memory import SystemMemory
+from gemini.engine.warmup import Warmup, check_peak
+from gemini.parallel.zero import agree_grad_ready
 from tracer import InputSignature, PeriodHooks, input_signature
 
 logger = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class GeminiRuntime:
     # ------------------------------------------------------------------------------ NVMe
     def resident(self, group, *, modify: bool, chunks=None, overwrite: bool = False):
         """A context in which ``group``'s optimizer states (or only ``chunks`` of them) are in
-        host memory (checkpoints); see :meth:`gemini.nvme_tier.NvmeTier.resident`."""
+        host memory (checkpoints); see :meth:`gemini.engine.nvme_tier.NvmeTier.resident`."""
         if self.nvme is None:
             return contextlib.nullcontext()
         return self.nvme.resident(group, modify=modify, chunks=chunks, overwrite=overwrite)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from chunks import ChunkGroup, Tier
-from gemini.collectives import Collectives
-from gemini.zero import sharded_grad_norm
+from gemini.parallel.collectives import Collectives
+from gemini.parallel.zero import sharded_grad_norm
 
 __all__ = ["CLIP_EPS", "clip_coefficient", "grad_norm", "scale_grads_"]
 

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 
 from chunks import ChunkGroup, ChunkManager, ChunkState, Tier
-from gemini.collectives import Collectives, Pending
+from gemini.parallel.collectives import Collectives, Pending
 from offload.profiling import trace_range
 
 if TYPE_CHECKING:
-    from gemini.placement import PlacementPolicy
+    from gemini.policies.placement import PlacementPolicy
 
 logger = logging.getLogger(__name__)
 

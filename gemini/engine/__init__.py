@@ -1,0 +1,15 @@
+"""The engine: one training iteration's moves and the memory they cost.
+
+- ``runtime``: GeminiRuntime, the iteration (warm-up, planned, steady) and every move
+- ``hooks``: the module and gradient hooks that drive it
+- ``warmup``: the warm-up iteration's measurements and the plan made from them
+- ``memory``: the device budget, measured (DeviceMemory)
+- ``plan``: MemoryPlan, what the warm-up learned
+- ``grad_views``: parameters' .grad as views of gradient chunks
+- ``transaction``: a step is all or nothing
+- ``activations``: saved activations in host memory
+- ``nvme_tier``: optimizer-state groups in NVMe files and the step's pipeline over them
+- ``system_memory``: host memory, measured
+"""
+
+__all__ = ["activations", "grad_views", "hooks", "memory", "nvme_tier", "plan", "runtime", "system_memory", "transaction", "warmup"]

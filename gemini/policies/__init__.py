@@ -1,0 +1,7 @@
+"""Placement policies: where each chunk group lives, one class per policy.
+
+- ``placement``: the base class and the cuda, cpu, static and auto policies
+- ``footprint``: the bytes a placement needs and the margin rules shared with the planner
+"""
+
+__all__ = ["footprint", "placement"]
