@@ -4,7 +4,7 @@ A leaf package: it imports nothing from gemini, chunks or offload; the engine pa
 callbacks (model bytes on the device, chunks of a module).
 """
 
-from tracer.belady import NEVER, AccessOrder, EvictionError, choose_victims, next_use
+from tracer.belady import NEVER, AccessOrder, EvictionError, EvictionRule, choose_victims, next_use
 from tracer.hooks import Boundary, PeriodHooks, Phase
 from tracer.monitors import (
     CudaAllocatorMonitor,
@@ -23,6 +23,7 @@ __all__ = [
     "Boundary",
     "CudaAllocatorMonitor",
     "EvictionError",
+    "EvictionRule",
     "InputSignature",
     "MemoryMonitor",
     "MonitorState",

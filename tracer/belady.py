@@ -4,20 +4,29 @@ The warm-up iteration records, per period, the set of chunks used in it. Since e
 iteration repeats that order, the future is known, and evicting the resident chunk whose
 next use is furthest away (never again counts as infinitely far) is the optimal offline
 policy for chunks of one size [Belady 1966]; with mixed sizes it is the usual heuristic.
+``EvictionRule.LRU`` (least recently used first) is there to measure what that knowledge saves.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 import logging
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AccessOrder", "EvictionError", "NEVER", "choose_victims", "next_use"]
+__all__ = ["AccessOrder", "EvictionError", "EvictionRule", "NEVER", "choose_victims", "next_use"]
 
 NEVER = math.inf  # next use of a chunk that is not used again
+
+
+class EvictionRule(enum.Enum):
+    """Which resident chunk goes first."""
+
+    BELADY = "belady"  # the one needed furthest ahead (the engine's rule)
+    LRU = "lru"  # the one used longest ago: what a cache that ignores the recorded order does
 
 
 class EvictionError(RuntimeError):
@@ -67,6 +76,16 @@ class AccessOrder:
         i = bisect.bisect_right(uses, after_period)
         return uses[i] if i < len(uses) else NEVER
 
+    def last_use(self, chunk_id: int, at_period: int) -> float:
+        """The last period at or before ``at_period`` that used the chunk. Iterations repeat the
+        order, so a chunk not used yet in this one was last used in the previous one: its last
+        use there, less the order's length. ``-NEVER`` for a chunk never used."""
+        uses = self._uses.get(chunk_id)
+        if not uses:
+            return -NEVER
+        i = bisect.bisect_right(uses, at_period)
+        return uses[i - 1] if i else uses[-1] - len(self._periods)
+
 
 def _as_access_order(order: AccessOrder | Sequence[Iterable[int]]) -> AccessOrder:
     # Building the index is O(total accesses): callers that query often build it once.
@@ -88,10 +107,13 @@ def choose_victims(
     period: int,
     bytes_needed: int,
     chunk_bytes: Mapping[int, int],
+    *,
+    rule: EvictionRule = EvictionRule.BELADY,
 ) -> list[int]:
     """Resident chunks to evict, furthest next use first, until ``bytes_needed`` are freed.
 
-    Chunks in ``needed_now`` are never chosen. Ties in next use go to the larger chunk
+    Under ``rule=EvictionRule.LRU`` the least recently used go first instead. Chunks in
+    ``needed_now`` are never chosen. Ties in next use go to the larger chunk
     (fewer evictions), then to the lower id (a deterministic plan). Returns ``[]`` when
     ``bytes_needed <= 0``. Raises :class:`EvictionError` when even evicting every allowed
     chunk frees too little.
@@ -111,7 +133,8 @@ def choose_victims(
         nbytes = chunk_bytes[cid]
         if nbytes < 0:
             raise ValueError(f"chunk_bytes[{cid!r}] must be >= 0, got {nbytes}")
-        candidates.append((-access.next_use(cid, period), -nbytes, cid))
+        rank = -access.next_use(cid, period) if rule is EvictionRule.BELADY else access.last_use(cid, period)
+        candidates.append((rank, -nbytes, cid))
     candidates.sort()
 
     victims: list[int] = []

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tracer.belady import NEVER, AccessOrder, EvictionError, choose_victims, next_use
+from tracer.belady import NEVER, AccessOrder, EvictionError, EvictionRule, choose_victims, next_use
 
 CHUNK_BYTES = 1000
 
@@ -127,3 +127,61 @@ def test_belady_misses_equal_the_exhaustive_optimum_on_random_traces(seed):
         worse_elsewhere += _nearest_next_use_misses(order, capacity) > optimum
     # The traces are hard enough that a wrong policy is caught.
     assert worse_elsewhere >= 5
+
+
+def _lru_reference_misses(order: list[frozenset], capacity: int, *, rounds: int) -> int:
+    """An LRU cache written independently: recency by the step a chunk was last touched, ties
+    (chunks of one period) to the lower id, as choose_victims breaks them for equal sizes."""
+    last_touch: dict[int, int] = {}  # resident chunk -> the step it was last used
+    misses = 0
+    for step, needed in enumerate(order * rounds):
+        for c in needed:
+            if c not in last_touch:
+                misses += 1
+        while len(last_touch.keys() | needed) > capacity:
+            victim = min((c for c in last_touch if c not in needed), key=lambda c: (last_touch[c], c))
+            del last_touch[victim]
+        for c in needed:
+            last_touch[c] = step
+    return misses
+
+
+def _simulate_rounds(order: list[frozenset], capacity: int, rounds: int, rule) -> int:
+    """Iterations repeat the order: the cache is carried from one to the next."""
+    access = AccessOrder(order)
+    sizes = {c: CHUNK_BYTES for period in order for c in period}
+    resident: set[int] = set()
+    misses = 0
+    for _ in range(rounds):
+        for p, needed in enumerate(order):
+            missing = needed - resident
+            misses += len(missing)
+            overflow = len(resident) + len(missing) - capacity
+            victims = choose_victims(resident, needed, access, p, overflow * CHUNK_BYTES, sizes, rule=rule)
+            resident = (resident - set(victims)) | needed
+    return misses
+
+
+def test_last_use_wraps_to_the_previous_iteration():
+    access = AccessOrder([{1}, {2}, {1, 3}, {2}])
+    assert access.last_use(1, 0) == 0
+    assert access.last_use(1, 1) == 0
+    assert access.last_use(1, 3) == 2
+    assert access.last_use(3, 1) == 2 - 4  # not used yet in this iteration: period 2 of the last one
+    assert access.last_use(9, 1) == -NEVER
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lru_rule_matches_an_independent_lru_cache_and_never_beats_belady(seed):
+    rng = random.Random(seed)
+    belady_better = 0
+    for _ in range(40):
+        n_chunks = rng.randint(3, 7)
+        capacity = rng.randint(2, 4)
+        order = [frozenset(rng.sample(range(n_chunks), rng.randint(1, 2))) for _ in range(rng.randint(3, 9))]
+        lru = _simulate_rounds(order, capacity, 3, EvictionRule.LRU)
+        assert lru == _lru_reference_misses(order, capacity, rounds=3), order
+        belady = _simulate_rounds(order, capacity, 3, EvictionRule.BELADY)
+        assert belady <= lru, order
+        belady_better += belady < lru
+    assert belady_better >= 5  # the traces tell the rules apart
