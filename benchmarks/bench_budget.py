@@ -3,9 +3,12 @@
     python benchmarks/bench_budget.py                  # the CPU standing in for the device
     python benchmarks/bench_budget.py --device cuda    # on a GPU
 
-1. The budget falls from 120% to 30% of the model data (fp32 parameters, gradients and Adam
-   states: 16 bytes a parameter); each run reports the median step time after warm-up, the
-   measured device peak, evictions and bytes moved.
+1. The budget falls from 120% to 10% of the model data (fp32 parameters, gradients and Adam
+   states: 16 bytes a parameter); each run reports the median step time after warm-up and its
+   cost against the same model with no budget pressure (a budget of 4x the model data), the
+   measured device peak, evictions and the bytes moved each step (h2d, d2h). Each budget runs
+   twice: with the engine's Belady eviction order and with least-recently-used, so the bytes
+   the recorded order saves are measured, not estimated.
 2. With a budget that fits everything (160%), "auto" at margin ratio 1 against "cuda".
    Both run with the same budget, so both are measured by the same monitor.
 3. At a fixed budget, step time at each gpu_margin_mem_ratio, with the number of
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
 from bench_step import RESULTS, machine_info, pyplot, save_figure  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from tracer import EvictionRule  # noqa: E402
 
 
 def timed_step(gmodel, opt, x, y, device: str) -> float:
@@ -45,12 +49,15 @@ def timed_step(gmodel, opt, x, y, device: str) -> float:
     return time.perf_counter() - start
 
 
-def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0) -> dict:
+def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0,
+        rule: EvictionRule = EvictionRule.BELADY) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     gcfg = gemini.GeminiConfig(device=args.device, placement=placement, device_memory=budget,
                                gpu_margin_mem_ratio=ratio, chunk_size=args.chunk_size)
     gmodel, opt = gemini.initialize(model, gcfg, lr=1e-4)
+    if rule is not EvictionRule.BELADY:
+        opt._rt.placement.eviction_rule = rule  # a benchmark's counterfactual, not a user setting
     x, y = synthetic_batch(cfg, args.batch, args.seq, generator=torch.Generator().manual_seed(1), device=args.device)
     times, reports = [], []
     for i in range(args.steps + 1):  # the first is the warm-up
@@ -58,6 +65,8 @@ def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0
         if i > 0:
             times.append(seconds)
             reports.append(opt.report)
+        else:
+            warmup_evictions = getattr(opt._rt.placement, "evictions", 0)
     r = reports[-1]
     evictions = getattr(opt._rt.placement, "evictions", 0)
     return {
@@ -69,9 +78,13 @@ def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0
         "under_budget": all(rep.device_peak_bytes <= budget for rep in reports),
         "h2d_bytes": r.h2d_bytes,
         "d2h_bytes": r.d2h_bytes,
+        "h2d_bytes_per_step": [rep.h2d_bytes for rep in reports],
+        "d2h_bytes_per_step": [rep.d2h_bytes for rep in reports],
+        "eviction_rule": rule.value,
         "os_chunks_on_device": r.os_chunks_on_device,
         "chunk_groups": len(opt._rt.manager.trainable_groups),
         "evictions_total": evictions,
+        "evictions_per_step": (evictions - warmup_evictions) / len(reports),
     }
 
 
@@ -131,7 +144,7 @@ def main() -> int:
     p.add_argument("--no-checkpointing", action="store_true", help="keep every activation (larger non-model peak)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
-    p.add_argument("--fractions", default="1.2,1.0,0.8,0.6,0.45,0.3")
+    p.add_argument("--fractions", default="1.2,1.0,0.8,0.6,0.45,0.3,0.2,0.1")
     p.add_argument("--ratios", default="0,0.25,0.5,0.75,1")
     args = p.parse_args()
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd,
@@ -140,10 +153,17 @@ def main() -> int:
     print(f"GPT {cfg.num_params() / 1e6:.2f}M parameters, model data {model_data / 2**20:.1f} MiB", flush=True)
 
     run(cfg, args, placement="auto", budget=2 * model_data)  # process warm-up (allocator, kernels): not timed
+    unpressed = run(cfg, args, placement="auto", budget=4 * model_data)
     sweep = []
     for frac in (float(f) for f in args.fractions.split(",")):
         try:
             row = run(cfg, args, placement="auto", budget=int(frac * model_data))
+            lru = run(cfg, args, placement="auto", budget=int(frac * model_data), rule=EvictionRule.LRU)
+            row["lru"] = {k: lru[k] for k in ("median_step_s", "h2d_bytes", "d2h_bytes", "evictions_total",
+                                               "device_peak_bytes", "under_budget")}
+            row["bytes_saved_by_belady_per_step"] = (lru["h2d_bytes"] + lru["d2h_bytes"]
+                                                     - row["h2d_bytes"] - row["d2h_bytes"])
+            row["cost_vs_no_pressure"] = row["median_step_s"] / unpressed["median_step_s"]
         except gemini.engine.memory.DeviceBudgetError as e:
             row = {"placement": "auto", "budget_bytes": int(frac * model_data), "error": str(e)[:160]}
         row["fraction_of_model_data"] = frac
@@ -156,7 +176,7 @@ def main() -> int:
     ratios = [run(cfg, args, placement="auto", budget=ratio_budget, ratio=float(r)) for r in args.ratios.split(",")]
 
     result = {"machine": machine_info(args.device), "model": {"params": cfg.num_params(), **cfg.__dict__},
-              "model_data_bytes": model_data, "budget_sweep": sweep,
+              "model_data_bytes": model_data, "no_pressure": unpressed, "budget_sweep": sweep,
               "fits_everything": {"cuda": cuda_row, "auto_ratio_1": auto_row,
                                   "ratio_auto_to_cuda": auto_row["median_step_s"] / cuda_row["median_step_s"]},
               "margin_ratio_sweep": {"budget_bytes": ratio_budget, "rows": ratios}}
@@ -169,14 +189,26 @@ def main() -> int:
           f"parameters, model data {model_data / 2**20:.1f} MiB, batch {args.batch}x{args.seq}, "
           f"chunk size {args.chunk_size or 'searched'}, activation checkpointing {'off' if args.no_checkpointing else 'on'}; median of {args.steps} steps after warm-up.", "",
           f"Command: `python benchmarks/bench_budget.py{' --device cuda' if args.device == 'cuda' else ''}`", "",
-          "## Budget sweep", "", "| budget (% of model data) | step s | device peak MiB | under budget | h2d MiB/step | evictions |",
-          "|---|---|---|---|---|---|"]
+          "## Budget sweep", "",
+          f"No budget pressure (budget 4x model data): {unpressed['median_step_s']:.3f} s a step, "
+          f"h2d {unpressed['h2d_bytes'] / 2**20:.1f} MiB, d2h {unpressed['d2h_bytes'] / 2**20:.1f} MiB a step. "
+          "Cost = step time / that. Bytes are per step after the warm-up; LRU = the same run evicting the least "
+          "recently used group first; saved = LRU's h2d+d2h less Belady's.", "",
+          "| budget (% of model data) | model data / budget | step s | cost | device peak MiB | under budget "
+          "| h2d MiB/step | d2h MiB/step | evictions/step | LRU h2d+d2h MiB/step | LRU step s | saved by Belady MiB/step |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in sweep:
         if "error" in row:
-            md.append(f"| {row['fraction_of_model_data']:.0%} | — | — | error: {row['error'][:80]}… | | |")
+            md.append(f"| {row['fraction_of_model_data']:.0%} | {1 / row['fraction_of_model_data']:.1f}x | — | — | — | "
+                      f"error: {row['error'][:80]}… | | | | | | |")
         else:
-            md.append(f"| {row['fraction_of_model_data']:.0%} | {row['median_step_s']:.3f} | {row['device_peak_bytes'] / 2**20:.1f} | "
-                      f"{row['under_budget']} | {row['h2d_bytes'] / 2**20:.1f} | {row['evictions_total']} |")
+            lru = row["lru"]
+            md.append(f"| {row['fraction_of_model_data']:.0%} | {1 / row['fraction_of_model_data']:.1f}x | "
+                      f"{row['median_step_s']:.3f} | {row['cost_vs_no_pressure']:.2f} | "
+                      f"{row['device_peak_bytes'] / 2**20:.1f} | {row['under_budget']} | {row['h2d_bytes'] / 2**20:.1f} | "
+                      f"{row['d2h_bytes'] / 2**20:.1f} | {row['evictions_per_step']:.1f} | "
+                      f"{(lru['h2d_bytes'] + lru['d2h_bytes']) / 2**20:.1f} | {lru['median_step_s']:.3f} | "
+                      f"{row['bytes_saved_by_belady_per_step'] / 2**20:.1f} |")
     md += ["", "## A budget that fits everything (160% of model data), interleaved rounds", "",
            "| placement | median step s | min step s | device peak MiB |", "|---|---|---|---|",
            f"| cuda | {cuda_row['median_step_s']:.3f} | {cuda_row['min_step_s']:.3f} | {cuda_row['device_peak_bytes'] / 2**20:.1f} |",

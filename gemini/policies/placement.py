@@ -21,7 +21,7 @@ from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.engine.plan import MemoryPlan
 from gemini.parallel.zero import GradReducer, ParamGatherer
-from tracer import Boundary, EvictionError, Phase, choose_victims
+from tracer import Boundary, EvictionError, EvictionRule, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
 
@@ -483,6 +483,8 @@ class AutoPlacement(PlacementPolicy):
         self.record_mark = lambda: None  # likewise
         self._segment = 0  # marks passed in the current period
         self.evictions = 0
+        # Belady over the plan's order; LRU only to measure what that order saves (bench_budget).
+        self.eviction_rule = EvictionRule.BELADY
         self.track_periods = True  # decided by adopt()
         # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
         self.prefetch_reserve_bytes = 0
@@ -640,7 +642,8 @@ class AutoPlacement(PlacementPolicy):
         try:
             if self.plan is not None and not self._diverged:
                 victims = choose_victims(
-                    set(candidates), keep, self.plan.order, max(self.period, 0), over, candidates
+                    set(candidates), keep, self.plan.order, max(self.period, 0), over, candidates,
+                    rule=self.eviction_rule,
                 )
             else:
                 victims = self._any_victims(candidates, over)
