@@ -136,7 +136,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=12)
     p.add_argument("--embd", type=int, default=256)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--seq", type=int, default=64)
