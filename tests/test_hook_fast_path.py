@@ -90,3 +90,48 @@ def test_a_grad_replaced_between_passes_takes_the_copying_path():
     for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
     opt.close()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_auto_settled_on_the_device_drops_its_module_hooks_and_equals_adamw(micro_batches):
+    """[Note: auto settled on the device]: a budget that holds everything with ratio 1 leaves no
+    chunk to move after the warm-up; the module hooks go (the root's own stay), autograd adds into
+    the gradient chunks, and new shapes (traced again) bring the hooks back until the next plan."""
+    ref, mine = clone_pair()
+    for model in (ref, mine):
+        model.blocks[0].mlp.fc.weight.requires_grad_(False)  # frozen
+    data = batches(TINY, 4, seq=16) + batches(TINY, 4, seq=8)  # the shapes change at step 4
+    want_losses, want, _ = train_reference(ref, data, micro_batches=micro_batches, lr=1e-2, weight_decay=0.1)
+    config = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=2000, device_memory="64MiB",
+                                 gpu_margin_mem_ratio=1.0)
+    gmodel, opt = gemini.initialize(mine, config, lr=1e-2, weight_decay=0.1)
+    views = opt._rt.grad_views
+    armed = []  # backward passes in which p.grad was the chunk's slot
+    arm = views.arm
+    views.arm = lambda buffer: armed.append(True) or arm(buffer)
+    hooks_during, hooks_after, in_place = [], [], []
+    from gemini.tools.gpt import GPT
+    for i in range(0, len(data), micro_batches):
+        total = 0.0
+        armed.clear()
+        for x, y in data[i:i + micro_batches]:
+            loss = GPT.loss(gmodel(x), y) / micro_batches
+            hooks_during.append(_module_hooks(mine))
+            opt.backward(loss)
+            total += loss.item()
+        in_place.append(len(armed) == micro_batches)
+        opt.step()
+        opt.zero_grad()
+        hooks_after.append(_module_hooks(mine))
+        step = i // micro_batches
+        assert total == pytest.approx(want_losses[step], rel=1e-6)
+        assert_params_close(gmodel.state_dict(), want[step], step=step)
+        assert opt.report.device_peak_bytes <= opt.report.device_budget_bytes
+    per_shape = 4 // micro_batches
+    # Following modules while tracing (the first iteration of each shape), settled after.
+    traced = {0, len(data) // 2}
+    assert all((h > 0) == (j in traced) for j, h in enumerate(hooks_during)), hooks_during
+    assert all(h == 0 for h in hooks_after), hooks_after
+    assert not in_place[0] and all(in_place[1:per_shape])
+    assert not in_place[per_shape] and all(in_place[per_shape + 1:])
+    opt.close()

@@ -133,16 +133,21 @@ class ModuleHooks:
         # that module's compute references leaked, one per iteration, and its chunks could
         # never be evicted again.
         self._handles.append(module.register_forward_hook(self._root_post_forward, always_call=True))
-        # Only modules owning parameters get hooks, and none when the policy never moves a chunk
-        # (placement "cuda"): the gradient hooks below are all such a policy needs.
-        for sub in module.modules() if placement.follows_modules else ():
+        # Only modules owning parameters get hooks, and only while the policy moves chunks around
+        # module calls (never under placement "cuda"; under "auto" until a plan keeps everything
+        # on the device): the gradient hooks below are all a policy that moves nothing needs.
+        self._owners: list[tuple[nn.Module, list[ChunkGroup]]] = []
+        self._module_handles: list = []
+        for sub in module.modules():
             groups = manager.groups_of(sub.parameters(recurse=False))
-            if not groups:
-                continue
-            placement.count_uses(groups)
-            self._handles.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
-            self._handles.append(sub.register_forward_hook(functools.partial(self._post_forward, groups),
-                                                           always_call=True))
+            if groups:
+                placement.count_uses(groups)
+                self._owners.append((sub, groups))
+        # The root's own hooks stay for good: the plan that lets the others go is adopted inside
+        # the root's pre-hook (gradient accumulation), while torch iterates over the root's hooks.
+        if placement.follows_modules and self._owners and self._owners[0][0] is module:
+            self._install(*self._owners.pop(0), into=self._handles)
+        self.follow_modules(placement.follows_modules)
         # A parameter's hooks live in its C++ tensor, where the garbage collector cannot follow
         # them: one holding these hooks strongly kept the whole engine (every chunk) alive for
         # good, even with the model and the optimizer dropped. So it holds them weakly; the
@@ -153,7 +158,23 @@ class ModuleHooks:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
+    def follow_modules(self, follow: bool) -> None:
+        """Install (``True``) or take off the forward hooks of the modules owning parameters;
+        between iterations, when the policy's ``follows_modules`` changed."""
+        if follow and not self._module_handles:
+            for sub, groups in self._owners:
+                self._install(sub, groups, into=self._module_handles)
+        elif not follow:
+            for h in self._module_handles:
+                h.remove()
+            self._module_handles.clear()
+
+    def _install(self, sub: nn.Module, groups: list[ChunkGroup], *, into: list) -> None:
+        into.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
+        into.append(sub.register_forward_hook(functools.partial(self._post_forward, groups), always_call=True))
+
     def remove(self) -> None:
+        self.follow_modules(False)
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -182,6 +182,7 @@ class GeminiRuntime:
             self.activations.record_trace()
         self.placement.adopt(self.plan, activations=self.activations)
         self.placement.rebalance_nvme()
+        self.hooks.follow_modules(self.placement.follows_modules)
         if self.placement.track_periods:
             self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
             self._period_hooks.install()
@@ -193,6 +194,7 @@ class GeminiRuntime:
             self._period_hooks = None
         self.placement.abandon_plan()
         self.placement.rebalance_nvme()
+        self.hooks.follow_modules(self.placement.follows_modules)
         if self.activations is not None:
             self.activations.forget_plan()
         self.plan = None

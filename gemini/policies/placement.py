@@ -486,9 +486,14 @@ class AutoPlacement(PlacementPolicy):
         # Belady over the plan's order; LRU only to measure what that order saves (bench_budget).
         self.eviction_rule = EvictionRule.BELADY
         self.track_periods = True  # decided by adopt()
+        self._settled = False  # the plan keeps every chunk on the device for good (see adopt)
         # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
         self.prefetch_reserve_bytes = 0
         self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
+
+    @property
+    def follows_modules(self) -> bool:
+        return not self._settled  # see [Note: auto settled on the device]
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST
@@ -526,6 +531,16 @@ class AutoPlacement(PlacementPolicy):
         )
         self.track_periods = not fits(plan.budget_bytes, most, self.fixed_bytes, plan.max_non_model_bytes,
                                       self.activation_bytes, plan.reserve_bytes)
+        # [Note: auto settled on the device] When, besides, every group's optimizer states are
+        # on the device (and no rank gathers parameters), no chunk will ever move: the frozen
+        # groups' parameters are fetched now, and the iteration runs as under "cuda", without
+        # module hooks and with autograd accumulating into the gradient chunks.
+        self._settled = (not self.track_periods and self.gatherer is None
+                         and len(self.os_on_device) == len(trainable))
+        if self._settled:
+            for g in self.manager.groups:
+                if g.param.state is ChunkState.HOST:
+                    g.param.fetch(keep_host=True)
         logger.info(
             "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
             plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
@@ -534,6 +549,7 @@ class AutoPlacement(PlacementPolicy):
     def abandon_plan(self) -> None:
         """Back to warm-up behaviour: optimizer states to the host, nothing kept resident."""
         self.plan = None
+        self._settled = False
         self.activation_bytes = 0
         for i in sorted(self.os_on_device):
             for chunk in self.manager.groups[i].chunks:
