@@ -7,9 +7,10 @@
 - ``plan``: MemoryPlan, what the warm-up learned
 - ``grad_views``: parameters' .grad as views of gradient chunks
 - ``transaction``: a step is all or nothing
+- ``step_report``: the per-step MemoryReport
 - ``activations``: saved activations in host memory
 - ``nvme_tier``: optimizer-state groups in NVMe files and the step's pipeline over them
 - ``system_memory``: host memory, measured
 """
 
-__all__ = ["activations", "grad_views", "hooks", "memory", "nvme_tier", "plan", "runtime", "system_memory", "transaction", "warmup"]
+__all__ = ["activations", "grad_views", "hooks", "memory", "nvme_tier", "plan", "runtime", "step_report", "system_memory", "transaction", "warmup"]

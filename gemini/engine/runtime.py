@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from chunks import ChunkManager, ChunkState, ChunkStorage, Tier
+from chunks import ChunkGroup, ChunkManager, ChunkState, ChunkStorage, Tier
 from gemini.engine.activations import ActivationOffload
 from gemini.optim.clipping import clip_coefficient, grad_norm, scale_grads_
 from gemini.parallel.collectives import Collectives
@@ -21,10 +23,11 @@ from gemini.engine.memory import DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.policies.placement import AutoPlacement, PlacementPolicy
 from gemini.engine.plan import MemoryPlan
-from gemini.report import ReportWriter, WarmupTimeline
+from gemini.engine.step_report import StepOutcome, step_report
+from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, check_peak
-from gemini.parallel.zero import agree_grad_ready
+from gemini.parallel.zero import agree_grad_ready, gather_params
 from tracer import InputSignature, PeriodHooks, input_signature
 
 logger = logging.getLogger(__name__)
@@ -283,3 +286,45 @@ class GeminiRuntime:
         self.system.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ------------------------------------------------------------------ the optimizer's step
+    # The optimizer updates values; what a step means to the engine (the end of the warm-up,
+    # the budget check, ZeRO's gathers and counters, the report) happens here.
+    def begin_step(self) -> None:
+        """The optimizer's step begins, before it changes any value: under auto the first step
+        ends the warm-up (may raise DeviceBudgetError), then the iteration's peak is checked."""
+        if self.tracing:
+            if self.hooks.backward_passes == self._backward_passes_at_trace:
+                raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
+            self.finish_warmup()
+        self.check_step_peak()
+
+    def after_commit(self, groups: Sequence[ChunkGroup], *, skipped: bool) -> None:
+        """What follows a landed step over ``groups`` and changes no value: other ranks' updated
+        ranges arrive, placements the step changed are restored."""
+        if not skipped:
+            self.gather_updated_params(groups)
+            for g in groups:
+                self.placement.after_commit(g)
+        if self.placement.gatherer is not None:
+            self.placement.gatherer.end_iteration()
+
+    def gather_updated_params(self, groups: Sequence[ChunkGroup]) -> None:
+        """ZeRO-1/2: every rank's updated range of ``groups``' parameters (ZeRO-3 gathers on use)."""
+        if self.zero is not None and self.placement.gatherer is None:
+            gather_params(self.zero, groups, self.storage)
+
+    def step_report(self, outcome: StepOutcome, *, step: int, started: float) -> MemoryReport:
+        """The report of a landed step begun at ``started`` (``time.perf_counter()``)."""
+        return step_report(self, outcome, step=step, step_seconds=time.perf_counter() - started)
+
+    def end_step(self, report: MemoryReport) -> None:
+        """The step is over: its report is written and the per-step counters start again."""
+        if self.report_writer is not None:
+            try:
+                self.report_writer.write(report)
+            except OSError as e:  # the step has landed: raising would invite a retry that steps twice
+                logger.error("step %d landed, but its report could not be written: %s", report.step, e)
+        if self.placement.gatherer is not None:
+            self.placement.gatherer.gathers = 0
+        self.start_new_step()

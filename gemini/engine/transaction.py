@@ -10,7 +10,7 @@ that can fail either happens before anything changes, or can be undone:
 
 1. Checks and moves that change no value: the budget checks, every group's chunks brought
    to the tier of its update, the gradient norm, and every temporary the in-memory update
-   needs (see ``HybridAdam._prepare``).
+   needs (see gemini/optim/adam_batches.py).
 2. The groups on NVMe, streamed (gemini/engine/nvme_tier.py). Their files from before the step are
    held (see [Note: file slots] in chunks/chunk.py): new bytes go to a second file. Before a
    group is updated, its parameter chunk (the only in-memory data its update changes: under

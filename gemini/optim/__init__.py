@@ -1,9 +1,11 @@
 """The optimizer: HybridAdam over chunk groups and the pieces of a step.
 
-- ``hybrid_adam``: HybridAdam
+- ``hybrid_adam``: HybridAdam, the step's phases over chunk groups and the state_dict API
+- ``adam_batches``: the step's fused Adam calls, prepared before any runs
 - ``adam``: the Adam update as a pure function over flat tensors
-- ``loss_scaler``: fp16's dynamic loss scaler
+- ``state_dict``: the two checkpoint formats (full and sharded)
+- ``loss_scaler``: fp16's dynamic loss scaler and the step's checks of it
 - ``clipping``: the global gradient norm and clipping
 """
 
-__all__ = ["adam", "clipping", "hybrid_adam", "loss_scaler"]
+__all__ = ["adam", "adam_batches", "clipping", "hybrid_adam", "loss_scaler", "state_dict"]

@@ -1,7 +1,7 @@
 """The Adam / AdamW update as a pure function over flat tensors.
 
 Bookkeeping (which chunks, where they lie, step counts, loss scale, clipping) lives in
-:mod:`gemini.optim.hybrid_adam`; here is only the math, delegated to torch's fused kernels, which run
+:mod:`gemini.optim.hybrid_adam` and :mod:`gemini.optim.adam_batches`; here is only the math, delegated to torch's fused kernels, which run
 vectorised on the CPU (since torch 2.4) and as one multi-tensor launch on CUDA.
 """
 

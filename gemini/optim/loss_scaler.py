@@ -1,11 +1,18 @@
-"""Dynamic loss scaling for fp16 training."""
+"""Dynamic loss scaling for fp16 training: the scaler, and what a step checks and updates."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DynamicLossScaler"]
+import torch
+
+if TYPE_CHECKING:
+    from gemini.config import GeminiConfig
+    from gemini.engine.transaction import StepTransaction
+
+__all__ = ["DynamicLossScaler", "ScaledBackwards", "loss_scaler_for", "update_scale"]
 
 
 @dataclass(kw_only=True)
@@ -53,3 +60,60 @@ class DynamicLossScaler:
         self.scale = float(sd["scale"])
         self._good_steps = int(sd["good_steps"])
         self._hysteresis_left = int(sd["hysteresis_left"])
+
+
+def loss_scaler_for(config: GeminiConfig) -> DynamicLossScaler | None:
+    """The config's scaler under ``precision="fp16"``; None otherwise (nothing is scaled)."""
+    if config.precision != "fp16":
+        return None
+    # Each of the scaler's settings is the config's field of the same name.
+    return DynamicLossScaler(**{f.name: getattr(config, f.name) for f in fields(DynamicLossScaler)})
+
+class ScaledBackwards:
+    """Under fp16 the step divides the gradients by the loss scale, so a backward pass that did
+    not go through ``optimizer.backward(loss)`` (an unscaled loss) would be silently wrong. This
+    counts the scaled passes; each step compares them with every pass the hooks saw since the
+    last step."""
+
+    def __init__(self, scaler: DynamicLossScaler | None) -> None:
+        self._scaler = scaler
+        self._scaled = 0
+        self._passes_at_step = 0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` as ``backward`` should see it, counted."""
+        if self._scaler is None:
+            return loss
+        self._scaled += 1
+        return loss * self._scaler.scale
+
+    def check(self, backward_passes: int, tx: StepTransaction) -> None:
+        """Start a new count at this step (undone with ``tx``); raise if a pass since the last
+        step was not scaled. ``backward_passes``: the hooks' count of every pass so far."""
+        passes = backward_passes - self._passes_at_step
+        saved = (self._passes_at_step, self._scaled)
+
+        def restore() -> None:
+            self._passes_at_step, self._scaled = saved
+
+        tx.on_rollback(restore)
+        self._passes_at_step = backward_passes
+        scaled, self._scaled = self._scaled, 0
+        if self._scaler is not None and passes != scaled:
+            restore()
+            raise RuntimeError(
+                f"precision='fp16' needs optimizer.backward(loss) so the loss is scaled; "
+                f"{passes} backward pass(es) ran since the last step, {scaled} through optimizer.backward"
+            )
+
+
+def update_scale(scaler: DynamicLossScaler | None, norm: torch.Tensor | None, tx: StepTransaction) -> bool:
+    """Account for this step's gradients (``norm``: their unscaled norm, given under fp16) in the
+    scaler, undone with ``tx``; returns whether they overflowed (the step is then skipped)."""
+    if scaler is None:
+        return False
+    overflow = not math.isfinite(norm.item())
+    saved = scaler.state_dict()
+    tx.on_rollback(lambda: scaler.load_state_dict(saved))
+    scaler.update(overflow)
+    return overflow

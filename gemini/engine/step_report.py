@@ -1,0 +1,73 @@
+"""The per-step `MemoryReport`: the engine's counters over one step, with what the optimizer's
+step alone knows (`StepOutcome`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from chunks import Tier
+from gemini.engine.transaction import UNDO_KIND
+from gemini.report import MemoryReport
+
+if TYPE_CHECKING:
+    from gemini.engine.runtime import GeminiRuntime
+
+__all__ = ["StepOutcome", "step_report"]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """How a landed step went, as the optimizer saw it."""
+
+    skipped: bool  # fp16 overflow: nothing was updated
+    grad_norm: float | None  # None where neither clipping nor fp16 needed it
+    adam_seconds: dict[Tier, float]  # time in the Adam kernels, per tier of the update
+    loss_scale: float  # the scale the step's gradients carried (1.0 but under fp16)
+
+
+def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seconds: float) -> MemoryReport:
+    """The report of step number ``step``, read before the counters start again."""
+    ledger = rt.storage.ledger
+    transfers = ledger.transfers
+    gatherer = rt.placement.gatherer
+    return MemoryReport(
+        step=step,
+        device_peak_bytes=rt.device_peak_bytes(),
+        device_model_bytes=ledger.bytes_on(Tier.DEVICE),
+        device_non_model_peak_bytes=rt.device_non_model_peak_bytes(),
+        host_model_bytes=ledger.bytes_on(Tier.HOST),
+        # The copies aside of a step ([Note: a step is all or nothing]) are not the model's.
+        nvme_bytes=ledger.bytes_on(Tier.NVME) - ledger.kind_bytes(Tier.NVME, UNDO_KIND),
+        h2d_bytes=transfers.h2d_bytes,
+        d2h_bytes=transfers.d2h_bytes,
+        nvme_read_bytes=transfers.nvme_read_bytes,
+        nvme_write_bytes=transfers.nvme_write_bytes,
+        chunks_on_device=ledger.payloads(Tier.DEVICE),
+        os_chunks_on_device=sum(g.exp_avg.is_on(Tier.DEVICE) for g in rt.manager.trainable_groups),
+        step_seconds=step_seconds,
+        transfer_seconds=transfers.seconds,
+        optimizer_cpu_seconds=outcome.adam_seconds[Tier.HOST],
+        optimizer_device_seconds=outcome.adam_seconds[Tier.DEVICE],
+        skipped=outcome.skipped,
+        loss_scale=outcome.loss_scale,
+        device_model_peak_bytes=ledger.peak_bytes(Tier.DEVICE),
+        device_budget_bytes=rt.config.device_memory,
+        grad_norm=outcome.grad_norm,
+        host_rss_bytes=rt.system.host_rss_bytes(),
+        nvme_wait_seconds=transfers.nvme_wait_seconds,
+        host_pool_bytes=ledger.host_pool_bytes,
+        os_chunks_total=len(rt.manager.trainable_groups),
+        model_bytes_by_tier=rt.model_bytes_by_tier(),
+        host_available_bytes=rt.system.host_available_bytes(),
+        device_used_peak_bytes=rt.system.device_used_peak_bytes(),
+        timeline=rt.take_timeline(),
+        world_size=rt.manager.world,
+        rank=rt.manager.rank,
+        grad_reduce_bytes=transfers.grad_reduce_bytes,
+        param_gathers=gatherer.gathers if gatherer is not None else 0,
+        activation_offload_bytes=transfers.activation_d2h_bytes,
+        activation_host_peak_bytes=ledger.activations.peak_bytes,
+        activation_kept_bytes=transfers.activation_kept_bytes,
+        nvme_undo_bytes=ledger.kind_bytes(Tier.NVME, UNDO_KIND),
+    )

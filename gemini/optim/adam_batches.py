@@ -1,0 +1,128 @@
+"""The fused Adam calls of a step over chunk groups: one per (tier, param group), prepared with
+every temporary they need before any runs (phase 1 of [Note: a step is all or nothing] in
+gemini/engine/transaction.py), so that running them allocates nothing and cannot fail part-way."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chunks import ChunkGroup, Tier
+from gemini.optim.adam import adam_update
+from offload.profiling import trace_range
+
+if TYPE_CHECKING:
+    from gemini.engine.runtime import GeminiRuntime
+
+__all__ = ["AdamBatch", "prepare_batches", "run_batch"]
+
+
+@dataclass
+class AdamBatch:
+    """One fused Adam call: same tier, same param group."""
+
+    tier: Tier
+    members: list[ChunkGroup]
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    grad_scale: torch.Tensor | None = None  # the fp16 loss scale, divided out in the kernel
+    coef: torch.Tensor | None = None  # the clipping coefficient, on the batch's device
+    scratch: torch.Tensor | None = None  # fp32 room for one gradient (low precision, or clipped aside)
+    whole: list[ChunkGroup] = field(default_factory=list)  # updated as one flat tensor: counts re-synced
+    bump: list[tuple[ChunkGroup, int]] = field(default_factory=list)  # gradients wholly on other ranks' shards
+
+
+def _quiet(rt: GeminiRuntime, tier: Tier):
+    """Host-tier work is host memory, even when the CPU stands in for the device."""
+    return rt.memory.quiet() if tier is Tier.HOST else contextlib.nullcontext()
+
+
+def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int, Tier],
+                    param_groups: list[dict[str, Any]], *, adamw_mode: bool, loss_scale: float,
+                    clip_coef: torch.Tensor | None, keep_grads: bool) -> list[AdamBatch]:
+    """The fused Adam calls over ``groups`` (each updated on ``tiers[g.index]``), with every
+    temporary allocated. ``keep_grads``: clip into scratch, leaving the gradient chunks as they
+    are (a streamed group's step may be undone and retried)."""
+    by_key: dict[tuple[Tier, int], list[ChunkGroup]] = defaultdict(list)
+    for g in groups:
+        by_key[(tiers[g.index], g.param_group)].append(g)
+    batches = []
+    for (tier, pg), members in by_key.items():
+        hp = param_groups[pg]
+        device = rt.storage.tier_device(tier)
+        batch = AdamBatch(tier=tier, members=members)
+        for g in members:
+            master = g.master_chunk
+            if g.steps.device != master.payload(tier).device:
+                g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
+            if g.all_grads_ready and g.steps_uniform:
+                batch.whole.append(g)
+                views = g.step_views(tier)
+                batch.steps.append(g.steps[0])
+            else:
+                ready = [s for s in g.os_slots if g.grad_ready[s.index]]
+                views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
+                batch.steps.extend(g.steps[s.index] for s in ready)
+                here = {s.index for s in ready}
+                batch.bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
+            for out, got in zip((batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs), views):
+                if isinstance(got, list):
+                    out.extend(got)
+                else:
+                    out.append(got)
+        beta1, beta2 = hp["betas"]
+        batch.kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
+                            decoupled_weight_decay=adamw_mode)
+        with _quiet(rt, tier):
+            if loss_scale != 1.0:
+                batch.grad_scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
+            if clip_coef is not None:
+                batch.coef = clip_coef.to(device)
+            low = [t.numel() for t in batch.grads if t.dtype != torch.float32]
+            if keep_grads and batch.coef is not None:
+                low = [t.numel() for t in batch.grads]
+            if low:
+                # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds
+                # at most one tensor of fp32 scratch (it may be on the device).
+                batch.scratch = torch.empty(max(low), dtype=torch.float32, device=device)
+        batches.append(batch)
+    return batches
+
+
+def run_batch(rt: GeminiRuntime, batch: AdamBatch) -> float:
+    """One prepared Adam call (allocates nothing); returns its seconds."""
+    tier, device = batch.tier, rt.storage.tier_device(batch.tier)
+    start = time.perf_counter()
+    with trace_range(f"gemini::adam_{tier.value}"), _quiet(rt, tier):
+        if batch.scratch is None:
+            calls = [(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.steps)]
+        else:
+            calls = [([p], [g], [m], [v], [s]) for p, g, m, v, s in
+                     zip(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, batch.steps)]
+        for c_params, c_grads, c_m, c_v, c_steps in calls:
+            if batch.scratch is not None:
+                c_grads = [batch.scratch[: g.numel()].view_as(g).copy_(g) for g in c_grads]
+            if batch.coef is not None:
+                torch._foreach_mul_(c_grads, batch.coef)
+            adam_update(c_params, c_grads, c_m, c_v, c_steps, grad_scale=batch.grad_scale, **batch.kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    for g in batch.whole:
+        g.steps[1:].copy_(g.steps[:1].expand(len(g.slots) - 1))
+    for g, i in batch.bump:
+        g.steps[i] += 1
+    whole = set(batch.whole)
+    for g in batch.members:
+        if g not in whole:  # a group stepped in parts may have become uniform
+            g.steps_uniform = bool((g.steps == g.steps[0]).all())
+    return seconds

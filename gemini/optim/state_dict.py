@@ -1,0 +1,198 @@
+"""HybridAdam's two checkpoint formats, as functions over the runtime's chunk groups.
+
+- **Full** (``state_dict`` / ``load_state_dict``): ``torch.optim.AdamW``'s format, per parameter
+  ``step``, ``exp_avg``, ``exp_avg_sq`` on the CPU. Under ZeRO it is consolidated (a collective),
+  so it loads into any number of ranks, or into a plain ``torch.optim.AdamW``.
+- **Sharded** (``sharded_state_dict`` / ``load_sharded_state_dict``): this rank's ranges of the
+  chunks as they are, with no communication; it loads only into the same layout, which its
+  ``layout`` signature records.
+
+Both carry the hyper-state: the param groups' values (learning rate, betas, ...) under
+``param_groups`` and, under ``gemini``, the precision, the AdamW mode and the loss scaler.
+Loading never changes a value before every check has passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chunks import ChunkGroup
+from gemini.optim.loss_scaler import DynamicLossScaler
+from gemini.parallel.zero import gather_state
+
+if TYPE_CHECKING:
+    from gemini.engine.runtime import GeminiRuntime
+
+__all__ = [
+    "full_state_dict",
+    "hyper_state",
+    "load_full_state_dict",
+    "load_hyper_state",
+    "load_sharded_state_dict",
+    "sharded_state_dict",
+]
+
+ParamGroups = list[dict[str, Any]]
+HyperState = tuple[list[dict[str, Any]], dict[str, Any]]  # (param groups less "params", the "gemini" entry)
+
+
+# --------------------------------------------------------------------------- hyper-state
+def hyper_state(param_groups: ParamGroups, *, precision: str, adamw_mode: bool,
+                scaler: DynamicLossScaler | None) -> HyperState:
+    """What both formats save besides the states: each param group's values, and the run's
+    precision, AdamW mode and loss scaler."""
+    groups = [{k: v for k, v in hp.items() if k != "params"} for hp in param_groups]
+    extra = {"precision": precision, "adamw_mode": adamw_mode}
+    if scaler is not None:
+        extra["loss_scaler"] = scaler.state_dict()
+    return groups, extra
+
+
+def load_hyper_state(param_groups: ParamGroups, scaler: DynamicLossScaler | None,
+                     saved_groups: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+    for saved, hp in zip(saved_groups, param_groups):
+        for k, v in saved.items():
+            if k != "params":
+                hp[k] = tuple(v) if k == "betas" else v  # a checkpoint may hold betas as a list
+    if scaler is not None and "loss_scaler" in extra:
+        scaler.load_state_dict(extra["loss_scaler"])
+
+
+# ---------------------------------------------------------------------------- full format
+def _param_index(param_groups: ParamGroups) -> dict[int, int]:
+    """Each parameter's number in torch's format: its position across the param groups."""
+    return {id(p): i for i, p in enumerate(p for hp in param_groups for p in hp["params"])}
+
+
+def full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, hyper: HyperState) -> dict[str, Any]:
+    """torch.optim.AdamW's format; under ZeRO every rank's shards gathered (call it on every rank)."""
+    index = _param_index(param_groups)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for g in rt.manager.trainable_groups:
+        steps = g.steps.cpu()
+        if not bool((steps > 0).any()):
+            continue  # torch creates state at a parameter's first step
+        with rt.resident(g, modify=False):
+            if g.shard is not None:  # every rank's ranges, gathered (a collective)
+                m, v = (gather_state(rt.zero, g, c) for c in (g.exp_avg, g.exp_avg_sq))
+            else:
+                m, v = (c.payload() for c in (g.exp_avg, g.exp_avg_sq))
+            for slot, p in zip(g.slots, g.params):
+                if steps[slot.index] == 0:
+                    continue
+                state[index[id(p)]] = {
+                    "step": steps[slot.index].clone(),
+                    "exp_avg": m[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
+                    "exp_avg_sq": v[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
+                }
+    groups, extra = hyper
+    for entry, hp in zip(groups, param_groups):
+        entry["params"] = [index[id(p)] for p in hp["params"]]
+    return {"state": state, "param_groups": groups, "gemini": extra}
+
+
+def load_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any]) -> None:
+    """Write m, v and the step counts from ``full_state_dict``'s format (the hyper-state is the
+    caller's, see ``load_hyper_state``). A parameter without saved state starts afresh."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"optimizer state has {len(saved_groups)} param groups, this optimizer {len(param_groups)}")
+    for i, (saved, hp) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(hp["params"]):
+            raise ValueError(
+                f"param group {i}: the state has {len(saved['params'])} parameters, this optimizer {len(hp['params'])}"
+            )
+    saved_index = {}
+    for saved, hp in zip(saved_groups, param_groups):
+        for saved_i, p in zip(saved["params"], hp["params"]):
+            saved_index[id(p)] = saved_i
+    state = state_dict["state"]
+    for g in rt.manager.trainable_groups:  # every check before the first write
+        for slot, p in zip(g.slots, g.params):
+            entry = state.get(saved_index[id(p)])
+            for key in ("exp_avg", "exp_avg_sq"):
+                if entry is not None and tuple(entry[key].shape) != tuple(slot.shape):
+                    raise ValueError(f"state for {slot.name}: {key} shape {tuple(entry[key].shape)} != "
+                                     f"parameter shape {tuple(slot.shape)}")
+    with torch.no_grad():
+        for g in rt.manager.trainable_groups:
+            # Every element of m and v is written: their files (maybe corrupted) are not read.
+            with rt.resident(g, modify=True, chunks=(g.exp_avg, g.exp_avg_sq), overwrite=True):
+                _load_group_state(g, state, saved_index)
+
+
+def _load_group_state(g: ChunkGroup, state: dict, saved_index: dict[int, int]) -> None:
+    for slot, p in zip(g.slots, g.params):
+        entry = state.get(saved_index[id(p)])
+        if entry is None:
+            g.steps[slot.index] = 0.0
+            g.write_value(g.exp_avg, slot, torch.zeros(slot.shape))
+            g.write_value(g.exp_avg_sq, slot, torch.zeros(slot.shape))
+            continue
+        g.steps[slot.index] = float(entry["step"])
+        g.write_value(g.exp_avg, slot, entry["exp_avg"])
+        g.write_value(g.exp_avg_sq, slot, entry["exp_avg_sq"])
+    g.steps_uniform = bool((g.steps == g.steps[0]).all())
+
+
+# ------------------------------------------------------------------------- sharded format
+def _layout_signature(rt: GeminiRuntime) -> dict[str, Any]:
+    """What must match for a sharded state to load: the ranks and the chunk layout."""
+    manager = rt.manager
+    return {"world": manager.world, "rank": manager.rank,
+            "capacities": [g.param.capacity for g in manager.groups],
+            "precision": rt.config.precision}
+
+
+def _master_range(g: ChunkGroup) -> torch.Tensor:
+    """This rank's range of the group's fp32 masters."""
+    c = g.master_chunk
+    if g.is_shard(c):
+        return c.payload()[: g.shard.numel]
+    start, end = (g.shard.start, g.shard.end) if g.shard is not None else (0, c.used_numel)
+    return c.payload()[start:end].float()
+
+
+def sharded_state_dict(rt: GeminiRuntime, hyper: HyperState) -> dict[str, Any]:
+    """Per chunk group this rank's range of the fp32 masters (frozen groups too) and, for
+    trainable groups, of m and v, with the step counts."""
+    groups = {}
+    for g in rt.manager.groups:
+        with rt.resident(g, modify=False) if g.trainable else contextlib.nullcontext():
+            n = g.os_numel
+            entry = {"master": _master_range(g).detach().cpu().clone()}
+            if g.trainable:
+                entry["exp_avg"] = g.exp_avg.payload()[:n].detach().cpu().clone()
+                entry["exp_avg_sq"] = g.exp_avg_sq.payload()[:n].detach().cpu().clone()
+                entry["steps"] = g.steps.detach().cpu().clone()
+        groups[g.index] = entry
+    param_groups, extra = hyper
+    return {"layout": _layout_signature(rt), "groups": groups, "param_groups": param_groups, "gemini": extra}
+
+
+def load_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> None:
+    """Write what ``sharded_state_dict`` saved on this rank: masters (so the parameters too), m,
+    v and step counts (the hyper-state is the caller's). A collective under ZeRO-1/2."""
+    saved, mine = state_dict["layout"], _layout_signature(rt)
+    for key in ("world", "rank", "precision", "capacities"):
+        if saved[key] != mine[key]:
+            shown = (lambda v: f"{len(v)} chunk groups of capacities {v[:4]}...") if key == "capacities" else repr
+            raise ValueError(f"sharded optimizer state has {key} {shown(saved[key])}, this run "
+                             f"{shown(mine[key])}: load the consolidated state_dict() instead")
+    with torch.no_grad():
+        for g in rt.manager.groups:
+            entry = state_dict["groups"][g.index]
+            with rt.resident(g, modify=True) if g.trainable else contextlib.nullcontext():
+                c = g.master_chunk
+                start = 0 if g.is_shard(c) else (g.shard.start if g.shard is not None else 0)
+                c.write_range(start, entry["master"])
+                if g.trainable:
+                    g.exp_avg.write_range(0, entry["exp_avg"])
+                    g.exp_avg_sq.write_range(0, entry["exp_avg_sq"])
+                    g.steps.copy_(entry["steps"])
+                    g.steps_uniform = bool((g.steps == g.steps[0]).all())
+                rt.placement.after_step(g)  # the parameters from the masters
+        rt.gather_updated_params(rt.manager.groups)
