@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunks import Chunk, ChunkKind, ChunkState, ChunkStorage, Tier
-from gemini.engine.nvme_tier import choose_nvme_groups
+from gemini.policies.nvme_choice import choose_nvme_groups
 from offload import NvmeCorruptionError, NvmeStore
 
 

@@ -9,7 +9,7 @@
 - ``transaction``: a step is all or nothing
 - ``step_report``: the per-step MemoryReport
 - ``activations``: saved activations in host memory
-- ``nvme_tier``: optimizer-state groups in NVMe files and the step's pipeline over them
+- ``nvme_tier``: the step's pipeline over the optimizer-state groups in NVMe files
 - ``system_memory``: host memory, measured
 """
 

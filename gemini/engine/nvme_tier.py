@@ -1,10 +1,5 @@
-"""`NvmeTier`: which optimizer-state chunk groups live in NVMe files, and the step's pipeline over them.
-
-[Note: what goes to NVMe]
-The chunks of a group that only the optimizer reads go to NVMe: Adam's ``exp_avg`` and
-``exp_avg_sq``, and the fp32 master under bf16/fp16. Under fp32 the param chunk is the
-master, and forward and backward need it every iteration, so it stays in memory: NVMe then
-holds 8 of the 16 bytes per parameter, under bf16/fp16 12 of 16.
+"""`NvmeTier`: the step's pipeline over the optimizer-state chunk groups that live in NVMe files
+(which ones, and [Note: what goes to NVMe]: gemini/policies/nvme_choice.py).
 
 [Note: the NVMe step pipeline]
 For the groups on NVMe, the step is a pipeline over groups i = 0, 1, ...: the reads of groups
@@ -21,15 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
+from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
 from offload import format_size
 from offload.profiling import trace_range
 
@@ -38,121 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NvmeLayout", "NvmeTier", "choose_nvme_groups", "offloaded_bytes", "offloaded_bytes_per_element",
-           "undo_ratio"]
-
-
-def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
-    """Bytes per element of a group's chunks that can live on NVMe (see [Note: what goes to NVMe])."""
-    return 8 if param_dtype == torch.float32 else 12
-
-
-def offloaded_bytes(layout: Sequence[tuple[list[int], int, int]], indices: Iterable[int],
-                    param_dtype: torch.dtype, *, world: int = 1) -> list[tuple[int, int]]:
-    """(group index, bytes of its offloadable chunks) for ``indices`` of a chunk layout
-    (``ChunkManager.layout``): the input of :func:`choose_nvme_groups` before chunks exist.
-    Under ZeRO over ``world`` ranks a rank keeps 1/world of each."""
-    per_element = offloaded_bytes_per_element(param_dtype)
-    return [(i, layout[i][2] // world * per_element) for i in indices]
-
-
-@dataclass(frozen=True)
-class NvmeLayout:
-    """Where the host-tier optimizer states go: which groups to NVMe, and the bytes of each side."""
-
-    nvme_groups: frozenset[int]
-    host_bytes: int  # offloadable chunks kept in host memory
-    nvme_bytes: int  # offloadable chunks in NVMe files
-    staging_bytes: int  # host memory the pipeline uses at most while streaming
-    depth: int = 1  # the pipeline's depth: nvme_pipeline_depth, or less where cpu_memory is small
-    # The step's copies aside of the streamed groups' parameters (see [Note: a step is all or
-    # nothing] in gemini/engine/transaction.py): host bytes they take, and whether they go to NVMe
-    # files (one copy in host memory at a time) because cpu_memory cannot hold them all.
-    undo_bytes: int = 0
-    undo_on_nvme: bool = False
-
-
-def choose_nvme_groups(
-    os_bytes: Sequence[tuple[int, int]],
-    *,
-    cpu_memory: int | None,
-    fraction: float,
-    depth: int,
-    nvme_available: bool,
-    undo_ratio: float = 0.0,
-) -> NvmeLayout:
-    """Choose the groups whose optimizer states live on NVMe.
-
-    ``os_bytes``: (group index, bytes of its offloadable chunks) of the trainable groups whose
-    optimizer states are on the host tier, in model order. The last ``round(fraction * n)``
-    go to NVMe always; of the others, the first ones stay in host memory while they fit in
-    ``cpu_memory`` next to the pipeline's staging, and the rest go to NVMe too.
-    ``undo_ratio``: bytes a step copies aside per offloadable byte of a streamed group (its
-    parameters'; see :func:`undo_ratio`). The copies stay in host memory if ``cpu_memory``
-    holds them after everything else, else they go to NVMe files, one in memory at a time.
-    """
-    undo_of = {i: math.ceil(b * undo_ratio) for i, b in os_bytes}
-    n_forced = round(fraction * len(os_bytes))
-    forced = os_bytes[len(os_bytes) - n_forced:] if n_forced else []
-    candidates = os_bytes[: len(os_bytes) - n_forced]
-    total = sum(b for _, b in candidates)
-    if cpu_memory is None or (total <= cpu_memory and not forced):
-        chosen = {i for i, _ in forced}
-        staging = 0
-        undo_room = 0  # unused: with no budget the copies stay in memory, with nothing streamed there are none
-    else:
-        # The pipeline needs room for 2 * depth + 1 groups as soon as anything streams; a small
-        # budget gets a shallower pipeline (depth 0: one group at a time, no overlap) before
-        # it is refused.
-        largest = max(b for _, b in os_bytes)
-        largest_undo = max(undo_of.values())  # the one copy aside in memory when they go to NVMe
-        wanted = depth
-        while depth > 0 and (2 * depth + 1) * largest + largest_undo > cpu_memory:
-            depth -= 1
-        staging = (2 * depth + 1) * largest
-        if staging + largest_undo > cpu_memory and nvme_available:
-            least = staging + largest_undo
-            raise ValueError(
-                f"GeminiConfig.cpu_memory={cpu_memory} ({format_size(cpu_memory)}) is too small: streaming optimizer "
-                f"states from NVMe holds at least one chunk group's states in host memory, and a copy of its "
-                f"parameters ({least} bytes, {format_size(least)}); raise cpu_memory to at least {least}, or lower "
-                f"chunk_size"
-            )
-        if depth < wanted and nvme_available:
-            logger.warning(
-                "GeminiConfig.cpu_memory=%s holds %d chunk groups' states, not the %d of nvme_pipeline_depth=%d: "
-                "the NVMe pipeline runs at depth %d%s", format_size(cpu_memory), 2 * depth + 1, 2 * wanted + 1, wanted,
-                depth, " (no overlap of I/O and compute)" if depth == 0 else "",
-            )
-        room = cpu_memory - staging - largest_undo if (forced or total > cpu_memory) else cpu_memory
-        chosen = {i for i, _ in forced}
-        for i, b in candidates:
-            if b <= room:
-                room -= b
-            else:
-                chosen.add(i)
-        undo_room = room + largest_undo
-    if chosen and not nvme_available:
-        need = total + sum(b for _, b in forced)
-        raise ValueError(
-            f"GeminiConfig.cpu_memory={cpu_memory} ({format_size(cpu_memory or 0)}) cannot hold the optimizer states "
-            f"kept on the host ({need} bytes, {format_size(need)}) and GeminiConfig.nvme_dir is None; set nvme_dir "
-            f"to a folder on a fast drive, or raise cpu_memory"
-        )
-    host = sum(b for i, b in os_bytes if i not in chosen)
-    undo = sum(undo_of[i] for i in chosen)
-    on_nvme = cpu_memory is not None and bool(chosen) and undo > undo_room
-    if on_nvme:
-        undo = largest_undo
-    return NvmeLayout(frozenset(chosen), host, sum(b for i, b in os_bytes if i in chosen), staging if chosen else 0,
-                      depth, undo, on_nvme)
-
-
-def undo_ratio(param_dtype: torch.dtype) -> float:
-    """Bytes a step copies aside per offloadable byte of a streamed group: its parameters'
-    (fp32: the param chunk is the master, 4 of 8 bytes; bf16/fp16: the low-precision copy, 2
-    of 12)."""
-    return torch.empty((), dtype=param_dtype).element_size() / offloaded_bytes_per_element(param_dtype)
+__all__ = ["NvmeTier"]
 
 
 class NvmeTier:
@@ -176,7 +54,7 @@ class NvmeTier:
 
     @staticmethod
     def chunks_of(group: ChunkGroup) -> tuple[Chunk, ...]:
-        """The chunks of ``group`` that live on NVMe (see [Note: what goes to NVMe])."""
+        """The chunks of ``group`` that live on NVMe (see [Note: what goes to NVMe] in gemini/policies/nvme_choice.py)."""
         return tuple(c for c in (group.master, group.exp_avg, group.exp_avg_sq) if c is not None)
 
     def holds(self, group: ChunkGroup) -> bool:

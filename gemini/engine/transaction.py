@@ -49,7 +49,7 @@ class StepTransaction:
     """What one step must be able to put back; see [Note: a step is all or nothing].
 
     ``undo_on_nvme``: the copies aside go to NVMe files (``cpu_memory`` cannot hold them all,
-    see :class:`gemini.engine.nvme_tier.NvmeLayout`): one is in host memory at a time, while its write
+    see :class:`gemini.policies.nvme_choice.NvmeLayout`): one is in host memory at a time, while its write
     runs behind the group's update; the files are read only to undo a failed step.
     """
 

@@ -115,7 +115,7 @@ def chunk_bytes(layout: Layout, choice: DeviceGroups, *, param_dtype: torch.dtyp
     elem = torch.empty((), dtype=param_dtype).element_size()
     low = param_dtype != torch.float32
     sharded = world > 1
-    # Adam's fp32 chunks, which the NVMe tier may hold (see [Note: what goes to NVMe] in gemini/engine/nvme_tier.py).
+    # Adam's fp32 chunks, which the NVMe tier may hold (see [Note: what goes to NVMe] in gemini/policies/nvme_choice.py).
     state_kinds = ((ChunkKind.MASTER,) if low else ()) + (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
     out = {tier: {kind: 0 for kind in ChunkKind} for tier in Tier}
     for i, (_, pg, capacity) in enumerate(layout):

@@ -28,7 +28,7 @@ from gemini.policies.footprint import (DeviceGroups, chunk_bytes, device_groups,
 from gemini.initialize import resolve_chunk_size, split_param_groups
 from gemini.engine.memory import planned_reserve_bytes
 from gemini.tools.meta_run import meta_peaks
-from gemini.engine.nvme_tier import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
+from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
 from gemini.tools.summary import readable_unit
 from offload import format_size
 
