@@ -25,7 +25,7 @@ from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
-from gemini.policies.placement import AutoPlacement, StaticPlacement, make_placement
+from gemini.policies import AutoPlacement, StaticPlacement, make_placement
 from gemini.report import ReportWriter
 from gemini.engine.runtime import GeminiRuntime
 from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
@@ -191,7 +191,7 @@ def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]], *, world: 
 
 def _attach_zero(zero, manager: ChunkManager, placement) -> None:
     """ZeRO's collectives, driven by the placement's hooks (see gemini/parallel/zero.py)."""
-    placement.reducer = GradReducer(zero, manager, placement)
+    placement.reducer = GradReducer(zero, manager, optimizer_tier=placement.optimizer_tier, quiet=placement.quiet)
     if manager.shard_params:
         placement.gatherer = ParamGatherer(zero, manager)
         if isinstance(placement, AutoPlacement):

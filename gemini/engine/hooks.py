@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.memory import DeviceBudgetError
-from gemini.policies.placement import PlacementPolicy
+from gemini.policies.base import PlacementPolicy
 from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def _needing_grad(tree) -> list[torch.Tensor]:
 # all have fired, holding nothing of the graph. An input whose gradient this backward never
 # computes (a partial backward) leaves the count short: the call is then never reported done and
 # its groups are held until their gradients are in, the conservative path (see [Note: a group
-# between its uses in backward] in gemini/policies/placement.py).
+# between its uses in backward] in gemini/policies/base.py).
 def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
     """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed
     (see [Note: a hook on all inputs' gradients without a cycle]); False if none needs one."""

@@ -21,7 +21,7 @@ from gemini.engine.hooks import ModuleHooks
 from gemini.optim.loss_scaler import DynamicLossScaler
 from gemini.engine.memory import DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
-from gemini.policies.placement import AutoPlacement, PlacementPolicy
+from gemini.policies import AutoPlacement, PlacementPolicy
 from gemini.engine.plan import MemoryPlan
 from gemini.engine.step_report import StepOutcome, step_report
 from gemini.report import MemoryReport, ReportWriter, WarmupTimeline

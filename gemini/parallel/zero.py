@@ -2,7 +2,8 @@
 
 Each rank owns one range of every chunk (see [Note: ZeRO shards of a chunk] in
 chunks/shard.py). The pieces here move data between ranks; where chunks live on a rank is
-still the placement policy's business.
+still the placement policy's business: the policy drives these pieces through the protocols of
+gemini/policies/base.py, and they know of the policy only the callables they are given.
 
 [Note: the order of collectives]
 Collectives are matched across ranks by the order they are issued in, so every rank must
@@ -28,18 +29,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
 from chunks import ChunkGroup, ChunkManager, ChunkState, Tier
 from gemini.parallel.collectives import Collectives, Pending
 from offload.profiling import trace_range
-
-if TYPE_CHECKING:
-    from gemini.policies.placement import PlacementPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +67,14 @@ class GradReducer:
     """Reduce-scatters each group's gradient bucket into this rank's gradient shard, averaged
     over ranks, during backward; see [Note: the order of collectives]."""
 
-    def __init__(self, comm: Collectives, manager: ChunkManager, placement: PlacementPolicy, *,
-                 max_in_flight: int = 2) -> None:
+    def __init__(self, comm: Collectives, manager: ChunkManager, *, optimizer_tier: Callable[[ChunkGroup], Tier],
+                 quiet: Callable[[], AbstractContextManager], max_in_flight: int = 2) -> None:
+        """``optimizer_tier(group)``: where the placement updates ``group``, so where its shard goes;
+        ``quiet()``: the context in which host-side temporaries are not device memory."""
         self.comm = comm
         self.manager = manager
-        self.placement = placement
+        self._optimizer_tier = optimizer_tier
+        self._quiet = quiet
         self.max_in_flight = max_in_flight
         self.order = [g.index for g in reversed(manager.trainable_groups)]
         self._ready: set[int] = set()
@@ -115,9 +115,9 @@ class GradReducer:
     def _finish(self, g: ChunkGroup, out: torch.Tensor, pending: Pending) -> None:
         pending.wait()
         out.div_(self.comm.world)  # the mean over ranks, as DDP and one process on the global batch
-        shard, tier = g.grad_shard, self.placement.optimizer_tier(g)
+        shard, tier = g.grad_shard, self._optimizer_tier(g)
         storage = self.manager.storage
-        with self.placement.quiet() if tier is Tier.HOST else contextlib.nullcontext():
+        with self._quiet() if tier is Tier.HOST else contextlib.nullcontext():
             if not g.grad_shard_filled:
                 if shard.state is ChunkState.RELEASED:
                     shard.allocate(tier, zero=False)

@@ -1,0 +1,287 @@
+"""`AutoPlacement`: the placement planned from the warm-up iteration, under a device budget."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
+from gemini.engine.activations import ActivationOffload
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory
+from gemini.engine.plan import MemoryPlan
+from gemini.policies.base import PlacementPolicy
+from gemini.policies.footprint import margin_choice, margin_room_bytes
+from tracer import Boundary, EvictionError, EvictionRule, Phase, choose_victims
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AutoPlacement"]
+
+
+class AutoPlacement(PlacementPolicy):
+    """Traced, budgeted placement; see the module notes and [Note: auto placement].
+
+    [Note: auto placement]
+    - Warm-up (no plan yet): like "cpu" — chunks start on the host, are fetched for compute
+      and dropped after use — while the tracer measures each period's non-model peak and
+      records which chunk groups each period uses.
+    - Steady state: at each period boundary the device must hold the period's non-model peak
+      on top of the resident chunks, under ``budget - reserve``; when it cannot, the resident
+      chunk groups whose next use is furthest away are evicted (Belady, from the recorded
+      order). Fetched chunks stay until pressure evicts them, and the next period's chunks
+      are prefetched when they fit next to both periods' non-model peaks.
+    - Margin: ``budget - reserve - the warm-up's planned peak`` (see ``MemoryPlan.margin_bytes``);
+      ``gpu_margin_mem_ratio`` of it holds whole chunk groups (params, grads, master, m, v)
+      on the device for good, updated there by the device Adam.
+    """
+
+    name = "auto"
+
+    def __init__(self, manager: ChunkManager, *, memory: DeviceMemory, margin_ratio: float, fixed_bytes: int) -> None:
+        super().__init__(manager, quiet=memory.quiet)
+        self.memory = memory
+        self.margin_ratio = margin_ratio
+        self.fixed_bytes = fixed_bytes
+        self.plan: MemoryPlan | None = None
+        self.os_on_device: set[int] = set()
+        self.period = -1
+        self._diverged = False
+        self._iteration_open = False  # a forward with grad ran and its backward has not
+        self.record_access = lambda group_index: None  # set by the runtime during warm-up
+        self.record_mark = lambda: None  # likewise
+        self._segment = 0  # marks passed in the current period
+        self.evictions = 0
+        # Belady over the plan's order; LRU only to measure what that order saves (bench_budget).
+        self.eviction_rule = EvictionRule.BELADY
+        self.track_periods = True  # decided by adopt()
+        self._settled = False  # the plan keeps every chunk on the device for good (see adopt)
+        # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
+        self.prefetch_reserve_bytes = 0
+        self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
+
+    @property
+    def follows_modules(self) -> bool:
+        return not self._settled  # see [Note: auto settled on the device]
+
+    def initial_tier(self, kind: ChunkKind) -> Tier:
+        return Tier.HOST
+
+    def optimizer_tier(self, group: ChunkGroup) -> Tier:
+        return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
+
+    def keep_params_on_device(self, group: ChunkGroup) -> bool:
+        return self.plan is not None
+
+    # -------------------------------------------------------------------------- planning
+    def adopt(self, plan: MemoryPlan, *, activations: ActivationOffload | None = None) -> None:
+        """Take the warm-up's plan: choose the optimizer-state groups that live on the device,
+        and (with activation offload) the saved activations that stay there."""
+        self.plan = plan
+        margin = max(0, plan.margin_bytes)
+        # The rest of the margin keeps the last saved activations on the device; those bytes
+        # are then part of every period's non-model memory (see [Note: activation offload]).
+        self.activation_bytes = (activations.plan(margin - int(self.margin_ratio * margin))
+                                 if activations is not None else 0)
+        trainable = self.manager.trainable_groups
+        room = margin_room_bytes(margin, self.margin_ratio, param_dtype=self.manager.param_dtype,
+                                 largest_capacity=max((g.param.capacity for g in trainable), default=0))
+        self.os_on_device = set(margin_choice([(g.index, self.group_device_bytes(g)) for g in trainable], room))
+        chosen = [g for g in trainable if g.index in self.os_on_device]
+        for g in chosen:
+            self._pin_on_device(g)
+        # If every chunk that can be on the device fits there at once next to the largest
+        # non-model peak, nothing will ever be evicted: periods need not be followed, and
+        # the iteration runs without per-module boundary hooks (as fast as "cuda").
+        most = sum(
+            self.group_device_bytes(g) if g.index in self.os_on_device
+            else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0)
+            for g in self.manager.groups
+        )
+        self.track_periods = not fits(plan.budget_bytes, most, self.fixed_bytes, plan.max_non_model_bytes,
+                                      self.activation_bytes, plan.reserve_bytes)
+        # [Note: auto settled on the device] When, besides, every group's optimizer states are
+        # on the device (and no rank gathers parameters), no chunk will ever move: the frozen
+        # groups' parameters are fetched now, and the iteration runs as under "cuda", without
+        # module hooks and with autograd accumulating into the gradient chunks.
+        self._settled = (not self.track_periods and self.gatherer is None
+                         and len(self.os_on_device) == len(trainable))
+        if self._settled:
+            for g in self.manager.groups:
+                if g.param.state is ChunkState.HOST:
+                    g.param.fetch(keep_host=True)
+        logger.info(
+            "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
+            plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
+        )
+
+    def abandon_plan(self) -> None:
+        """Back to warm-up behaviour: optimizer states to the host, nothing kept resident."""
+        self.plan = None
+        self._settled = False
+        self.activation_bytes = 0
+        for i in sorted(self.os_on_device):
+            for chunk in self.manager.groups[i].chunks:
+                if chunk.state is not ChunkState.RELEASED:
+                    chunk.move_to(Tier.HOST)
+        self.os_on_device = set()
+        for g in self.manager.groups:
+            if self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
+                self._maybe_drop_params(g)
+
+    def _non_model_now(self) -> int:
+        plan = self.plan
+        if plan is None:
+            return 0  # warm-up: unknown, and the conservative schedule keeps little resident
+        if self._diverged or not 0 <= self.period < len(plan.non_model_bytes):
+            return plan.max_non_model_bytes
+        segments = plan.segment_non_model_bytes[self.period]
+        if self._segment < len(segments):
+            return segments[self._segment]
+        return plan.non_model_bytes[self.period]  # more marks than traced: the whole period's
+
+    # ------------------------------------------------------------------------ hooks' side
+    def begin_forward(self) -> None:
+        super().begin_forward()
+        # Periods count from the first forward of an iteration: a second forward before the
+        # backward (a loss over two half batches) continues the traced sequence, as in the
+        # warm-up. A forward without grad (evaluation) ends no iteration of its own.
+        if not self._iteration_open:
+            self.period = -1
+            self._segment = 0
+            self._diverged = False
+        self._iteration_open = torch.is_grad_enabled()
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self._iteration_open = False
+
+    def on_boundary(self, boundary: Boundary) -> None:
+        plan = self.plan
+        if plan is None or (boundary.module_name == "" and boundary.phase is Phase.FORWARD):
+            return
+        self.period += 1
+        self._segment = 0
+        if not self._diverged and (self.period >= len(plan.keys) or plan.keys[self.period] != (boundary.phase, boundary.module_name)):
+            self._diverged = True
+            logger.warning(
+                "auto placement: iteration diverged from the traced one at period %d (%s %r); "
+                "planning with the largest non-model peak until the next forward",
+                self.period, boundary.phase.value, boundary.module_name,
+            )
+        needed = set(plan.access[self.period]) if not self._diverged else set()
+        self._make_room(0, keep=needed)
+        self._prefetch()
+
+    def mark(self) -> None:
+        self.record_mark()
+        if self.plan is not None:
+            self._segment += 1
+
+    def _after_release(self) -> None:
+        # The rest of the period may need what the released groups hold (an activation peak
+        # the warm-up reached after dropping them): evict for the new segment now.
+        if self.plan is not None and not self._diverged and 0 <= self.period < len(self.plan.access):
+            self._make_room(0, keep=set(self.plan.access[self.period]))
+
+    def before_compute(self, groups: list[ChunkGroup]) -> None:
+        for g in groups:
+            self.record_access(g.index)
+        super().before_compute(groups)
+
+    def before_backward(self, groups: list[ChunkGroup]) -> None:
+        for g in groups:
+            self.record_access(g.index)
+        super().before_backward(groups)
+
+    def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
+        # Released groups are dropped in the warm-up and evictable after it; with nothing ever
+        # evicted (periods not followed) there is nothing to gain.
+        return self.plan is None or self.track_periods
+
+    # ------------------------------------------------------------------------- eviction
+    def _missing_bytes(self, nbytes: int, non_model: int) -> int:
+        """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the
+        buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve
+        and (ZeRO-3) a prefetched group's parameters."""
+        reserve = self.plan.reserve_bytes if self.plan is not None else 0
+        return missing_bytes(self.memory.budget_bytes, self.manager.storage.ledger.bytes_on(Tier.DEVICE),
+                             self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
+                             self.prefetch_reserve_bytes)
+
+    def _make_room(self, nbytes: int, keep: set[int]) -> None:
+        over = self._missing_bytes(nbytes, self._non_model_now())
+        if not over:
+            return
+        # In use, so never evicted: groups under a running forward, and groups fetched for a
+        # backward whose gradients are not all in (their module's backward may not have run:
+        # autograd reads the parameters through saved views). The warm-up kept them too, so
+        # the plan has room for them.
+        busy = keep | self.os_on_device | self._fetched_for_backward
+        candidates = {
+            g.index: self._evictable_bytes(g)
+            for g in self.manager.groups
+            if g.index not in busy and self._compute_refs.get(g.index, 0) == 0
+        }
+        candidates = {i: b for i, b in candidates.items() if b > 0}
+        try:
+            if self.plan is not None and not self._diverged:
+                victims = choose_victims(
+                    set(candidates), keep, self.plan.order, max(self.period, 0), over, candidates,
+                    rule=self.eviction_rule,
+                )
+            else:
+                victims = self._any_victims(candidates, over)
+        except EvictionError as e:
+            short = over - sum(candidates.values())
+            # Raised in forward or backward, before the step: parameters, optimizer states and
+            # step counts are untouched; only this iteration's gradients are partial.
+            raise DeviceBudgetError(
+                f"the device budget cannot hold this period: {short} bytes are missing even after evicting every "
+                f"chunk not in use ({e}). Nothing was updated: parameters and optimizer states are as before this "
+                f"iteration (call optimizer.zero_grad() before retrying: its gradients are partial). Raise "
+                f"GeminiConfig.device_memory, lower gpu_margin_mem_ratio, or use a smaller chunk_size or batch.",
+                missing_bytes=short,
+            ) from None
+        for i in victims:
+            self._evict(self.manager.groups[i])
+
+    @staticmethod
+    def _any_victims(candidates: dict[int, int], over: int) -> list[int]:
+        victims, freed = [], 0
+        for i, b in sorted(candidates.items(), key=lambda kv: -kv[1]):
+            if freed >= over:
+                break
+            victims.append(i)
+            freed += b
+        if freed < over:
+            raise EvictionError(f"only {freed} of {over} bytes can be freed")
+        return victims
+
+    @staticmethod
+    def _evictable_bytes(g: ChunkGroup) -> int:
+        total = g.param.nbytes if g.param.state is ChunkState.HOST_AND_DEVICE else 0
+        # A ZeRO gradient bucket waits for its reduce-scatter and is freed by it: never evicted.
+        if g.grad is not None and g.grad.is_on(Tier.DEVICE) and g.grad_shard is None:
+            total += g.grad.nbytes
+        return total
+
+    def _evict(self, g: ChunkGroup) -> None:
+        self.evictions += 1
+        if g.param.state is ChunkState.HOST_AND_DEVICE:
+            g.param.drop_device_copy()
+        if g.grad is not None and g.grad.is_on(Tier.DEVICE) and g.grad_shard is None:
+            g.grad.move_to(Tier.HOST)
+
+    def _prefetch(self) -> None:
+        plan = self.plan
+        nxt = self.period + 1
+        if self._diverged or nxt >= len(plan.access):
+            return
+        groups = [self.manager.groups[i] for i in plan.access[nxt]]
+        missing = [g for g in groups if g.param.state is ChunkState.HOST]
+        need = sum(g.param.nbytes for g in missing)
+        non_model = max(plan.non_model_bytes[self.period], plan.non_model_bytes[nxt])
+        if missing and not self._missing_bytes(need, non_model):
+            for g in missing:
+                g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True)

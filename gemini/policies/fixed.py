@@ -1,0 +1,119 @@
+"""The placements that need no warm-up: ``cuda`` (everything on the device), ``cpu`` (everything
+on the host) and ``static`` (fixed fractions)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
+from gemini.engine.memory import DeviceBudgetError
+from gemini.policies.base import PlacementPolicy
+from gemini.policies.footprint import DeviceGroups, chunk_bytes, static_choice
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CpuPlacement", "CudaPlacement", "StaticPlacement"]
+
+
+class CudaPlacement(PlacementPolicy):
+    """Everything on the device: parameters, gradients, masters and Adam states."""
+
+    name = "cuda"
+
+    @property
+    def follows_modules(self) -> bool:
+        return self.gatherer is not None  # ZeRO-3 gathers each module's parameters around its call
+
+    def initial_tier(self, kind: ChunkKind) -> Tier:
+        return Tier.DEVICE
+
+    def optimizer_tier(self, group: ChunkGroup) -> Tier:
+        return Tier.DEVICE
+
+    def keep_params_on_device(self, group: ChunkGroup) -> bool:
+        return True
+
+
+class CpuPlacement(PlacementPolicy):
+    """Everything on the host; parameters visit the device for compute, CPU Adam steps.
+
+    The device holds only the param chunks of the modules running now and the gradient chunks
+    being filled by the backward pass.
+    """
+
+    name = "cpu"
+
+    def initial_tier(self, kind: ChunkKind) -> Tier:
+        return Tier.HOST
+
+    def optimizer_tier(self, group: ChunkGroup) -> Tier:
+        return Tier.HOST
+
+    def keep_params_on_device(self, group: ChunkGroup) -> bool:
+        return False
+
+
+class StaticPlacement(PlacementPolicy):
+    """Fixed fractions, no warm-up heuristics.
+
+    The first ``param_device_fraction`` of the chunk groups keep their parameters on the
+    device for good; the last ``optimizer_offload_fraction`` of the trainable groups keep their
+    optimizer states on the host (CPU Adam) and the others keep theirs — and so the whole group
+    — on the device.
+    """
+
+    name = "static"
+
+    def __init__(self, manager: ChunkManager, *, param_device_fraction: float, optimizer_offload_fraction: float,
+                 **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self.param_device_fraction = param_device_fraction
+        self.optimizer_offload_fraction = optimizer_offload_fraction
+        self.params_on_device: set[int] = set()
+        self.os_on_device: set[int] = set()
+
+    def initial_tier(self, kind: ChunkKind) -> Tier:
+        return Tier.HOST
+
+    def _choose(self) -> None:
+        self.params_on_device, self.os_on_device = static_choice(
+            [g.index for g in self.manager.groups], [g.index for g in self.manager.trainable_groups],
+            param_device_fraction=self.param_device_fraction,
+            optimizer_offload_fraction=self.optimizer_offload_fraction,
+        )
+
+    def setup(self) -> None:
+        self._choose()
+        for g in self.manager.groups:
+            if g.index in self.os_on_device:
+                self._pin_on_device(g)
+            elif g.index in self.params_on_device and g.param_shard is None:
+                g.param.fetch(keep_host=True)
+
+    def pinned_bytes(self) -> int:
+        """Chunk bytes this policy keeps on the device for good (at the end of every step)."""
+        self._choose()
+        m = self.manager
+        layout = [(range(len(g.slots)), g.param_group, g.param.capacity) for g in m.groups]
+        choice = DeviceGroups(whole=frozenset(self.os_on_device), params=frozenset(self.params_on_device))
+        return sum(chunk_bytes(layout, choice, param_dtype=m.param_dtype, world=m.world,
+                               shard_params=m.shard_params)[Tier.DEVICE].values())
+
+    def optimizer_tier(self, group: ChunkGroup) -> Tier:
+        return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
+
+    def keep_params_on_device(self, group: ChunkGroup) -> bool:
+        return group.index in self.params_on_device or group.index in self.os_on_device
+
+    def after_commit(self, group: ChunkGroup) -> None:
+        # fp32 groups updated on the host dropped their (now stale) device copy: fetch the
+        # fresh parameters back if this group's parameters live on the device.
+        if group.index in self.params_on_device and group.param.state is ChunkState.HOST:
+            try:
+                group.param.fetch(keep_host=True)
+            except (torch.OutOfMemoryError, DeviceBudgetError) as e:
+                # The step has landed: raising would invite a retry that steps twice. The
+                # next forward fetches the parameters (or says what is missing).
+                logger.warning("parameters of chunk group %d stay in host memory after the step: %s", group.index, e)
