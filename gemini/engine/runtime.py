@@ -164,16 +164,14 @@ class GeminiRuntime:
         self._signature = input_signature(args, kwargs)
         self._backward_passes_at_trace = self.hooks.backward_passes
         self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes)
-        self.placement.record_access = self.warmup.tracer.record_access
-        self.placement.record_mark = self.warmup.tracer.mark
+        self.placement.begin_trace(self.warmup.tracer)
         self.warmup.begin()
 
     def finish_warmup(self) -> None:
         """End the warm-up trace; the auto policy adopts the plan (may raise DeviceBudgetError)."""
         warmup = self.warmup
         assert warmup is not None and warmup.tracing, "no warm-up in progress"
-        self.placement.record_access = lambda group_index: None
-        self.placement.record_mark = lambda: None
+        self.placement.end_trace()
         try:
             self.plan = warmup.end()
         except Exception:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
@@ -16,7 +17,16 @@ from tracer import Boundary, EvictionError, EvictionRule, Phase, choose_victims
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AutoPlacement"]
+__all__ = ["AccessTrace", "AutoPlacement"]
+
+
+class AccessTrace(Protocol):
+    """What the warm-up learns from the policy (``tracer.RuntimeTracer``): the chunk groups each
+    period uses, and the decision points inside a period."""
+
+    def record_access(self, group_index: int) -> None: ...
+
+    def mark(self) -> None: ...
 
 
 class AutoPlacement(PlacementPolicy):
@@ -48,8 +58,7 @@ class AutoPlacement(PlacementPolicy):
         self.period = -1
         self._diverged = False
         self._iteration_open = False  # a forward with grad ran and its backward has not
-        self.record_access = lambda group_index: None  # set by the runtime during warm-up
-        self.record_mark = lambda: None  # likewise
+        self._trace: AccessTrace | None = None  # the warm-up's tracer, between begin_trace and end_trace
         self._segment = 0  # marks passed in the current period
         self.evictions = 0
         # Belady over the plan's order; LRU only to measure what that order saves (bench_budget).
@@ -173,8 +182,16 @@ class AutoPlacement(PlacementPolicy):
         self._make_room(0, keep=needed)
         self._prefetch()
 
+    def begin_trace(self, trace: AccessTrace) -> None:
+        """The warm-up begins: tell ``trace`` which groups each period uses, and each mark."""
+        self._trace = trace
+
+    def end_trace(self) -> None:
+        self._trace = None
+
     def mark(self) -> None:
-        self.record_mark()
+        if self._trace is not None:
+            self._trace.mark()
         if self.plan is not None:
             self._segment += 1
 
@@ -185,13 +202,15 @@ class AutoPlacement(PlacementPolicy):
             self._make_room(0, keep=set(self.plan.access[self.period]))
 
     def before_compute(self, groups: list[ChunkGroup]) -> None:
-        for g in groups:
-            self.record_access(g.index)
+        if self._trace is not None:
+            for g in groups:
+                self._trace.record_access(g.index)
         super().before_compute(groups)
 
     def before_backward(self, groups: list[ChunkGroup]) -> None:
-        for g in groups:
-            self.record_access(g.index)
+        if self._trace is not None:
+            for g in groups:
+                self._trace.record_access(g.index)
         super().before_backward(groups)
 
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
