@@ -31,11 +31,12 @@ def free_port() -> int:
 # A rank that has done its work leaves with ``os._exit(0)`` once its process group is
 # destroyed, skipping the interpreter's finalization. There gloo's C++ threads (and the TCP
 # store's) can still be winding down; a thread that touches Python or a joinable std::thread
-# destroyed then aborts the process ("terminate called without an active exception": twice in
-# CI's full suite, in two different ZeRO tests, never in 160 runs of that test alone under load) after every result
-# was written, which failed tests whose ranks had done their work. Every failure before that point still fails:
-# an exception in ``fn`` propagates (torch's spawn wrapper records it and exits 1), and
-# faulthandler prints each thread's Python stack if a rank dies of a signal while working.
+# destroyed then aborts the process ("terminate called without an active exception": twice
+# in CI's full suite, in two different ZeRO tests; never in 160 runs of one of them alone
+# under load) after every result was written, which failed tests whose ranks had done their
+# work. Every failure before that point still fails: an exception in ``fn`` propagates
+# (torch's spawn wrapper records it and exits 1), and faulthandler prints each thread's
+# Python stack if a rank dies of a signal while working.
 def _entry(rank: int, world: int, port: int, fn, args) -> None:
     faulthandler.enable(all_threads=True)
     if os.path.exists("/sys/class/net/lo"):
