@@ -164,6 +164,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
         model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window,
         on_backward_begin=runtime.on_backward_begin, on_backward_end=runtime.on_backward_end,
         on_root_forward_end=runtime.on_root_forward_end, accumulated_in_place=runtime.grad_views.accumulated_in_place,
+        on_boundary=runtime.on_boundary,
     )
     wrapped = GeminiModel(model, runtime)
     optimizer = HybridAdam(

@@ -11,6 +11,7 @@ import gemini
 from chunks import Tier, chunk_capacity
 from gemini.tools.gpt import GPT, GPTConfig
 from gemini.engine.memory import DeviceBudgetError
+from tracer import Phase
 from helpers import assert_params_close, batches, clone_pair, train_gemini, train_reference
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
@@ -53,6 +54,26 @@ def test_model_data_2_5x_the_budget_trains_under_budget_and_equals_adamw():
     assert opt._rt.placement.evictions > 0
     assert reports[-1].h2d_bytes > 0 and reports[-1].os_chunks_on_device == 0
     assert opt._rt.plan is not None and opt._rt.plan.max_non_model_bytes > 0
+
+
+def test_one_set_of_hooks_traces_and_counts_every_period():
+    """The warm-up's tracer and the policy's period count hear the same boundaries from the
+    engine's one set of hooks: the root's forward is the first traced period, a later iteration
+    counts exactly the traced periods, and no module carries a second set of period hooks."""
+    budget = int(_model_data_bytes() / 2)
+    got, want, reports, opt = _run_auto(budget, steps=3)
+    rt = opt._rt
+    assert rt.plan.keys[0] == (Phase.FORWARD, "")
+    assert sum(k[0] is Phase.BACKWARD for k in rt.plan.keys) > 0
+    assert rt.hooks.follows_periods and not rt.placement._diverged
+    assert rt.placement.period == len(rt.plan.keys) - 1  # the last iteration saw every traced period
+    # A leaf module's forward pre-hooks: one period hook and one chunk hook, nothing more.
+    leaf = rt.module.blocks[0].mlp.fc
+    assert len(leaf._forward_pre_hooks) == 2
+    # The root's: the engine's iteration hook alone (the GPT owns no parameter itself; the
+    # root's boundary comes from that hook, not from a period hook of its own).
+    assert len(rt.module._forward_pre_hooks) == 1
+    assert_params_close(got[-1], want[-1], step=len(got) - 1)
 
 
 def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
@@ -195,14 +216,14 @@ def test_a_budget_that_fits_everything_needs_no_period_tracking():
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, w, step=step)
     placement = opt._rt.placement
-    assert not placement.track_periods and opt._rt._period_hooks is None
+    assert not placement.track_periods and not opt._rt.hooks.follows_periods
     assert reports[-1].os_chunks_on_device == len(opt._rt.manager.trainable_groups)
     assert reports[-1].h2d_bytes == reports[-1].d2h_bytes == 0
 
 
 def test_a_tight_budget_follows_periods():
     _, _, _, opt = _run_auto(int(_model_data_bytes() / 2.5), steps=2)
-    assert opt._rt.placement.track_periods and opt._rt._period_hooks is not None
+    assert opt._rt.placement.track_periods and opt._rt.hooks.follows_periods
 
 
 def test_budget_error_in_the_warmup_backward_says_and_keeps_nothing_updated():
@@ -287,6 +308,7 @@ def test_two_forwards_follow_the_traced_iteration_under_auto():
     period count restarts per iteration, not per forward), stay under the budget and equal AdamW."""
     budget = int(_model_data_bytes() / 2)
     reports, opt = _two_forward_run("auto", 2, device_memory=budget)
+    assert sum(k == (Phase.FORWARD, "") for k in opt._rt.plan.keys) == 2  # one period per root forward
     assert not opt._rt.placement._diverged
     assert opt._rt.placement.period == len(opt._rt.plan.keys) - 1  # every traced period was seen
     assert all(r.device_peak_bytes <= budget for r in reports)

@@ -74,13 +74,18 @@ class PeriodHooks:
     context manager. No forward method is replaced.
     """
 
-    def __init__(self, module: nn.Module, on_boundary: Callable[[Boundary], None]) -> None:
+    def __init__(self, module: nn.Module, on_boundary: Callable[[Boundary], None], *,
+                 root_forward_hook: bool = True) -> None:
+        """``root_forward_hook=False``: no forward pre-hook on ``module`` itself; its owner calls
+        :meth:`root_forward` from a pre-hook of its own, once what must precede the root's
+        boundary has run (see [Note: the root's boundary])."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not callable(on_boundary):
             raise TypeError(f"on_boundary must be callable, got {type(on_boundary).__name__} {on_boundary!r}")
         self._module = module
         self._on_boundary = on_boundary
+        self._root_forward_hook = root_forward_hook
         self._module_handles: list[RemovableHandle] = []
         # Live multi-grad hooks by id(handle); see [Note: pruning grad hooks].
         self._grad_hooks: dict[int, _GradHook] = {}
@@ -98,9 +103,10 @@ class PeriodHooks:
         # named_modules() drops duplicates: a module reachable under two names is hooked
         # once and reported under its first name.
         for name, mod in self._module.named_modules():
-            self._module_handles.append(
-                mod.register_forward_pre_hook(functools.partial(self._forward_pre, name), prepend=True)
-            )
+            if mod is not self._module or self._root_forward_hook:
+                self._module_handles.append(
+                    mod.register_forward_pre_hook(functools.partial(self._forward_pre, name), prepend=True)
+                )
             self._module_handles.append(
                 mod.register_forward_hook(functools.partial(self._forward_post, name), prepend=True)
             )
@@ -122,6 +128,19 @@ class PeriodHooks:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+    # [Note: the root's boundary]
+    # An engine that begins its warm-up trace in its own root pre-hook needs the root's
+    # boundary to come after that, so that the trace's first period is the root's, in the
+    # warm-up as in every later iteration (a boundary the trace missed would shift every
+    # period after it). Hook order cannot promise that: these hooks are prepended, and may be
+    # installed after the engine's. So such an engine installs these hooks without the root's
+    # pre-hook and announces the root's forward itself.
+    def root_forward(self) -> None:
+        """The root module's forward begins (for ``root_forward_hook=False``; a no-op while
+        the hooks are not installed)."""
+        if self.installed:
+            self._forward_pre("", self._module, ())
 
     # Run eagerly, never traced, inside a torch.compile'd model: the callback moves chunks and
     # reads Python state (see [Note: hooks under torch.compile] in gemini/engine/hooks.py).

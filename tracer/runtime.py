@@ -242,12 +242,16 @@ class RuntimeTracer:
     # ---- tracing -------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def trace(self) -> Iterator[RuntimeTracer]:
-        """Trace the forward and backward run inside this block; replaces any earlier trace."""
+    def trace(self, *, own_hooks: bool = True) -> Iterator[RuntimeTracer]:
+        """Trace the forward and backward run inside this block; replaces any earlier trace.
+
+        ``own_hooks=False``: install no period hooks; the caller's own (one set of module hooks
+        on the model, as the engine's) delivers every boundary to :meth:`on_boundary`.
+        """
         if self._state is TracerState.TRACING:
             raise RuntimeError("trace() is already running")
         self._clear()
-        hooks = PeriodHooks(self._module, self._on_boundary)
+        hooks = PeriodHooks(self._module, self.on_boundary) if own_hooks else None
         signature_handle = None
         started_monitor = False
         finished = False
@@ -263,13 +267,15 @@ class RuntimeTracer:
                 signature_handle = self._module.register_forward_pre_hook(
                     self._capture_signature, with_kwargs=True, prepend=True
                 )
-                hooks.install()
+                if hooks is not None:
+                    hooks.install()
                 self._state = TracerState.TRACING
                 yield self
                 self._finish()
                 finished = True
             finally:
-                hooks.remove()
+                if hooks is not None:
+                    hooks.remove()
                 if signature_handle is not None:
                     signature_handle.remove()
                 if started_monitor:
@@ -332,7 +338,9 @@ class RuntimeTracer:
 
     # ---- internals -----------------------------------------------------------------
 
-    def _on_boundary(self, boundary: Boundary) -> None:
+    def on_boundary(self, boundary: Boundary) -> None:
+        """A new period begins (called by the tracer's own hooks, or by the caller's with
+        ``trace(own_hooks=False)``)."""
         if self._state is not TracerState.TRACING:
             return  # a retained graph's hook firing after the trace ended
         with self._lock, trace_range("gemini::trace::period"):

@@ -1,9 +1,11 @@
-"""Module and gradient hooks: chunks resident before compute, gradients into chunk storage.
+"""The engine's one set of module hooks: chunks resident before compute, gradients into chunk
+storage, and the period boundaries the warm-up traces and the auto policy counts.
 
 Only real PyTorch hooks are used: forward pre/post hooks on every module that owns
 parameters, a multi-grad hook on each module's outputs as its pre-backward hook, a
-post-accumulate-grad hook on every trainable parameter, and an autograd-engine callback at
-the end of each backward pass.
+post-accumulate-grad hook on every trainable parameter, an autograd-engine callback at the
+end of each backward pass, and, while boundaries are wanted, :class:`tracer.PeriodHooks` on
+every module, feeding the warm-up's tracer and then the policy through one callback.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from chunks import ChunkGroup, ChunkManager
 from gemini.engine.memory import DeviceBudgetError
 from gemini.policies.base import PlacementPolicy
 from offload.profiling import trace_range
+from tracer import Boundary, PeriodHooks
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class ModuleHooks:
         *,
         on_root_forward: Callable[[tuple, dict], None],
         on_budget_error: Callable[[], None],
+        on_boundary: Callable[[Boundary], None],
         on_backward_begin: Callable[[], None] = lambda: None,
         on_backward_end: Callable[[], None] = lambda: None,
         on_root_forward_end: Callable[[], None] = lambda: None,
@@ -125,7 +129,16 @@ class ModuleHooks:
         # Registered first, so the root's pre-hook runs before (and its post-hook before)
         # the root's own chunk hooks.
         # Forward hooks are never traced by torch.compile: see [Note: hooks under torch.compile].
-        root_pre = torch._disable_dynamo(lambda m, args, kwargs: on_root_forward(args, kwargs))
+        # Boundaries while follow_periods(True): the root's is announced by root_pre, after
+        # on_root_forward may have begun the trace (see [Note: the root's boundary] in
+        # tracer/hooks.py).
+        self._periods = PeriodHooks(module, on_boundary, root_forward_hook=False)
+
+        def root_pre(m, args, kwargs) -> None:
+            on_root_forward(args, kwargs)
+            self._periods.root_forward()
+
+        root_pre = torch._disable_dynamo(root_pre)
         self._handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
         # always_call: the post-hooks run even when the forward raises, so every module entered
         # is left again. Non-reentrant activation checkpointing stops its recompute with an
@@ -169,12 +182,25 @@ class ModuleHooks:
                 h.remove()
             self._module_handles.clear()
 
+    @property
+    def follows_periods(self) -> bool:
+        return self._periods.installed
+
+    def follow_periods(self, follow: bool) -> None:
+        """Announce period boundaries (``True``: during a warm-up, and while the policy counts
+        periods) or not; between iterations, or in the root's pre-hook before its boundary."""
+        if follow and not self._periods.installed:
+            self._periods.install()
+        elif not follow and self._periods.installed:
+            self._periods.remove()
+
     def _install(self, sub: nn.Module, groups: list[ChunkGroup], *, into: list) -> None:
         into.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
         into.append(sub.register_forward_hook(functools.partial(self._post_forward, groups), always_call=True))
 
     def remove(self) -> None:
         self.follow_modules(False)
+        self.follow_periods(False)
         for h in self._handles:
             h.remove()
         self._handles.clear()

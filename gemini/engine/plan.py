@@ -14,9 +14,8 @@ __all__ = ["MemoryPlan"]
 class MemoryPlan:
     """Per-period non-model peaks and chunk-group access order of one traced iteration.
 
-    Period i of a later iteration is the i-th period boundary after the root module's own
-    forward pre-hook (the root's boundary itself is folded into the first period, see
-    :meth:`from_trace`).
+    Period i of a later iteration begins at its i-th period boundary, the root module's
+    forward the first.
     """
 
     keys: tuple[tuple[Phase, str], ...]  # (phase, module name) starting each period
@@ -36,38 +35,17 @@ class MemoryPlan:
 
     @classmethod
     def from_trace(cls, periods: tuple[PeriodRecord, ...], **kwargs) -> MemoryPlan:
-        records = list(periods)
-        # [Note: the root's period] The root module's forward pre-hook runs before the
-        # engine can count boundaries in later iterations (a trace begun inside it misses
-        # it), so a root FORWARD period is merged into the next one: the later period then
-        # covers both, with the larger non-model peak and both chunk sets. Every one of them:
-        # an iteration may run several forwards before its backward.
-        keys, non_model, segments, seg_model, access = [], [], [], [], []
-        carry: tuple[int, tuple] | None = None  # a root FORWARD period waiting for the next one
-        for r in records:
-            nm, acc = r.non_model_peak_bytes, tuple(r.chunk_ids)
-            segs = list(r.segment_non_model_peak_bytes or (nm,))
-            models = list(r.segment_model_bytes or (r.model_bytes,))
-            if carry is not None:
-                nm, acc = max(carry[0], nm), tuple(dict.fromkeys(carry[1] + acc))
-                # The carried period comes before the first mark.
-                segs[0], models[0] = max(segs[0], carry[0]), max(models[0], carry[2])
-                carry = None
-            if r.phase is Phase.FORWARD and r.module_name == "" and r is not records[-1]:
-                carry = (nm, acc, max(models))
-                continue
-            keys.append(r.key)
-            non_model.append(nm)
-            segments.append(tuple(segs))
-            seg_model.append(tuple(models))
-            access.append(acc)
+        # Every boundary of the warm-up, the root's included, is one the engine's hooks announce
+        # in later iterations too (see [Note: the root's boundary] in tracer/hooks.py): period i
+        # of the trace is period i of every iteration that follows it.
         return cls(
-            keys=tuple(keys),
-            non_model_bytes=tuple(non_model),
-            segment_non_model_bytes=tuple(segments),
-            segment_model_bytes=tuple(seg_model),
-            access=tuple(access),
-            order=AccessOrder([list(a) for a in access]),
+            keys=tuple(r.key for r in periods),
+            non_model_bytes=tuple(r.non_model_peak_bytes for r in periods),
+            segment_non_model_bytes=tuple(tuple(r.segment_non_model_peak_bytes or (r.non_model_peak_bytes,))
+                                          for r in periods),
+            segment_model_bytes=tuple(tuple(r.segment_model_bytes or (r.model_bytes,)) for r in periods),
+            access=tuple(tuple(r.chunk_ids) for r in periods),
+            order=AccessOrder([list(r.chunk_ids) for r in periods]),
             **kwargs,
         )
 

@@ -28,7 +28,7 @@ from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, check_peak
 from gemini.parallel.zero import agree_grad_ready, gather_params
-from tracer import InputSignature, PeriodHooks, input_signature
+from tracer import Boundary, InputSignature, input_signature
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ class GeminiRuntime:
     plan: MemoryPlan | None = None
     system: SystemMemory = field(default=None)  # host and whole-GPU readings; made in __post_init__ if not given
     _unreported_plan: MemoryPlan | None = field(default=None, repr=False)  # made during this step
-    _period_hooks: PeriodHooks | None = field(default=None, repr=False)
     _first_step_checked: bool = False
     # The tracer resets the monitor's peak at each of its cuts: the warm-up step's peak is
     # the trace's largest period peak, carried here into that step's report.
@@ -160,11 +159,20 @@ class GeminiRuntime:
             self.activations.end_backward()
         self.grad_views.expose()
 
+    def on_boundary(self, boundary: Boundary) -> None:
+        """A period begins (the hooks announce boundaries while ``follow_periods(True)``): the
+        warm-up's tracer measures it, or the policy counts it against its plan."""
+        if self.tracing:
+            self.warmup.tracer.on_boundary(boundary)
+        elif self.placement.track_periods:
+            self.placement.on_boundary(boundary)
+
     def _begin_warmup(self, args: tuple, kwargs: dict) -> None:
         self._signature = input_signature(args, kwargs)
         self._backward_passes_at_trace = self.hooks.backward_passes
         self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes)
         self.placement.begin_trace(self.warmup.tracer)
+        self.hooks.follow_periods(True)
         self.warmup.begin()
 
     def finish_warmup(self) -> None:
@@ -184,15 +192,10 @@ class GeminiRuntime:
         self.placement.adopt(self.plan, activations=self.activations)
         self.placement.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
-        if self.placement.track_periods:
-            self._period_hooks = PeriodHooks(self.module, self.placement.on_boundary)
-            self._period_hooks.install()
+        self.hooks.follow_periods(self.placement.track_periods)
 
     def _retrace(self, args: tuple, kwargs: dict) -> None:
         """New shapes: drop the plan, warm up again (conservatively) and plan anew at the step."""
-        if self._period_hooks is not None:
-            self._period_hooks.remove()
-            self._period_hooks = None
         self.placement.abandon_plan()
         self.placement.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)

@@ -27,9 +27,10 @@ class WarmupState(enum.Enum):
 class Warmup:
     """Owns the tracer of the warm-up iteration and turns its records into a :class:`MemoryPlan`.
 
-    The trace begins when :meth:`begin` is called (at ``initialize``, so that the root
-    module's first forward is a traced boundary) and ends at the first of: the next forward
-    of the root module after a backward pass (gradient accumulation), or ``optimizer.step()``.
+    The trace begins when :meth:`begin` is called (in the root module's first forward
+    pre-hook, before the root's boundary) and ends at the first of: the next forward of the
+    root module after a backward pass (gradient accumulation), or ``optimizer.step()``. The
+    engine's hooks deliver each period boundary to the tracer (``runtime.on_boundary``).
     Every chunk move in between is announced to the tracer through the storage's
     ``move_context``, so model data is subtracted exactly where it changed.
     """
@@ -55,7 +56,7 @@ class Warmup:
 
     def begin(self) -> None:
         assert self._trace is None, "warm-up already tracing"
-        self._trace = self.tracer.trace()
+        self._trace = self.tracer.trace(own_hooks=False)  # the engine's hooks announce boundaries
         self._trace.__enter__()
         self.storage.move_context = self.tracer.model_data_move
         self.storage.ledger.reset_peaks(Tier.DEVICE)

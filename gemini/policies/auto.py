@@ -13,7 +13,7 @@ from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.engine.plan import MemoryPlan
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.footprint import margin_choice, margin_room_bytes
-from tracer import Boundary, EvictionError, EvictionRule, Phase, choose_victims
+from tracer import Boundary, EvictionError, EvictionRule, choose_victims
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class AutoPlacement(PlacementPolicy):
 
     def on_boundary(self, boundary: Boundary) -> None:
         plan = self.plan
-        if plan is None or (boundary.module_name == "" and boundary.phase is Phase.FORWARD):
+        if plan is None:
             return
         self.period += 1
         self._segment = 0
