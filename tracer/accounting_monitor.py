@@ -1,0 +1,191 @@
+"""A memory monitor that sums live tensor storages seen through a dispatch mode.
+
+It needs no allocator statistics, so it measures any device: the CPU when it stands in for
+the accelerator, and the meta device (``gemini.tools.meta_run``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+from tracer.memory_monitor import MemoryMonitor, as_device
+from tracer.storage_ledger import StorageLedger, storages_of
+
+__all__ = ["TensorAccountingMonitor"]
+
+
+class _AccountingMode(TorchDispatchMode):
+    """Hands every tensor an operator produces (and, optionally, consumes) to the monitor."""
+
+    def __init__(self, monitor: TensorAccountingMonitor) -> None:
+        super().__init__()
+        self._monitor = monitor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        self._monitor._see(out)
+        if self._monitor.count_inputs:
+            self._monitor._see(args)
+            if kwargs:
+                self._monitor._see(kwargs)
+        return out
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile skips every frame while a dispatch mode that does not say this is
+        # active, so with the monitor running (the CPU stand-in with a budget, or placement
+        # auto) nothing was compiled. Saying it keeps the mode off while dynamo traces and
+        # compiles, and on while the compiled code runs: with the "eager" and "aot_eager"
+        # backends every operator of the graphs reaches the mode, as in eager mode; inductor's
+        # generated code allocates some buffers below the dispatcher, which the mode then
+        # misses (a lower bound; on CUDA the allocator monitor sees every byte).
+        return True
+
+
+class TensorAccountingMonitor(MemoryMonitor):
+    """Exact sum of the bytes of live tensor storages on one device; works on any device.
+
+    While running, a dispatch mode sees every operator on the thread that started the
+    monitor, and on the autograd threads of a ``backward()`` called from it; each new
+    storage on ``device`` among the operator's outputs (and inputs, with ``count_inputs``)
+    is counted once and dropped when it is freed. Storages that existed before, and were
+    never an operator's input, are invisible: pass them to :meth:`track`, or give their
+    total as ``baseline_bytes``. Storages the caller knows are not device data (host-tier
+    buffers when the CPU stands in for the device) can be left out with :meth:`exclude`.
+
+    See [Note: what the accounting monitor sees] for what it cannot see.
+    """
+
+    # [Note: what the accounting monitor sees]
+    # - Threads: the dispatch-mode stack is thread-local. PyTorch copies it into the
+    #   autograd engine's graph task when backward() is called, so backward ops are seen on
+    #   the CPU (which runs them on the calling thread) and on CUDA's per-device threads.
+    #   Operators run on any other thread (a copy thread, a data-loader thread) are not
+    #   seen; give their results to track() if they stay on the device.
+    # - Inside a kernel: scratch buffers an operator allocates and frees internally (the
+    #   CPU flash-attention kernel's per-thread buffers, for instance) never surface as
+    #   tensors, so a peak inside such an op is missed; the allocator-based monitor sees it.
+    # - Allocator rounding and fragmentation: storage bytes are what tensors need, not what
+    #   a caching allocator reserves (CUDA rounds blocks to 512 bytes and caches freed ones).
+    # - In-place resizes: UntypedStorage.resize_ bypasses the dispatcher; call refresh().
+    # - Cost: a Python call per operator plus, per new storage, a weakref; only meant for
+    #   warm-up iterations and tests.
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        *,
+        baseline_bytes: int = 0,
+        count_inputs: bool = True,
+    ) -> None:
+        super().__init__()
+        dev = as_device(device)
+        if not isinstance(baseline_bytes, int) or isinstance(baseline_bytes, bool):
+            raise TypeError(f"baseline_bytes must be an int, got {type(baseline_bytes).__name__} {baseline_bytes!r}")
+        if baseline_bytes < 0:
+            raise ValueError(f"baseline_bytes must be >= 0, got {baseline_bytes}")
+        self.device = dev
+        self.baseline_bytes = baseline_bytes
+        self.count_inputs = bool(count_inputs)
+        self._ledger = StorageLedger()
+        self._mode: _AccountingMode | None = None
+        self._owner_thread: int | None = None
+
+    def __repr__(self) -> str:
+        return f"TensorAccountingMonitor(device={self.device}, baseline_bytes={self.baseline_bytes})"
+
+    @property
+    def tracked_storages(self) -> int:
+        """Number of live storages counted right now."""
+        return len(self._ledger)
+
+    def track(self, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """Count these tensors' storages (those on the watched device) from now on."""
+        for t in _tensor_list(tensors, "tensors"):
+            self._see_tensor(t)
+
+    def exclude(self, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages while they live, even when operators use them."""
+        for t in _tensor_list(tensors, "tensors"):
+            for storage in storages_of(t):
+                self._ledger.exclude(storage)
+
+    def refresh(self) -> None:
+        """Re-read the sizes of the counted storages (after ``UntypedStorage.resize_``)."""
+        self._ledger.refresh()
+
+    def _start(self) -> None:
+        self._mode = _AccountingMode(self)
+        self._mode.__enter__()
+        self._owner_thread = threading.get_ident()
+
+    def _stop(self) -> None:
+        assert self._mode is not None, "stop() without a mode"
+        if threading.get_ident() != self._owner_thread:
+            raise RuntimeError(
+                f"{self!r} must be stopped on the thread that started it: dispatch modes are thread-local"
+            )
+        if _get_current_dispatch_mode() is not self._mode:
+            # Exiting would pop whichever mode is on top, not ours.
+            raise RuntimeError(
+                f"{self!r} must be stopped after the dispatch modes entered since it started "
+                f"have exited; the innermost mode is {_get_current_dispatch_mode()!r}"
+            )
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+
+    def _current_bytes(self) -> int:
+        return self.baseline_bytes + self._ledger.current_bytes
+
+    def _peak_bytes(self) -> int:
+        return self.baseline_bytes + self._ledger.peak_bytes
+
+    def _reset_peak(self) -> None:
+        self._ledger.reset_peak()
+
+    def _see(self, tree: Any) -> None:
+        # Operator arguments and results are tensors, scalars and (nested) lists or tuples
+        # of them; a direct walk costs a fraction of a general pytree flatten per operator.
+        if isinstance(tree, torch.Tensor):
+            self._see_tensor(tree)
+        elif isinstance(tree, (tuple, list)):
+            for item in tree:
+                self._see(item)
+        elif isinstance(tree, dict):
+            for item in tree.values():
+                self._see(item)
+
+    def _see_tensor(self, t: torch.Tensor) -> None:
+        if not self._watches(t.device):
+            return
+        if t.layout is torch.strided and type(t) in (torch.Tensor, nn.Parameter):
+            self._ledger.add(t.untyped_storage())  # the common case, without a generator
+            return
+        for storage in storages_of(t):
+            self._ledger.add(storage)
+
+    def _watches(self, device: torch.device) -> bool:
+        # A watched device without an index ("cuda") watches every index of its type.
+        if device.type != self.device.type:
+            return False
+        return self.device.index is None or device.index == self.device.index
+
+
+def _tensor_list(tensors: torch.Tensor | Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    try:
+        items = list(tensors)
+    except TypeError:
+        raise TypeError(f"{name} must be a tensor or an iterable of tensors, got {type(tensors).__name__}") from None
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__} {t!r}")
+    return items
+

@@ -1,0 +1,173 @@
+"""The memory-monitor interface, and the monitor that reads the CUDA caching allocator.
+
+:class:`MemoryMonitor` is what the runtime tracer measures a period with: current and peak
+bytes of one device, with a peak reset per period. :class:`CudaAllocatorMonitor` answers from
+the allocator's own counters; the other implementations live in
+:mod:`tracer.accounting_monitor` (any device, the CPU included) and :mod:`tracer.nvml_monitor`
+(the whole GPU, for reports).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CudaAllocatorMonitor",
+    "MemoryMonitor",
+    "MonitorState",
+    "as_device",
+]
+
+
+class MonitorState(enum.Enum):
+    NEW = "new"  # never started: there is nothing to read
+    RUNNING = "running"
+    STOPPED = "stopped"  # readings are frozen at the values they had at stop()
+
+
+class MemoryMonitor(abc.ABC):
+    """Current and peak bytes of one device, with a peak that can be reset per period.
+
+    Use ``start()``/``stop()`` or ``with monitor: ...``. Readings are allowed while running
+    and after stopping (then they are the values at ``stop()``); a stopped monitor can be
+    started again, which resets its peak.
+    """
+
+    def __init__(self) -> None:
+        self._state = MonitorState.NEW
+        self._frozen_current_bytes = 0
+        self._frozen_peak_bytes = 0
+
+    @property
+    def state(self) -> MonitorState:
+        return self._state
+
+    @property
+    def running(self) -> bool:
+        return self._state is MonitorState.RUNNING
+
+    def start(self) -> None:
+        if self._state is MonitorState.RUNNING:
+            raise RuntimeError(f"{self!r} is already running")
+        self._start()
+        self._state = MonitorState.RUNNING
+        self._reset_peak()
+        logger.debug("%r started at %d bytes", self, self._current_bytes())
+
+    def stop(self) -> None:
+        self._require_running("stop")
+        self._frozen_current_bytes = self._current_bytes()
+        self._frozen_peak_bytes = self._peak_bytes()
+        self._stop()
+        self._state = MonitorState.STOPPED
+        logger.debug("%r stopped: %d bytes, peak %d", self, self._frozen_current_bytes, self._frozen_peak_bytes)
+
+    def current_bytes(self) -> int:
+        """Bytes in use on the device now."""
+        if self._state is MonitorState.RUNNING:
+            return self._current_bytes()
+        self._require_started("current_bytes")
+        return self._frozen_current_bytes
+
+    def peak_bytes(self) -> int:
+        """Most bytes in use since start() or the last reset_peak()."""
+        if self._state is MonitorState.RUNNING:
+            return self._peak_bytes()
+        self._require_started("peak_bytes")
+        return self._frozen_peak_bytes
+
+    def reset_peak(self) -> None:
+        """Start a new period: the peak becomes the current value."""
+        self._require_running("reset_peak")
+        self._reset_peak()
+
+    def track(self, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """Make tensors that exist already visible to the monitor.
+
+        Monitors that read an allocator see every allocation anyway, so this does nothing
+        here; :class:`~tracer.accounting_monitor.TensorAccountingMonitor` overrides it.
+        """
+
+    def __enter__(self) -> MemoryMonitor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _require_running(self, what: str) -> None:
+        if self._state is not MonitorState.RUNNING:
+            raise RuntimeError(f"{what}() needs a running monitor; {self!r} is {self._state.value}")
+
+    def _require_started(self, what: str) -> None:
+        if self._state is MonitorState.NEW:
+            raise RuntimeError(f"{what}() before start(): {self!r} has measured nothing yet")
+
+    @abc.abstractmethod
+    def _start(self) -> None: ...
+
+    @abc.abstractmethod
+    def _stop(self) -> None: ...
+
+    @abc.abstractmethod
+    def _current_bytes(self) -> int: ...
+
+    @abc.abstractmethod
+    def _peak_bytes(self) -> int: ...
+
+    @abc.abstractmethod
+    def _reset_peak(self) -> None: ...
+
+
+def as_device(device: Any, *, name: str = "device") -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{name} must be a str or torch.device, got {type(device).__name__} {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{name}={device!r} is not a device: {e}") from None
+
+
+class CudaAllocatorMonitor(MemoryMonitor):
+    """The CUDA caching allocator's allocated bytes (``memory_allocated``) and their peak.
+
+    Resetting the peak calls ``torch.cuda.reset_peak_memory_stats``, which resets the
+    device's peak for every reader in the process, not just this monitor.
+    """
+
+    def __init__(self, device: str | torch.device = "cuda") -> None:
+        super().__init__()
+        dev = as_device(device)
+        if dev.type != "cuda":
+            raise ValueError(f"CudaAllocatorMonitor needs a cuda device, got device={device!r}")
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaAllocatorMonitor: CUDA is not available in this process")
+        self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+    def __repr__(self) -> str:
+        return f"CudaAllocatorMonitor(device={self.device})"
+
+    def _start(self) -> None:
+        pass
+
+    def _stop(self) -> None:
+        pass
+
+    # The allocator's counters are updated on the host when a tensor is created or freed,
+    # in launch order, so no synchronisation is needed to read them.
+    def _current_bytes(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def _peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
