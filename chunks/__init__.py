@@ -1,9 +1,11 @@
 """Chunks: flat buffers holding many tensors as views, and the manager that moves them."""
 
-from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
+from chunks.chunk import Chunk, ChunkState
+from chunks.group import ChunkGroup
+from chunks.kind import ChunkKind
+from chunks.layout import CAPACITY_ALIGN_ELEMENTS, TensorSlot, chunk_capacity, plan_layout
 from chunks.ledger import MemoryLedger, fits, missing_bytes
-from chunks.manager import (CAPACITY_ALIGN_ELEMENTS, ChunkGroup, ChunkManager, ValueSource, chunk_capacity, plan_layout,
-                            values_of_params)
+from chunks.manager import ChunkManager, ValueSource, values_of_params
 from chunks.shard import Shard
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
 from chunks.storage import ChunkStorage, StorageObserver, Tier

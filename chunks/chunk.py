@@ -5,27 +5,17 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
+from chunks.chunk_file import ChunkFile
+from chunks.kind import ChunkKind
+from chunks.layout import TensorSlot
 from chunks.storage import ChunkStorage, Tier
 
+# ChunkKind and TensorSlot live in chunks/kind.py and chunks/layout.py; they stay importable
+# from here, where they were first defined.
 __all__ = ["ChunkKind", "ChunkState", "TensorSlot", "Chunk"]
-
-
-class ChunkKind(enum.Enum):
-    """What a chunk holds; chunks of one group share a layout."""
-
-    PARAM = "param"  # the compute-precision parameters (the module's params are views of it)
-    GRAD = "grad"  # gradients, accumulated over micro-batches until the step
-    MASTER = "master"  # fp32 master weights (only when the params are bf16/fp16)
-    EXP_AVG = "exp_avg"  # Adam's first moment
-    EXP_AVG_SQ = "exp_avg_sq"  # Adam's second moment
-    # ZeRO (see [Note: ZeRO shards of a chunk] in chunks/shard.py): this rank's range only.
-    GRAD_SHARD = "grad_shard"  # the reduced (averaged over ranks) gradients, until the step
-    PARAM_SHARD = "param_shard"  # the parameters, with parameter sharding (ZeRO-3)
 
 
 class ChunkState(enum.Enum):
@@ -64,14 +54,6 @@ _STATE_OF = {
 }
 
 
-@dataclass
-class _PendingIo:
-    future: Future
-    write: bool
-    buffer: torch.Tensor  # the host payload being written, or being read into
-    slot: int = 0  # the file slot written to (see [Note: file slots])
-
-
 def _move(method):
     """Run a move inside the storage's move context (allocation, copy, free and re-point)."""
 
@@ -81,24 +63,6 @@ def _move(method):
             return method(self, *args, **kwargs)
 
     return wrapper
-
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one tensor sits in its chunk."""
-
-    index: int  # position in the chunk's slot list
-    offset: int  # first element
-    numel: int
-    shape: torch.Size
-    name: str  # the parameter's (first) qualified name in the module
-    # First element within the flattened tensor: 0 for a whole tensor, else where a ZeRO
-    # shard's piece of it begins (see chunks/shard.py; ``shape`` is then flat).
-    tensor_offset: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
 
 
 class Chunk:
@@ -139,11 +103,7 @@ class Chunk:
         self.on_move: Callable[[Chunk], None] | None = None
         # The NVMe store holds this chunk's current bytes (its file is up to date).
         self._in_file = False
-        # Which of the chunk's two file names holds its bytes, and the one a step keeps until
-        # it commits (None outside a step). See [Note: file slots].
-        self._file_slot = 0
-        self._held_slot: int | None = None
-        self._pending: _PendingIo | None = None
+        self._file = ChunkFile(storage, kind, index)
         # An asynchronous copy to or from the host copy still running on CUDA (see [Note:
         # asynchronous copies on CUDA] in chunks/storage.py): waited for before the host copy
         # is touched again.
@@ -167,11 +127,9 @@ class Chunk:
 
     @property
     def key(self) -> tuple[str, int, int]:
-        """The name in the NVMe store of the chunk's file (see [Note: file slots])."""
-        return self._slot_key(self._file_slot)
-
-    def _slot_key(self, slot: int) -> tuple[str, int, int]:
-        return (self.kind.value, self.index, slot)
+        """The name in the NVMe store of the chunk's file (see [Note: file slots] in
+        chunks/chunk_file.py)."""
+        return self._file.key()
 
     @property
     def in_file(self) -> bool:
@@ -180,7 +138,7 @@ class Chunk:
 
     @property
     def io_pending(self) -> bool:
-        return self._pending is not None
+        return self._file.pending is not None
 
     def is_on(self, tier: Tier) -> bool:
         """A copy on ``tier``: a payload in memory, or on NVMe a current file."""
@@ -235,10 +193,10 @@ class Chunk:
                 f"chunk {self.kind.value} {self.index=} is {self.state}, expected one of "
                 f"{[s.name for s in allowed]}"
             )
-        if self._pending is not None:
+        if self._file.pending is not None:
             raise RuntimeError(
                 f"chunk {self.kind.value} {self.index=} has an NVMe "
-                f"{'write' if self._pending.write else 'read'} in flight; finish it first"
+                f"{'write' if self._file.pending.write else 'read'} in flight; finish it first"
             )
 
     def _set_state(self) -> None:
@@ -301,11 +259,7 @@ class Chunk:
     def start_spill(self) -> None:
         """HOST: start writing the host copy to the chunk's file (finish with ``finish_spill``)."""
         self._expect(ChunkState.HOST)
-        buffer = self._copies[Tier.HOST]
-        # A held file must survive: the first write after hold_file() goes to the other name.
-        slot = 1 - self._file_slot if self._held_slot == self._file_slot else self._file_slot
-        future = self._storage.nvme_write(self._slot_key(slot), buffer)
-        self._pending = _PendingIo(future, write=True, buffer=buffer, slot=slot)
+        self._file.start_write(self._copies[Tier.HOST])
 
     @_move
     def finish_spill(self, *, keep_host: bool = False) -> None:
@@ -313,10 +267,7 @@ class Chunk:
 
         If the write failed, its error is raised and the chunk stays HOST, its data intact.
         """
-        pending = self._take_pending(write=True)
-        self._storage.nvme_wait(pending.future, key=self._slot_key(pending.slot), kind=self.kind,
-                                nbytes=self.nbytes, write=True)
-        self._file_slot = pending.slot
+        self._file.wait(self._file.take(write=True), nbytes=self.nbytes)
         self._in_file = True
         if not keep_host:
             self._drop(Tier.HOST)
@@ -328,11 +279,10 @@ class Chunk:
         with self._storage.move_context():
             buffer = self._storage.alloc(Tier.HOST, self.capacity, self.dtype, kind=self.kind)
         try:
-            future = self._storage.nvme_read(self.key, buffer)
+            self._file.start_read(buffer)
         except BaseException:
             self._storage.free(Tier.HOST, buffer, kind=self.kind)
             raise
-        self._pending = _PendingIo(future, write=False, buffer=buffer)
 
     @_move
     def finish_load(self) -> None:
@@ -341,9 +291,9 @@ class Chunk:
         If the read failed (an I/O error, a checksum mismatch), its error is raised, the
         buffer is freed and the chunk stays NVME.
         """
-        pending = self._take_pending(write=False)
+        pending = self._file.take(write=False)
         try:
-            self._storage.nvme_wait(pending.future, key=self.key, kind=self.kind, nbytes=self.nbytes, write=False)
+            self._file.wait(pending, nbytes=self.nbytes)
         except BaseException:
             self._storage.free(Tier.HOST, pending.buffer, kind=self.kind)
             raise
@@ -366,38 +316,25 @@ class Chunk:
         self._in_file = False
         self._set_state()
 
-    # [Note: file slots]
-    # A chunk has two names in the NVMe store, (kind, index, 0) and (kind, index, 1). Outside a
-    # step every write replaces the file under the current name (the store swaps the file in
-    # only once the write is complete, so a failed write keeps the old one). A step that must
-    # be all or nothing (see [Note: a step is all or nothing] in gemini/step.py) first calls
-    # ``hold_file()``: its write then goes to the other name, and the held file keeps the bytes
-    # from before the step until ``release_held_file()`` (the step is complete: the held file
-    # is deleted) or ``restore_held_file()`` (it failed: the chunk goes back to the held file,
-    # whatever was read, updated or written since). Disk use is 2x for the chunks written in
-    # a step until it ends.
+    # A step's files: see [Note: file slots] in chunks/chunk_file.py.
     def hold_file(self) -> None:
         """NVME or HOST_AND_NVME: keep the current file until the step ends."""
         self._expect(ChunkState.NVME, ChunkState.HOST_AND_NVME)
-        self._held_slot = self._file_slot
+        self._file.hold()
 
     def release_held_file(self) -> None:
         """The step is complete: delete the held file if a newer one replaced it."""
-        held, self._held_slot = self._held_slot, None
-        if held is not None and held != self._file_slot:
-            self._storage.nvme_delete(self._slot_key(held), wait=False)  # behind the next forward
+        self._file.release_held()
 
     @_move
     def restore_held_file(self) -> None:
         """The step failed: -> NVME, the held file's bytes current again; a newer file and any
         host copy are dropped."""
-        held, self._held_slot = self._held_slot, None
+        held, self._file.held = self._file.held, None
         if held is None:
             return
         self._expect(*ChunkState)  # no request in flight
-        if held != self._file_slot:
-            self._storage.nvme_delete(self._slot_key(self._file_slot))
-            self._file_slot = held
+        self._file.restore(held)
         if Tier.HOST in self._copies:
             self._drop(Tier.HOST)
         self._in_file = True
@@ -405,20 +342,11 @@ class Chunk:
 
     def finish_io(self) -> None:
         """Finish whichever NVMe request is in flight (nothing if none)."""
-        if self._pending is not None:
-            if self._pending.write:
+        if self._file.pending is not None:
+            if self._file.pending.write:
                 self.finish_spill()
             else:
                 self.finish_load()
-
-    def _take_pending(self, *, write: bool) -> _PendingIo:
-        pending = self._pending
-        if pending is None or pending.write != write:
-            raise RuntimeError(
-                f"chunk {self.kind.value} {self.index=} has no NVMe {'write' if write else 'read'} in flight"
-            )
-        self._pending = None
-        return pending
 
     @_move
     def drop_device_copy(self) -> None:
@@ -454,10 +382,8 @@ class Chunk:
         """Delete the chunk's files under both names (a stale one too): it leaves NVMe for good
         (NVME -> RELEASED, HOST_AND_NVME -> HOST)."""
         self._expect(*ChunkState)  # no request in flight
-        for slot in (0, 1):
-            self._storage.nvme_delete(self._slot_key(slot))
+        self._file.delete()
         self._in_file = False
-        self._held_slot = None
         self._set_state()
 
     def _drop(self, tier: Tier) -> None:

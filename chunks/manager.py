@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from chunks.chunk import Chunk, ChunkKind, ChunkState, TensorSlot
+from chunks.chunk import Chunk, ChunkState
+from chunks.group import ChunkGroup
+from chunks.kind import ChunkKind
+from chunks.layout import CAPACITY_ALIGN_ELEMENTS, TensorSlot, chunk_capacity, plan_layout
 from chunks.shard import Shard
 from chunks.storage import ChunkStorage, Tier
-from offload import round_up
 
 logger = logging.getLogger(__name__)
 
+# ChunkGroup and the layout helpers live in chunks/group.py and chunks/layout.py; they stay
+# importable from here, where they were first defined.
 __all__ = ["CAPACITY_ALIGN_ELEMENTS", "ChunkGroup", "ChunkManager", "ValueSource", "chunk_capacity", "plan_layout",
            "values_of_params"]
 
@@ -43,176 +45,6 @@ def values_of_params(param: nn.Parameter, slot: TensorSlot, start: int, stop: in
             f"initialize it (or pass gemini.initialize(..., weights=...)) first"
         )
     return param.detach().reshape(-1)[start:stop]
-
-
-def plan_layout(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
-    """Next-fit packing of tensors (in the given order) into chunks of ``chunk_size``.
-
-    Returns, per chunk, the indices of the tensors it holds. A tensor larger than the chunk
-    size gets a chunk of its own (sized to it), so nothing is ever split.
-    """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size} must be a positive number of elements")
-    chunks: list[list[int]] = []
-    fill = chunk_size  # forces a new chunk for the first tensor
-    for i, n in enumerate(numels):
-        if n > chunk_size:
-            chunks.append([i])
-            fill = chunk_size  # the oversized chunk is closed
-        elif fill + n > chunk_size:
-            chunks.append([i])
-            fill = n
-        else:
-            chunks[-1].append(i)
-            fill += n
-    return chunks
-
-
-# [Note: chunks sized to their content]
-# Next-fit packing closes a chunk when the next tensor does not fit, so a chunk may hold far
-# less than ``chunk_size`` (the last of a group, or a LayerNorm before a large Linear). Such a
-# chunk is allocated for what it holds, rounded up to CAPACITY_ALIGN_ELEMENTS (4 KiB of fp32:
-# aligned views, whole pages for NVMe's direct I/O) and never beyond ``chunk_size``: a full
-# ``chunk_size`` buffer cost a nearly empty chunk the device memory and the copies of a full
-# one. Host buffers still come from the pinned pool's size classes, so chunks of nearby sizes
-# reuse each other's buffers.
-CAPACITY_ALIGN_ELEMENTS = 1024
-
-
-def chunk_capacity(used_numel: int, chunk_size: int, *, world: int = 1) -> int:
-    """Elements allocated for a chunk holding ``used_numel`` (see [Note: chunks sized to their
-    content]); a multiple of ``world``, so that every rank's shard is equal."""
-    capacity = min(max(chunk_size, used_numel), round_up(used_numel, CAPACITY_ALIGN_ELEMENTS))
-    return round_up(capacity, world)
-
-
-@dataclass(eq=False)
-class ChunkGroup:
-    """Chunk k of a param group in all its flavours, with one layout.
-
-    The optimizer-state chunk group (``master`` — the param chunk itself under fp32 — plus
-    ``exp_avg`` and ``exp_avg_sq``) moves as a unit and is updated wherever it lies.
-
-    Under ZeRO (``shard`` set, see [Note: ZeRO shards of a chunk] in chunks/shard.py) the
-    master, m and v chunks hold this rank's range only; ``grad`` is the full-size bucket the
-    backward pass fills, reduce-scattered into ``grad_shard``. With parameter sharding
-    ``param_shard`` holds this rank's parameters and ``param`` is the gathered copy, RELEASED
-    outside compute. Under fp32 the master is ``param_shard``, or without parameter sharding
-    this rank's range of ``param`` (see :attr:`master_offset`).
-    """
-
-    index: int
-    param_group: int  # index into the optimizer's param groups; -1 for frozen parameters
-    slots: tuple[TensorSlot, ...]
-    params: tuple[nn.Parameter, ...]  # by slot
-    param: Chunk
-    grad: Chunk | None = None
-    master: Chunk | None = None
-    exp_avg: Chunk | None = None
-    exp_avg_sq: Chunk | None = None
-    # Adam step count of each tensor (torch keeps one per parameter; they differ only when a
-    # parameter got no gradient in some step). Lives with the optimizer states.
-    steps: torch.Tensor | None = None
-    # All step counts equal: the group can be updated as one flat tensor with one count.
-    steps_uniform: bool = True
-    # Per slot: does the gradient chunk hold a gradient for it since the last zero_grad?
-    grad_ready: list[bool] = field(default_factory=list)
-    # Slots whose gradient arrived in the backward pass now running.
-    grads_this_backward: int = 0
-    # ZeRO: this rank's range, the reduced gradients and (ZeRO-3) the parameters' shard.
-    shard: Shard | None = None
-    grad_shard: Chunk | None = None
-    param_shard: Chunk | None = None
-    grad_shard_filled: bool = False  # grad_shard holds a reduced gradient since zero_grad
-
-    # Flat views of (master, grad, m, v) on one tier, and the chunk versions they were cut at.
-    _step_views: tuple | None = field(default=None, repr=False)
-
-    @property
-    def trainable(self) -> bool:
-        return self.param_group >= 0
-
-    def step_views(self, tier: Tier) -> tuple[torch.Tensor, ...]:
-        """(master, grad, m, v) over this rank's range on ``tier``, cut once per move of any of them."""
-        chunks = self.step_chunks
-        key = (tier, *(c.version for c in chunks))
-        if self._step_views is None or self._step_views[0] != key:
-            n = self.os_numel
-            offsets = (self.master_offset, 0, 0, 0)
-            self._step_views = (key, tuple(c.payload(tier)[o : o + n] for c, o in zip(chunks, offsets)))
-        return self._step_views[1]
-
-    def slot_views(self, slot: TensorSlot, tier: Tier) -> tuple[torch.Tensor, ...]:
-        """(master, grad, m, v) of one of :attr:`os_slots` on ``tier``, flat."""
-        offsets = (self.master_offset, 0, 0, 0)
-        return tuple(c.payload(tier)[o + slot.offset : o + slot.end] for c, o in zip(self.step_chunks, offsets))
-
-    @property
-    def step_chunks(self) -> tuple[Chunk, Chunk, Chunk, Chunk]:
-        """The chunks Adam reads and writes: (master, gradient, m, v)."""
-        return (self.master_chunk, self.step_grad, self.exp_avg, self.exp_avg_sq)
-
-    @property
-    def master_chunk(self) -> Chunk:
-        """The fp32 weights Adam updates: the master chunk, or the param chunk (or, with
-        parameter sharding, the param shard) under fp32."""
-        if self.master is not None:
-            return self.master
-        return self.param_shard if self.param_shard is not None else self.param
-
-    @property
-    def master_offset(self) -> int:
-        """Where this rank's range starts in :attr:`master_chunk` (non-zero only when the master
-        is the whole param chunk of a sharded group)."""
-        return self.shard.start if self.shard is not None and self.master_chunk is self.param else 0
-
-    @property
-    def step_grad(self) -> Chunk:
-        """The gradients the step uses: the reduced shard under ZeRO, else the gradient chunk."""
-        return self.grad_shard if self.grad_shard is not None else self.grad
-
-    def is_shard(self, chunk: Chunk) -> bool:
-        """``chunk`` holds this rank's range only (a ZeRO shard chunk)."""
-        return self.shard is not None and chunk.capacity != self.param.capacity
-
-    def write_value(self, chunk: Chunk, slot: TensorSlot, value: torch.Tensor) -> None:
-        """Write tensor ``slot``'s full ``value`` into ``chunk``: all of it, or (a shard chunk)
-        the piece of it inside this rank's range."""
-        flat = value.reshape(-1)
-        if not self.is_shard(chunk):
-            chunk.write_range(slot.offset, flat)
-            return
-        for piece in chunk.slots:
-            if piece.index == slot.index:
-                chunk.write_range(piece.offset, flat[piece.tensor_offset : piece.tensor_offset + piece.numel])
-
-    @functools.cached_property
-    def os_slots(self) -> tuple[TensorSlot, ...]:
-        """The tensors (or, under ZeRO, pieces of them) this rank's optimizer states cover."""
-        return self.shard.cut(self.slots) if self.shard is not None else self.slots
-
-    @property
-    def os_numel(self) -> int:
-        """Elements of this rank's optimizer states (the whole shard, or the chunk's used part)."""
-        return self.shard.numel if self.shard is not None else self.param.used_numel
-
-    @property
-    def optimizer_chunks(self) -> tuple[Chunk, ...]:
-        assert self.trainable, f"group {self.index} is frozen"
-        return (self.master_chunk, self.exp_avg, self.exp_avg_sq)
-
-    @property
-    def chunks(self) -> tuple[Chunk, ...]:
-        return tuple(c for c in (self.param, self.param_shard, self.grad, self.grad_shard, self.master, self.exp_avg,
-                                 self.exp_avg_sq) if c is not None)
-
-    @property
-    def all_grads_ready(self) -> bool:
-        return all(self.grad_ready)
-
-    @property
-    def any_grad_ready(self) -> bool:
-        return any(self.grad_ready)
 
 
 class ChunkManager:

@@ -1,7 +1,7 @@
 """Chunk-size search: the size whose chunks tensors fill best, over a range of candidates.
 
 Chunks are allocated for their content (see [Note: chunks sized to their content] in
-chunks/manager.py), so the room a size leaves free is no longer memory; it still measures how
+chunks/layout.py), so the room a size leaves free is no longer memory; it still measures how
 well the tensors fill chunks of that size: less of it means fewer chunks closed early, so fewer
 and fuller transfers, and modules split over fewer chunks.
 """
@@ -34,7 +34,7 @@ class ChunkSizeSearch:
 def waste_for(groups: Sequence[Sequence[int]], chunk_size: int) -> tuple[int, int]:
     """(waste, chunk count) of next-fit packing each group's tensors into ``chunk_size``.
 
-    Mirrors :func:`chunks.manager.plan_layout` without building the layout: a tensor larger
+    Mirrors :func:`chunks.layout.plan_layout` without building the layout: a tensor larger
     than the chunk gets a chunk of exactly its size (no waste); every other chunk wastes the
     room its tensors leave free of ``chunk_size``.
     """

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chunks.chunk import TensorSlot
+from chunks.layout import TensorSlot
 
 __all__ = ["Shard"]
 

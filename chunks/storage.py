@@ -26,7 +26,7 @@ from offload import NvmeStore, PinnedHostPool, Tier
 from offload.profiling import trace_range
 
 if TYPE_CHECKING:
-    from chunks.chunk import ChunkKind
+    from chunks.kind import ChunkKind
 
 logger = logging.getLogger(__name__)
 
