@@ -16,7 +16,7 @@ from contextlib import redirect_stdout
 import pytest
 
 import gemini
-from gemini.tools import cli
+from gemini.tools import cli, cli_commands
 from gemini.tools.cli import build_parser, main
 from gemini.report import ReportWriter
 
@@ -290,11 +290,11 @@ def test_demo_help_states_its_models_size():
     from gemini.tools.gpt import GPT
 
     args = build_parser().parse_args(["demo", "--device", "cpu"])
-    cfg = cli._gpt_config(args)
+    cfg = cli_commands._gpt_config(args)
     with torch.device("meta"):
         n = sum(p.numel() for p in GPT(cfg).parameters())
     assert f"{n / 1e6:.1f}M parameters" == "19.5M parameters"
-    assert cli._model_data_bytes(cfg, args) / 2**20 == pytest.approx(300, abs=10)
+    assert cli_commands._model_data_bytes(cfg, args) / 2**20 == pytest.approx(300, abs=10)
     assert "19.5M parameters, about 300 MiB of model data" in _subparsers()["demo"].description
 
 
@@ -352,11 +352,11 @@ def _built(monkeypatch, argv: list[str]) -> Built:
 
         return fake
 
-    monkeypatch.setattr(cli, "initialize", capture("initialize"))
-    monkeypatch.setattr(cli, "tune_margin", capture("tune_margin"))
-    monkeypatch.setattr(cli, "synthetic_batch", capture("batch", cli.synthetic_batch))
+    monkeypatch.setattr(cli_commands, "initialize", capture("initialize"))
+    monkeypatch.setattr(cli_commands, "tune_margin", capture("tune_margin"))
+    monkeypatch.setattr(cli_commands, "synthetic_batch", capture("batch", cli_commands.synthetic_batch))
     if argv[0] == "plan":  # the other commands plan too (the model's size), through the real planner
-        monkeypatch.setattr(cli, "plan_placement", capture("plan"))
+        monkeypatch.setattr(cli_commands, "plan_placement", capture("plan"))
     with pytest.raises(_Built), redirect_stdout(io.StringIO()):
         main([argv[0], "--device", "cpu", *SMALL_GPT, *argv[1:]])
     batch = seen["batch"][0][1] if "batch" in seen else None
