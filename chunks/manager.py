@@ -30,7 +30,7 @@ NamedParams = Sequence[tuple[str, nn.Parameter]]
 # dtype: the chunk casts). The manager asks once per tensor per group, for the range that the
 # group's chunks need (the whole tensor, or under ZeRO with parameter sharding only this
 # rank's piece), fills the param and master chunks from that one value, and drops it before the
-# next group is built. So a source that reads from disk (gemini/pretrained.py) or initializes
+# next group is built. So a source that reads from disk (gemini/pretrained/) or initializes
 # module by module holds one group's values at a time, and a group is complete — and can be
 # spilled to NVMe by ``on_group`` — before the next one is read. The default source is the
 # parameters' own data.

@@ -63,7 +63,7 @@ def initialize(
     raise, naming them — read one chunk group at a time straight into its chunks, so the
     model never exists whole in memory (a real model's values are overwritten). Without
     ``weights``, each module with parameters on the meta device is initialized by its
-    ``reset_parameters()`` when its chunk group is built. See gemini/pretrained.py.
+    ``reset_parameters()`` when its chunk group is built. See gemini/pretrained/load.py.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from tracer import nvml_monitor as _nvml_monitor
 from tracer.accounting_monitor import TensorAccountingMonitor
 from tracer.memory_monitor import CudaAllocatorMonitor, MemoryMonitor, MonitorState, as_device
 from tracer.nvml_monitor import NvmlMonitor
@@ -26,10 +25,6 @@ __all__ = [
     "TensorAccountingMonitor",
     "make_monitor",
 ]
-
-# Private, but imported from here since before the split (the sampler's tests); an assignment
-# rather than an import so that pyflakes does not take it for an unused one.
-_PeakSampler = _nvml_monitor._PeakSampler
 
 
 def make_monitor(device: str | torch.device) -> MemoryMonitor:

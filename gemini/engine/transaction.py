@@ -12,7 +12,7 @@ that can fail either happens before anything changes, or can be undone:
    to the tier of its update, the gradient norm, and every temporary the in-memory update
    needs (see gemini/optim/adam_batches.py).
 2. The groups on NVMe, streamed (gemini/engine/nvme_tier.py). Their files from before the step are
-   held (see [Note: file slots] in chunks/chunk.py): new bytes go to a second file. Before a
+   held (see [Note: file slots] in chunks/chunk_file.py): new bytes go to a second file. Before a
    group is updated, its parameter chunk (the only in-memory data its update changes: under
    fp32 the master, under bf16/fp16 the low-precision copy cast from the master) and its step
    counts are copied aside in host memory. Any error here restores those copies and the held

@@ -4,7 +4,7 @@ on the meta device before anything is allocated.
 [Note: planning on the meta device]
 A tensor on the meta device has a shape, a dtype and no storage: every operator computes its
 output's shape and nothing else. Running the model once there, under the same tensor-
-accounting monitor the warm-up uses on the CPU (tracer/monitors.py, which counts storages by
+accounting monitor the warm-up uses on the CPU (tracer/accounting_monitor.py, which counts storages by
 identity and so works on meta too), gives the peak of the bytes that are not model data —
 activations saved for backward, temporaries, each parameter's gradient until it is taken —
 without memory or compute. The parameters are meta stand-ins in the dtype the chunks will hold

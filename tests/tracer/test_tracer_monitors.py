@@ -10,9 +10,9 @@ from tracer.monitors import (
     MonitorState,
     NvmlMonitor,
     TensorAccountingMonitor,
-    _PeakSampler,
     make_monitor,
 )
+from tracer.nvml_monitor import _PeakSampler
 
 F32 = 4  # bytes per float32
 
