@@ -14,7 +14,8 @@ from tracer.monitors import (
     TensorAccountingMonitor,
     make_monitor,
 )
-from tracer.runtime import PeriodRecord, RuntimeTracer, TracerState
+from tracer.period import PeriodRecord
+from tracer.runtime import RuntimeTracer, TracerState
 from tracer.signature import InputSignature, input_signature
 
 __all__ = [

@@ -32,111 +32,26 @@ import enum
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tracer.hooks import Boundary, PeriodHooks, Phase, in_autograd_engine
+from tracer.hooks import Boundary, PeriodHooks, in_autograd_engine
 from tracer.monitors import MemoryMonitor
+from tracer.period import PeriodMeter, PeriodRecord
 from tracer.signature import InputSignature, input_signature
 from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PeriodRecord", "RuntimeTracer", "TracerState"]
+__all__ = ["PeriodRecord", "RuntimeTracer", "TracerState"]  # PeriodRecord: from tracer.period
 
 
 class TracerState(enum.Enum):
     IDLE = "idle"  # no trace yet, or the last one failed
     TRACING = "tracing"
     TRACED = "traced"
-
-
-@dataclass(frozen=True, kw_only=True)
-class PeriodRecord:
-    """One period of the traced iteration.
-
-    ``non_model_peak_bytes`` is the most the device held besides model data at any time in
-    the period; ``model_bytes`` is the model data subtracted at that time and
-    ``peak_bytes`` the device's peak over the whole period (so, in a period without model
-    data moves, ``non_model_peak_bytes == peak_bytes - model_bytes``).
-    """
-
-    index: int
-    phase: Phase
-    module_name: str
-    peak_bytes: int
-    model_bytes: int
-    non_model_peak_bytes: int
-    chunk_ids: tuple[int, ...]
-    # The non-model peak of each segment of the period: segment 0 from its boundary to the
-    # first ``mark()``, segment k from mark k on (see [Note: segments of a period]); their
-    # maximum is ``non_model_peak_bytes``. Empty: one segment.
-    segment_non_model_peak_bytes: tuple[int, ...] = ()
-    # Per segment, the most model data held on the device during it: a later iteration that
-    # holds no more chunks at that point needs no more than their sum.
-    segment_model_bytes: tuple[int, ...] = ()
-
-    @property
-    def key(self) -> tuple[Phase, str]:
-        """What the engine's own boundary hooks see at this period's start."""
-        return (self.phase, self.module_name)
-
-
-# [Note: subtracting model data]
-# The monitor sees all bytes; only the engine knows which are model data (chunks resident on
-# the device), and it can only be asked now and then, not at the instant of each peak. So a
-# period is cut into intervals at every model-data move the engine announces with
-# model_data_move(), and each interval subtracts a model figure that held during it:
-# - between moves model data is constant, if every move is announced: subtract it. Should a
-#   move go unannounced, the interval's two ends differ, and the smaller one is subtracted,
-#   which can only overstate non-model data (the safe side: an estimate too low is what made
-#   peers' auto placement run out of memory where it had promised not to);
-# - during a move (allocate on one side, copy, free the other) the moving bytes are model
-#   data as soon as they are allocated, so the larger end is subtracted. The move window
-#   holds nothing but the move when moves are synchronous, as they are during warm-up.
-# The period's non-model peak is the largest interval's; the peak itself is reset at each
-# cut. The prologue (from trace() until the first boundary) is folded into the first period.
-
-
-class _PeriodMeter:
-    """Accumulates one period: peaks of its intervals, model bytes, chunks used."""
-
-    def __init__(self, *, model_bytes_at_start: int) -> None:
-        self.boundary: Boundary | None = None
-        self.peak_bytes = 0
-        self.model_bytes = model_bytes_at_start
-        self.non_model_peak_bytes: int | None = None
-        self.segment_peaks: list[int | None] = [None]  # the current segment last
-        self.segment_model: list[int] = [model_bytes_at_start]
-        self._interval_model_bytes = model_bytes_at_start
-        self._chunk_ids: dict[int, None] = {}  # an ordered set: first access first
-
-    def add_chunk(self, chunk_id: int) -> None:
-        self._chunk_ids.setdefault(chunk_id, None)
-
-    def close_interval(self, *, peak_bytes: int, model_bytes_now: int, moving: bool) -> None:
-        lo, hi = sorted((self._interval_model_bytes, model_bytes_now))
-        subtracted = hi if moving else lo
-        non_model = peak_bytes - subtracted
-        self.peak_bytes = max(self.peak_bytes, peak_bytes)
-        if self.non_model_peak_bytes is None or non_model > self.non_model_peak_bytes:
-            self.non_model_peak_bytes = non_model
-            self.model_bytes = subtracted
-        current = self.segment_peaks[-1]
-        self.segment_peaks[-1] = non_model if current is None else max(current, non_model)
-        self.segment_model[-1] = max(self.segment_model[-1], hi)
-        self._interval_model_bytes = model_bytes_now
-
-    def new_segment(self) -> None:
-        self.segment_peaks.append(None)
-        self.segment_model.append(self._interval_model_bytes)
-
-    @property
-    def chunk_ids(self) -> tuple[int, ...]:
-        return tuple(self._chunk_ids)
 
 
 class RuntimeTracer:
@@ -179,7 +94,7 @@ class RuntimeTracer:
         self._lock = threading.RLock()
         self._state = TracerState.IDLE
         self._records: list[PeriodRecord] = []
-        self._meter: _PeriodMeter | None = None
+        self._meter: PeriodMeter | None = None
         self._move_depth = 0
         self._signature: InputSignature | None = None
         self._clamped_periods = 0
@@ -262,7 +177,7 @@ class RuntimeTracer:
                 if not self._monitor.running:
                     self._monitor.start()
                     started_monitor = True
-                self._meter = _PeriodMeter(model_bytes_at_start=self._model_bytes())
+                self._meter = PeriodMeter(model_bytes_at_start=self._model_bytes())
                 self._monitor.reset_peak()
                 signature_handle = self._module.register_forward_pre_hook(
                     self._capture_signature, with_kwargs=True, prepend=True
@@ -365,9 +280,9 @@ class RuntimeTracer:
     def _close_period(self) -> None:
         model_bytes = self._cut_interval(moving=False)
         self._records.append(self._record_of(self._meter))
-        self._meter = _PeriodMeter(model_bytes_at_start=model_bytes)
+        self._meter = PeriodMeter(model_bytes_at_start=model_bytes)
 
-    def _record_of(self, meter: _PeriodMeter) -> PeriodRecord:
+    def _record_of(self, meter: PeriodMeter) -> PeriodRecord:
         assert meter.boundary is not None and meter.non_model_peak_bytes is not None, "closing an empty period"
         non_model = meter.non_model_peak_bytes
         if non_model < 0:
@@ -382,19 +297,7 @@ class RuntimeTracer:
                 )
             self._clamped_periods += 1
             non_model = 0
-        record = PeriodRecord(
-            index=len(self._records),
-            phase=meter.boundary.phase,
-            module_name=meter.boundary.module_name,
-            peak_bytes=meter.peak_bytes,
-            model_bytes=meter.model_bytes,
-            non_model_peak_bytes=non_model,
-            chunk_ids=meter.chunk_ids,
-            # A segment that closed no interval (two marks in a row) saw nothing new: its start
-            # is the previous one's end, so it inherits that peak (the safe side).
-            segment_non_model_peak_bytes=_segment_peaks(meter.segment_peaks, non_model),
-            segment_model_bytes=tuple(meter.segment_model),
-        )
+        record = meter.record(index=len(self._records), non_model_peak_bytes=non_model)
         logger.debug(
             "period %d %s %r: peak %d model %d non-model %d chunks %s",
             record.index, record.phase.value, record.module_name, record.peak_bytes,
@@ -450,11 +353,3 @@ class RuntimeTracer:
         self._signature = None
         self._clamped_periods = 0
 
-
-def _segment_peaks(peaks: list[int | None], period_peak: int) -> tuple[int, ...]:
-    """Per segment, its peak (clamped like the period's to [0, the period's peak])."""
-    out, last = [], period_peak
-    for p in peaks:
-        last = last if p is None else max(0, min(p, period_peak))
-        out.append(last)
-    return tuple(out)
