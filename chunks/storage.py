@@ -65,10 +65,20 @@ class ChunkStorage:
     pin_host: bool = False
     ledger: MemoryLedger = field(default_factory=MemoryLedger)
     observer: StorageObserver | None = None
-    # Called around every move of chunk data onto or off the device (the warm-up tracer
-    # splits its measuring intervals there).
-    move_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
     nvme: NvmeStore | None = None
+    # Wraps every move of chunk data onto or off the device while a warm-up traces (its tracer
+    # splits its measuring intervals there); set through watch_moves().
+    _move_watcher: Callable[[], AbstractContextManager] | None = field(default=None, repr=False)
+
+    def watch_moves(self, move_context: Callable[[], AbstractContextManager] | None) -> None:
+        """Wrap each later move onto or off the device in ``move_context()`` (None: stop)."""
+        if move_context is not None and self._move_watcher is not None:
+            raise RuntimeError("chunk moves are already watched (a second warm-up trace at once?)")
+        self._move_watcher = move_context
+
+    def move_context(self) -> AbstractContextManager:
+        """The context one move onto or off the device runs in (see :meth:`watch_moves`)."""
+        return self._move_watcher() if self._move_watcher is not None else contextlib.nullcontext()
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)

@@ -31,8 +31,8 @@ class Warmup:
     pre-hook, before the root's boundary) and ends at the first of: the next forward of the
     root module after a backward pass (gradient accumulation), or ``optimizer.step()``. The
     engine's hooks deliver each period boundary to the tracer (``runtime.on_boundary``).
-    Every chunk move in between is announced to the tracer through the storage's
-    ``move_context``, so model data is subtracted exactly where it changed.
+    Every chunk move in between is announced to the tracer through the storage
+    (``ChunkStorage.watch_moves``), so model data is subtracted exactly where it changed.
     """
 
     def __init__(self, module: nn.Module, storage: ChunkStorage, memory: DeviceMemory, fixed_bytes: int) -> None:
@@ -58,7 +58,7 @@ class Warmup:
         assert self._trace is None, "warm-up already tracing"
         self._trace = self.tracer.trace(own_hooks=False)  # the engine's hooks announce boundaries
         self._trace.__enter__()
-        self.storage.move_context = self.tracer.model_data_move
+        self.storage.watch_moves(self.tracer.model_data_move)
         self.storage.ledger.reset_peaks(Tier.DEVICE)
         self.state = WarmupState.TRACING
         logger.info("warm-up: tracing the first iteration")
@@ -67,7 +67,7 @@ class Warmup:
         """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget."""
         assert self._trace is not None, "warm-up is not tracing"
         trace, self._trace = self._trace, None
-        self.storage.move_context = contextlib.nullcontext
+        self.storage.watch_moves(None)
         self.state = WarmupState.DONE
         with trace_range("gemini::plan"):
             trace.__exit__(None, None, None)
