@@ -13,8 +13,6 @@ from chunks.kind import ChunkKind
 from chunks.layout import TensorSlot
 from chunks.storage import ChunkStorage, Tier
 
-# ChunkKind and TensorSlot live in chunks/kind.py and chunks/layout.py; they stay importable
-# from here, where they were first defined.
 __all__ = ["ChunkKind", "ChunkState", "TensorSlot", "Chunk"]
 
 
@@ -72,16 +70,8 @@ class Chunk:
     copy through :class:`ChunkStorage` (which counts the bytes) and records the new state.
     """
 
-    def __init__(
-        self,
-        *,
-        index: int,
-        kind: ChunkKind,
-        capacity: int,
-        dtype: torch.dtype,
-        storage: ChunkStorage,
-        slots: tuple[TensorSlot, ...] = (),
-    ) -> None:
+    def __init__(self, *, index: int, kind: ChunkKind, capacity: int, dtype: torch.dtype, storage: ChunkStorage,
+                 slots: tuple[TensorSlot, ...] = ()) -> None:
         if capacity <= 0:
             raise ValueError(f"{capacity=} must be positive")
         self.index = index
@@ -108,6 +98,8 @@ class Chunk:
         # asynchronous copies on CUDA] in chunks/storage.py): waited for before the host copy
         # is touched again.
         self._host_event: torch.cuda.Event | None = None
+        # A prefetch still copying to the device ([Note: a prefetch overlaps compute] in storage.py).
+        self._device_event: torch.cuda.Event | None = None
 
     def __repr__(self) -> str:
         return (
@@ -155,9 +147,17 @@ class Chunk:
             tier = self.primary_tier
         if tier not in self._copies:
             raise RuntimeError(f"{self.index=} ({self.kind.value}) is {self.state}, no {tier.value} copy")
-        if tier is Tier.HOST and self._host_event is not None:
+        if tier is Tier.HOST:
             self._wait_host()
+        else:
+            self.ready_on_device()
         return self._copies[tier]
+
+    def ready_on_device(self) -> None:
+        """Have the compute stream wait for a prefetch into the device copy (if one is running)."""
+        if self._device_event is not None:
+            self._device_event.wait(torch.cuda.current_stream(self._storage.device))
+            self._device_event = None
 
     def _wait_host(self) -> None:
         if self._host_event is not None:
@@ -188,6 +188,7 @@ class Chunk:
     # ------------------------------------------------------------------------------ moves
     def _expect(self, *allowed: ChunkState) -> None:
         self._wait_host()
+        self.ready_on_device()
         if self.state not in allowed:
             raise RuntimeError(
                 f"chunk {self.kind.value} {self.index=} is {self.state}, expected one of "
@@ -215,20 +216,23 @@ class Chunk:
         self._set_state()
 
     @_move
-    def fetch(self, *, keep_host: bool) -> None:
+    def fetch(self, *, keep_host: bool, prefetch: bool = False) -> None:
         """HOST -> HOST_AND_DEVICE (``keep_host``) or DEVICE: copy to the device.
 
         Keep the host copy when the device copy will only be read (parameters for compute):
-        dropping it later then costs no copy back.
+        dropping it later then costs no copy back. ``prefetch``: nothing waits for the copy
+        until its first use (see [Note: a prefetch overlaps compute] in chunks/storage.py).
         """
         self._expect(ChunkState.HOST)
         host = self._copies[Tier.HOST]
         self._copies[Tier.DEVICE], self._host_event = self._storage.transfer(
-            host, Tier.HOST, Tier.DEVICE, kind=self.kind, shell=self._device_shell
+            host, Tier.HOST, Tier.DEVICE, kind=self.kind, shell=self._device_shell, defer_device_wait=prefetch
         )
         if not keep_host:
             self._drop(Tier.HOST)
-        self._set_state()
+        self._set_state()  # re-points the parameters' views, which reads nothing
+        if prefetch:
+            self._device_event = self._host_event
 
     @_move
     def offload(self) -> None:
@@ -343,10 +347,7 @@ class Chunk:
     def finish_io(self) -> None:
         """Finish whichever NVMe request is in flight (nothing if none)."""
         if self._file.pending is not None:
-            if self._file.pending.write:
-                self.finish_spill()
-            else:
-                self.finish_load()
+            (self.finish_spill if self._file.pending.write else self.finish_load)()
 
     @_move
     def drop_device_copy(self) -> None:

@@ -148,7 +148,8 @@ class ChunkStorage:
             self.pool.release(payload)
 
     def transfer(
-        self, payload: torch.Tensor, src: Tier, dst: Tier, *, kind: ChunkKind, shell: torch.Tensor | None = None
+        self, payload: torch.Tensor, src: Tier, dst: Tier, *, kind: ChunkKind, shell: torch.Tensor | None = None,
+        defer_device_wait: bool = False,
     ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A copy of ``payload`` (on ``src``) newly allocated on ``dst``; the source is kept.
 
@@ -157,9 +158,10 @@ class ChunkStorage:
         """
         assert src is not dst, f"transfer within {src}"
         out = self.alloc(dst, payload.numel(), payload.dtype, kind=kind, shell=shell)
-        return out, self.copy_(out, payload, src=src, dst=dst)
+        return out, self.copy_(out, payload, src=src, dst=dst, defer_device_wait=defer_device_wait)
 
-    def copy_(self, out: torch.Tensor, payload: torch.Tensor, *, src: Tier, dst: Tier) -> torch.cuda.Event | None:
+    def copy_(self, out: torch.Tensor, payload: torch.Tensor, *, src: Tier, dst: Tier,
+              defer_device_wait: bool = False) -> torch.cuda.Event | None:
         """Copy ``payload`` into ``out`` across tiers, counting the bytes moved.
 
         [Note: asynchronous copies on CUDA]
@@ -174,6 +176,16 @@ class ChunkStorage:
         keeps the event and synchronizes on it before its host copy is next touched. Copies
         from pageable memory (temporaries) and every copy on the CPU stand-in are synchronous
         and return None.
+
+        [Note: a prefetch overlaps compute]
+        A prefetch (``defer_device_wait=True``) copies the next period's parameters while the
+        current period computes. Had the compute stream waited for the copy stream at once, as
+        above, every kernel launched after it (the current period's) would have waited for the
+        copy too, and the prefetch would hide nothing. So the wait is left to the chunk: it
+        keeps the returned event and has the compute stream wait for it when its device copy is
+        first used (``Chunk.ready_on_device``: before its module's compute, and before any
+        other read or move of it). The copy stream is recorded on the new device copy, so that
+        a copy evicted before its use is not handed out again while the copy still writes it.
         """
         nbytes = payload.numel() * payload.element_size()
         start = time.perf_counter()
@@ -185,7 +197,9 @@ class ChunkStorage:
                 self._copy_stream.wait_stream(current)
                 with torch.cuda.stream(self._copy_stream):
                     out.copy_(payload, non_blocking=True)
-                if dst is Tier.DEVICE:
+                if dst is Tier.DEVICE and defer_device_wait:
+                    out.record_stream(self._copy_stream)  # see [Note: a prefetch overlaps compute]
+                elif dst is Tier.DEVICE:
                     current.wait_stream(self._copy_stream)
                     out.record_stream(current)
                 else:

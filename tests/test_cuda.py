@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -96,3 +98,89 @@ def test_async_copies_and_nvme_states_on_cuda_equal_adamw(tmp_path, placement):
     assert asynchronous > 0, "no gradient chunk was copied to the host asynchronously"
     assert opt.report.nvme_read_bytes > 0
     opt.close()
+
+
+def _prefetchable_chunk(numel: int):
+    from chunks import Chunk, ChunkKind, ChunkStorage
+
+    storage = ChunkStorage(torch.device("cuda"), pin_host=True)
+    chunk = Chunk(index=0, kind=ChunkKind.PARAM, capacity=numel, dtype=torch.float32, storage=storage)
+    chunk.allocate(Tier.HOST, zero=False)
+    chunk.payload(Tier.HOST).copy_(torch.arange(numel, dtype=torch.float32))
+    return chunk
+
+
+def test_a_prefetch_is_waited_for_at_first_use_not_at_once():
+    """[Note: a prefetch overlaps compute]: the compute stream does not wait for a prefetch when
+    it is issued (kernels launched meanwhile run beside the copy), it waits at the copy's first
+    use, and what it then reads is the host copy's bytes."""
+    chunk = _prefetchable_chunk(1 << 24)  # 64 MiB: the copy outlasts the launches below
+    chunk.fetch(keep_host=True, prefetch=True)
+    assert chunk._device_event is not None  # nobody has waited yet
+    busy = torch.ones(1 << 20, device="cuda")
+    for _ in range(10):
+        busy = busy * 1.0001  # on the compute stream, not ordered after the copy
+    got = chunk.payload(Tier.DEVICE)  # the first use: the compute stream waits here
+    assert chunk._device_event is None
+    assert torch.equal(got.cpu(), chunk.payload(Tier.HOST))
+
+
+def test_a_prefetch_evicted_before_use_corrupts_nothing():
+    """A prefetched device copy dropped before its use is not handed out again while the copy
+    still writes it (the copy stream is recorded on it)."""
+    numel = 1 << 24
+    chunk = _prefetchable_chunk(numel)
+    chunk.fetch(keep_host=True, prefetch=True)
+    chunk.drop_device_copy()
+    fresh = torch.full((numel,), -1.0, device="cuda")  # may reuse the freed block only once the copy is done
+    torch.cuda.synchronize()
+    assert bool((fresh == -1.0).all())
+    chunk.fetch(keep_host=True)
+    assert torch.equal(chunk.payload(Tier.DEVICE).cpu(), chunk.payload(Tier.HOST))
+
+
+def test_auto_under_budget_pressure_with_prefetch_equals_adamw_on_cuda():
+    """Auto with a budget below the model data prefetches the next period's groups (the deferred
+    wait) and evicts: every step still equals plain AdamW."""
+    from chunks.chunk import Chunk
+
+    base, ref = clone_pair()
+    ref = ref.cuda()
+    data = _cuda_batches(6)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    # The budget: what a warm-up measured besides model data (cuBLAS workspaces and all), plus
+    # a third of the model data, so that chunks must be evicted and fetched back every step.
+    probe, probe_opt = gemini.initialize(copy.deepcopy(base), gemini.GeminiConfig(
+        device="cuda", placement="auto", chunk_size=2000, device_memory=2**34), lr=1e-2)
+    probe_opt.backward(GPT.loss(probe(data[0][0]), data[0][1]))
+    probe_opt.step()
+    plan = probe_opt._rt.plan
+    model_data = 16 * sum(p.numel() for p in ref.parameters())
+    budget = plan.reserve_bytes + plan.fixed_bytes + plan.max_non_model_bytes + model_data // 3
+    probe_opt.close()
+    del probe, probe_opt
+    cfg = gemini.GeminiConfig(device="cuda", placement="auto", chunk_size=2000, device_memory=budget)
+    gmodel, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1)
+    waited = [0]
+    ready = Chunk.ready_on_device
+
+    def counting(self):
+        waited[0] += self._device_event is not None
+        ready(self)
+
+    Chunk.ready_on_device = counting
+    try:
+        for step, (x, y) in enumerate(data):
+            GPT.loss(ref(x), y).backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            opt.backward(GPT.loss(gmodel(x), y))
+            opt.step()
+            opt.zero_grad()
+            want = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
+            assert_params_close(gmodel.state_dict(), want, step=step)
+    finally:
+        Chunk.ready_on_device = ready
+    assert opt._rt.placement.track_periods and opt._rt.placement.evictions > 0
+    assert waited[0] > 0, "no prefetch was waited for at its first use"
+    assert opt.report.device_peak_bytes <= budget

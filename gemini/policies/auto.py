@@ -302,5 +302,5 @@ class AutoPlacement(PlacementPolicy):
         need = sum(g.param.nbytes for g in missing)
         non_model = max(plan.non_model_bytes[self.period], plan.non_model_bytes[nxt])
         if missing and not self._missing_bytes(need, non_model):
-            for g in missing:
-                g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True)
+            for g in missing:  # see [Note: a prefetch overlaps compute] in chunks/storage.py
+                g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True, prefetch=True)

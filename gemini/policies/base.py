@@ -340,6 +340,8 @@ class PlacementPolicy:
 
     # ---------------------------------------------------------------------------- helpers
     def _make_resident(self, groups: list[ChunkGroup]) -> None:
+        for g in groups:  # prefetched: compute waits for the copy now ([Note: a prefetch overlaps compute])
+            g.param.ready_on_device()
         if self.gatherer is not None:  # ZeRO-3: gathered from the ranks' shards
             missing = [g for g in groups if not self.gatherer.gathered(g)]
             if missing:
