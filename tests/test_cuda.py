@@ -10,7 +10,7 @@ import torch
 import gemini
 from chunks import Tier
 from gemini.tools.gpt import GPT
-from helpers import TINY, assert_params_close, batches, clone_pair
+from helpers import TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
 
 pytestmark = pytest.mark.cuda
 
@@ -145,9 +145,8 @@ def test_auto_under_budget_pressure_with_prefetch_equals_adamw_on_cuda():
     from chunks.chunk import Chunk
 
     base, ref = clone_pair()
-    ref = ref.cuda()
     data = _cuda_batches(6)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    _, want, _ = train_reference(ref.cuda(), data, lr=1e-2, weight_decay=0.1)
     # The budget: what a warm-up measured besides model data (cuBLAS workspaces and all), plus
     # a third of the model data, so that chunks must be evicted and fetched back every step.
     probe, probe_opt = gemini.initialize(copy.deepcopy(base), gemini.GeminiConfig(
@@ -155,12 +154,9 @@ def test_auto_under_budget_pressure_with_prefetch_equals_adamw_on_cuda():
     probe_opt.backward(GPT.loss(probe(data[0][0]), data[0][1]))
     probe_opt.step()
     plan = probe_opt._rt.plan
-    model_data = 16 * sum(p.numel() for p in ref.parameters())
-    budget = plan.reserve_bytes + plan.fixed_bytes + plan.max_non_model_bytes + model_data // 3
+    budget = plan.reserve_bytes + plan.fixed_bytes + plan.max_non_model_bytes + 16 * TINY.num_params() // 3
     probe_opt.close()
     del probe, probe_opt
-    cfg = gemini.GeminiConfig(device="cuda", placement="auto", chunk_size=2000, device_memory=budget)
-    gmodel, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1)
     waited = [0]
     ready = Chunk.ready_on_device
 
@@ -170,17 +166,12 @@ def test_auto_under_budget_pressure_with_prefetch_equals_adamw_on_cuda():
 
     Chunk.ready_on_device = counting
     try:
-        for step, (x, y) in enumerate(data):
-            GPT.loss(ref(x), y).backward()
-            opt_ref.step()
-            opt_ref.zero_grad()
-            opt.backward(GPT.loss(gmodel(x), y))
-            opt.step()
-            opt.zero_grad()
-            want = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
-            assert_params_close(gmodel.state_dict(), want, step=step)
+        cfg = gemini.GeminiConfig(device="cuda", placement="auto", chunk_size=2000, device_memory=budget)
+        _, got, _, opt = train_gemini(base, data, cfg, lr=1e-2, weight_decay=0.1)
     finally:
         Chunk.ready_on_device = ready
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, {k: v.cpu() for k, v in w.items()}, step=step)
     assert opt._rt.placement.track_periods and opt._rt.placement.evictions > 0
     assert waited[0] > 0, "no prefetch was waited for at its first use"
     assert opt.report.device_peak_bytes <= budget
