@@ -134,7 +134,8 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     layout = manager.layout(named_groups, frozen)  # what register() will build; nothing allocated yet
     _check_device_budget(config, layout, manager)
     fixed_bytes = _move_buffers(model, device, config.param_dtype)
-    placement = make_placement(config, manager, memory=memory, fixed_bytes=fixed_bytes)
+    placement = make_placement(config, manager, budget_bytes=memory.budget_bytes, fixed_bytes=fixed_bytes,
+                               quiet=memory.quiet)
     nvme = _make_nvme_tier(config, manager, layout)
     placement.nvme = nvme
     try:

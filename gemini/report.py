@@ -32,7 +32,7 @@ class WarmupTimeline:
     """What the warm-up measured, period by period, and the budget it planned against.
 
     ``margin_bytes`` = budget − reserve − the warm-up's planned peak (see
-    ``gemini.engine.plan.MemoryPlan.planned_peak_bytes``): the room ``gpu_margin_mem_ratio`` shares out
+    ``gemini.policies.plan.MemoryPlan.planned_peak_bytes``): the room ``gpu_margin_mem_ratio`` shares out
     to optimizer-state chunk groups (and, with activation offload, saved activations kept on
     the device).
     """

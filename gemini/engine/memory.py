@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from chunks import StorageObserver, fits
+from gemini.errors import DeviceBudgetError  # here too, where it was first defined
 from tracer import CudaAllocatorMonitor, MemoryMonitor, TensorAccountingMonitor
 
 logger = logging.getLogger(__name__)
@@ -19,18 +20,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["DeviceBudgetError", "DeviceMemory", "planned_reserve_bytes"]
 
 _STEP_TEMPORARIES_BYTES = 64 * 1024  # see [Note: the safety reserve]
-
-
-class DeviceBudgetError(MemoryError):
-    """The device memory budget cannot hold what the step needs.
-
-    Raised before any parameter or optimizer state is changed; ``missing_bytes`` says by how
-    much the budget falls short.
-    """
-
-    def __init__(self, message: str, *, missing_bytes: int) -> None:
-        super().__init__(message)
-        self.missing_bytes = missing_bytes
 
 
 class DeviceMemory:

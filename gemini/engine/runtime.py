@@ -22,7 +22,7 @@ from gemini.optim.loss_scaler import DynamicLossScaler
 from gemini.engine.memory import DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.policies import AutoPlacement, PlacementPolicy
-from gemini.engine.plan import MemoryPlan
+from gemini.policies.plan import MemoryPlan
 from gemini.engine.step_report import StepOutcome, step_report
 from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
@@ -189,7 +189,10 @@ class GeminiRuntime:
         self._unreported_plan = self.plan
         if self.activations is not None:
             self.activations.record_trace()
-        self.placement.adopt(self.plan, activations=self.activations)
+        activation_bytes = 0
+        if self.activations is not None:
+            activation_bytes = self.activations.plan(self.placement.activation_room_bytes(self.plan))
+        self.placement.adopt(self.plan, activation_bytes=activation_bytes)
         self.placement.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
         self.hooks.follow_periods(self.placement.track_periods)

@@ -10,7 +10,7 @@ from torch import nn
 
 from chunks import ChunkStorage, Tier, missing_bytes
 from gemini.engine.memory import DeviceBudgetError, DeviceMemory
-from gemini.engine.plan import MemoryPlan
+from gemini.policies.plan import MemoryPlan
 from tracer import RuntimeTracer
 from offload.profiling import trace_range
 

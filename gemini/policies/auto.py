@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
-from gemini.engine.activations import ActivationOffload
-from gemini.engine.memory import DeviceBudgetError, DeviceMemory
-from gemini.engine.plan import MemoryPlan
+from gemini.errors import DeviceBudgetError
+from gemini.policies.plan import MemoryPlan
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.footprint import margin_choice, margin_room_bytes
 from tracer import Boundary, EvictionError, EvictionRule, choose_victims
@@ -48,9 +50,10 @@ class AutoPlacement(PlacementPolicy):
 
     name = "auto"
 
-    def __init__(self, manager: ChunkManager, *, memory: DeviceMemory, margin_ratio: float, fixed_bytes: int) -> None:
-        super().__init__(manager, quiet=memory.quiet)
-        self.memory = memory
+    def __init__(self, manager: ChunkManager, *, budget_bytes: int, margin_ratio: float, fixed_bytes: int,
+                 quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> None:
+        super().__init__(manager, quiet=quiet)
+        self.budget_bytes = budget_bytes
         self.margin_ratio = margin_ratio
         self.fixed_bytes = fixed_bytes
         self.plan: MemoryPlan | None = None
@@ -83,15 +86,21 @@ class AutoPlacement(PlacementPolicy):
         return self.plan is not None
 
     # -------------------------------------------------------------------------- planning
-    def adopt(self, plan: MemoryPlan, *, activations: ActivationOffload | None = None) -> None:
+    def activation_room_bytes(self, plan: MemoryPlan) -> int:
+        """The part of ``plan``'s margin that optimizer states leave to saved activations kept on
+        the device (with activation offload; see [Note: activation offload] in
+        gemini/engine/activations.py)."""
+        margin = max(0, plan.margin_bytes)
+        return margin - int(self.margin_ratio * margin)
+
+    def adopt(self, plan: MemoryPlan, *, activation_bytes: int = 0) -> None:
         """Take the warm-up's plan: choose the optimizer-state groups that live on the device,
-        and (with activation offload) the saved activations that stay there."""
+        next to ``activation_bytes`` of saved activations the engine keeps there (at most
+        :meth:`activation_room_bytes`)."""
         self.plan = plan
         margin = max(0, plan.margin_bytes)
-        # The rest of the margin keeps the last saved activations on the device; those bytes
-        # are then part of every period's non-model memory (see [Note: activation offload]).
-        self.activation_bytes = (activations.plan(margin - int(self.margin_ratio * margin))
-                                 if activations is not None else 0)
+        # Those bytes are part of every period's non-model memory from now on.
+        self.activation_bytes = activation_bytes
         trainable = self.manager.trainable_groups
         room = margin_room_bytes(margin, self.margin_ratio, param_dtype=self.manager.param_dtype,
                                  largest_capacity=max((g.param.capacity for g in trainable), default=0))
@@ -224,7 +233,7 @@ class AutoPlacement(PlacementPolicy):
         buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve
         and (ZeRO-3) a prefetched group's parameters."""
         reserve = self.plan.reserve_bytes if self.plan is not None else 0
-        return missing_bytes(self.memory.budget_bytes, self.manager.storage.ledger.bytes_on(Tier.DEVICE),
+        return missing_bytes(self.budget_bytes, self.manager.storage.ledger.bytes_on(Tier.DEVICE),
                              self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
                              self.prefetch_reserve_bytes)
 

@@ -16,19 +16,16 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
 from tracer import Boundary
 
-if TYPE_CHECKING:
-    from gemini.engine.nvme_tier import NvmeTier
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradReduce", "ParamGather", "PlacementPolicy"]
+__all__ = ["GradReduce", "NvmeStates", "ParamGather", "PlacementPolicy"]
 
 
 class GradReduce(Protocol):
@@ -53,6 +50,14 @@ class ParamGather(Protocol):
     def release(self, g: ChunkGroup) -> None: ...
 
     def release_all(self, busy: set[int]) -> None: ...
+
+
+class NvmeStates(Protocol):
+    """The NVMe tier of the optimizer states as a policy uses it (``gemini.engine.nvme_tier.NvmeTier``)."""
+
+    def rebalance(self, host_groups: Sequence[ChunkGroup]) -> None: ...
+
+    def bring_back(self, group: ChunkGroup) -> None: ...
 
 
 class PlacementPolicy:
@@ -86,7 +91,7 @@ class PlacementPolicy:
         self._release_pending: set[int] = set()
         self._latest_backward_groups: list[ChunkGroup] = []  # of the call whose backward began last
         # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
-        self.nvme: NvmeTier | None = None
+        self.nvme: NvmeStates | None = None
         # ZeRO (None without data parallelism), plugged in by initialize: the gradient
         # reduce-scatter, and with parameter sharding the parameter all-gather (see
         # gemini/parallel/zero.py; the policy sees them only through these protocols).

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
-from gemini.engine.memory import DeviceBudgetError
+from gemini.errors import DeviceBudgetError
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.footprint import DeviceGroups, chunk_bytes, static_choice
 
