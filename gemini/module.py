@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from chunks import ChunkState
+from gemini.optim.clipping import clip_model_grad_norm_
 from gemini.parallel.zero import gather_state
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class GeminiModel(nn.Module):
         scale them in place so that their total norm is at most ``max_norm``, and return the
         total norm before clipping. Works under every placement, fp16 (the norm is of the
         unscaled gradients) and ZeRO (a collective: every rank calls it; ``norm_type`` 2 only)."""
-        return self._runtime.clip_grad_norm_(max_norm, norm_type)
+        return clip_model_grad_norm_(self._runtime, max_norm, norm_type)
 
     # ---------------------------------------------------------------------- devices
     def to(self, *args: Any, **kwargs: Any) -> GeminiModel:

@@ -7,18 +7,17 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from chunks import ChunkGroup, ChunkManager, ChunkState, ChunkStorage, Tier
 from gemini.engine.activations import ActivationOffload
-from gemini.optim.clipping import clip_coefficient, grad_norm, scale_grads_
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
 from gemini.policies.footprint import named_bytes
 from gemini.engine.grad_views import GradViews
 from gemini.engine.hooks import ModuleHooks
-from gemini.optim.loss_scaler import DynamicLossScaler
 from gemini.engine.memory import DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.policies import AutoPlacement, PlacementPolicy
@@ -27,12 +26,18 @@ from gemini.engine.step_report import StepOutcome, step_report
 from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, check_peak
-from gemini.parallel.zero import agree_grad_ready, gather_params
+from gemini.parallel.zero import gather_params
 from tracer import Boundary, InputSignature, input_signature
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GeminiRuntime"]
+
+
+class LossScale(Protocol):
+    """What the engine reads of the optimizer's fp16 loss scaler (``gemini.optim.loss_scaler``)."""
+
+    scale: float
 
 
 @dataclass(eq=False)
@@ -51,7 +56,7 @@ class GeminiRuntime:
     hooks: ModuleHooks | None = None
     activations: ActivationOffload | None = None  # GeminiConfig.offload_activations
     grad_views: GradViews | None = None  # p.grad between backward and the next pass; made in __post_init__
-    scaler: DynamicLossScaler | None = None  # fp16: the optimizer's loss scaler
+    scaler: LossScale | None = None  # fp16: the optimizer's loss scaler (gemini.optim.loss_scaler)
     report_writer: ReportWriter | None = None
     warmup: Warmup | None = None
     plan: MemoryPlan | None = None
@@ -101,26 +106,6 @@ class GeminiRuntime:
             g.grad_shard_filled = False
         for p in self.module_params:
             p.grad = None
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """See :meth:`gemini.GeminiModel.clip_grad_norm_`."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
-            raise ValueError(f"max_norm={max_norm!r} is invalid: expected a number >= 0")
-        self.grad_views.hide()  # what torch code did to p.grad counts
-        with torch.no_grad():
-            groups = self.manager.trainable_groups
-            if self.zero is not None:
-                agree_grad_ready(self.zero, groups)  # see [Note: the order of collectives]
-            groups = [g for g in groups if g.any_grad_ready]
-            tiers = {g.index: g.step_grad.primary_tier for g in groups}
-            norm = grad_norm(groups, tiers, self.param_order, zero=self.zero, norm_type=norm_type)
-            if self.scaler is not None:
-                norm = norm / self.scaler.scale
-            coef = clip_coefficient(norm, float(max_norm))
-            if coef is not None:
-                scale_grads_(groups, tiers, coef)
-        self.grad_views.expose()
-        return norm
 
     # -------------------------------------------------------------------- iteration events
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 import torch
 
 from chunks import ChunkGroup, Tier
+from gemini.engine.runtime import GeminiRuntime
 from gemini.parallel.collectives import Collectives
-from gemini.parallel.zero import sharded_grad_norm
+from gemini.parallel.zero import agree_grad_ready, sharded_grad_norm
 
-__all__ = ["CLIP_EPS", "clip_coefficient", "grad_norm", "scale_grads_"]
+__all__ = ["CLIP_EPS", "clip_coefficient", "clip_model_grad_norm_", "grad_norm", "scale_grads_"]
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
 CLIP_EPS = 1e-6
@@ -69,3 +70,25 @@ def scale_grads_(groups: Sequence[ChunkGroup], tiers: dict[int, Tier], coef: tor
         by_device.setdefault(view.device, []).append(view)
     for device, views in by_device.items():
         torch._foreach_mul_(views, coef.to(device))
+
+
+def clip_model_grad_norm_(rt: GeminiRuntime, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``GeminiModel.clip_grad_norm_``: the total norm of the gradients in ``rt``'s chunks (of the
+    unscaled ones under fp16), and, above ``max_norm``, every gradient scaled down in place."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm={max_norm!r} is invalid: expected a number >= 0")
+    rt.grad_views.hide()  # what torch code did to p.grad counts
+    with torch.no_grad():
+        groups = rt.manager.trainable_groups
+        if rt.zero is not None:
+            agree_grad_ready(rt.zero, groups)  # see [Note: the order of collectives]
+        groups = [g for g in groups if g.any_grad_ready]
+        tiers = {g.index: g.step_grad.primary_tier for g in groups}
+        norm = grad_norm(groups, tiers, rt.param_order, zero=rt.zero, norm_type=norm_type)
+        if rt.scaler is not None:
+            norm = norm / rt.scaler.scale
+        coef = clip_coefficient(norm, float(max_norm))
+        if coef is not None:
+            scale_grads_(groups, tiers, coef)
+    rt.grad_views.expose()
+    return norm
