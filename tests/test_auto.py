@@ -76,6 +76,30 @@ def test_one_set_of_hooks_traces_and_counts_every_period():
     assert_params_close(got[-1], want[-1], step=len(got) - 1)
 
 
+def test_a_validation_pass_between_steps_charges_nothing_to_the_next_iteration():
+    """[Note: an evaluation forward's window]: after a forward under no_grad between steps, what
+    the loop allocates and keeps (metrics, the next batch: the full budget's worth in host
+    memory here) is not charged to the next training iteration; every step passes its budget
+    check and equals AdamW."""
+    budget = int(_model_data_bytes() / 2.5)
+    base, ref = clone_pair(CFG)
+    data = batches(CFG, 4, batch=2, seq=16)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=budget)
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+    held = None
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert opt.report.device_peak_bytes <= budget
+        assert_params_close(gmodel.state_dict(), want[step], step=step)
+        with torch.no_grad():
+            gmodel(x)
+        held = torch.zeros(budget // 4)  # budget bytes of float32, alive through the next iteration
+    assert held is not None and opt._rt.placement.evictions > 0
+
+
 def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
     base, _ = clone_pair(CFG)
     gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory="200KiB")

@@ -68,6 +68,7 @@ class GeminiRuntime:
     _warmup_peak_bytes: int = 0
     _signature: InputSignature | None = None  # the traced iteration's inputs
     _backward_passes_at_trace: int = 0
+    _evaluation_window: bool = False  # this forward opened the window without grad (see on_root_forward_end)
 
     def __post_init__(self) -> None:
         if self.system is None:
@@ -111,6 +112,7 @@ class GeminiRuntime:
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
         """The root module's forward begins (its first forward pre-hook)."""
         self.grad_views.hide()
+        self._evaluation_window = not torch.is_grad_enabled() and not self.window_open
         self.begin_window()
         if isinstance(self.placement, AutoPlacement):
             if self.warmup is None:
@@ -129,6 +131,14 @@ class GeminiRuntime:
         """The root module's forward is over (also when it raised)."""
         if self.activations is not None:
             self.activations.end_forward()
+        # [Note: an evaluation forward's window] A forward without grad between steps (a
+        # validation pass) is no part of the next training iteration: the window it opened
+        # closes with it. Left open, everything the loop allocated after it (metrics, the next
+        # batch: device tensors to the CPU stand-in's monitor) was charged to the next
+        # iteration, whose budget check then failed for memory the training never used.
+        if self._evaluation_window and not self.tracing:
+            self.end_window()
+        self._evaluation_window = False
 
     def on_backward_begin(self) -> None:
         """A backward pass begins: no gradient view may move under autograd's feet; where no
@@ -212,13 +222,18 @@ class GeminiRuntime:
         self.system.close()
 
     # ----------------------------------------------------------------------- measurement
+    @property
+    def window_open(self) -> bool:
+        """Whether the device is being measured now (an iteration's window is open)."""
+        return self.memory.monitor is not None and self.memory.monitor.running
+
     def begin_window(self) -> None:
         """Start measuring the device (if not already) for the iteration beginning now."""
-        if self.memory.monitor is not None and not self.memory.monitor.running:
+        if self.memory.monitor is not None and not self.window_open:
             self.memory.start(self.device_tensors())
 
     def end_window(self) -> None:
-        if self.memory.monitor is not None and self.memory.monitor.running:
+        if self.window_open:
             self.memory.monitor.stop()
 
     def device_tensors(self) -> list[torch.Tensor]:
