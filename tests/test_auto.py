@@ -76,28 +76,43 @@ def test_one_set_of_hooks_traces_and_counts_every_period():
     assert_params_close(got[-1], want[-1], step=len(got) - 1)
 
 
-def test_a_validation_pass_between_steps_charges_nothing_to_the_next_iteration():
-    """[Note: an evaluation forward's window]: after a forward under no_grad between steps, what
-    the loop allocates and keeps (metrics, the next batch: the full budget's worth in host
-    memory here) is not charged to the next training iteration; every step passes its budget
-    check and equals AdamW."""
-    budget = int(_model_data_bytes() / 2.5)
+def _auto_checked_each_step(budget: int, *, chunk_size: int = CHUNK, ratio: float = 0.0,
+                            configure=lambda opt: None, between_steps=lambda gmodel, opt, x, step: None):
+    """Auto under ``budget`` against plain AdamW: every step under the budget and equal to AdamW.
+    ``configure(opt)`` runs before the first step, ``between_steps(gmodel, opt, x, step)`` after
+    each. Returns the optimizer."""
     base, ref = clone_pair(CFG)
     data = batches(CFG, 4, batch=2, seq=16)
     _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=budget)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=chunk_size, device_memory=budget,
+                               gpu_margin_mem_ratio=ratio)
     gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
-    held = None
+    configure(opt)
     for step, (x, y) in enumerate(data):
         opt.backward(GPT.loss(gmodel(x), y))
         opt.step()
         opt.zero_grad()
         assert opt.report.device_peak_bytes <= budget
         assert_params_close(gmodel.state_dict(), want[step], step=step)
+        between_steps(gmodel, opt, x, step)
+    return opt
+
+
+def test_a_validation_pass_between_steps_charges_nothing_to_the_next_iteration():
+    """[Note: an evaluation forward's window]: after a forward under no_grad between steps, what
+    the loop allocates and keeps (metrics, the next batch: the full budget's worth in host
+    memory here) is not charged to the next training iteration; every step passes its budget
+    check and equals AdamW."""
+    budget = int(_model_data_bytes() / 2.5)
+    held = []
+
+    def validate_then_allocate(gmodel, opt, x, step):
         with torch.no_grad():
             gmodel(x)
-        held = torch.zeros(budget // 4)  # budget bytes of float32, alive through the next iteration
-    assert held is not None and opt._rt.placement.evictions > 0
+        held[:] = [torch.zeros(budget // 4)]  # budget bytes of float32, alive through the next iteration
+
+    opt = _auto_checked_each_step(budget, between_steps=validate_then_allocate)
+    assert held and opt._rt.placement.evictions > 0
 
 
 def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
@@ -273,19 +288,7 @@ def test_margin_is_measured_at_one_moment_not_summed_across_moments():
     """The margin subtracts the warm-up's measured peak, not the largest non-model peak plus the
     largest chunk working set (peaks of two moments): the margin is larger, and training with
     all of it on the device stays under the budget on every step and equals AdamW."""
-    budget = int(1.2 * _model_data_bytes())
-    base, ref = clone_pair(CFG)
-    data = batches(CFG, 4, batch=2, seq=16)
-    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=4096, device_memory=budget,
-                               gpu_margin_mem_ratio=1.0)
-    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
-    for step, (x, y) in enumerate(data):
-        opt.backward(GPT.loss(gmodel(x), y))
-        opt.step()
-        opt.zero_grad()
-        assert opt.report.device_peak_bytes <= budget
-        assert_params_close(gmodel.state_dict(), want[step], step=step)
+    opt = _auto_checked_each_step(int(1.2 * _model_data_bytes()), chunk_size=4096, ratio=1.0)
     plan = opt._rt.plan
     assert plan.margin_bytes == plan.budget_bytes - plan.reserve_bytes - plan.planned_peak_bytes
     assert plan.planned_peak_bytes >= plan.warmup_peak_bytes
@@ -441,25 +444,19 @@ def test_eviction_order_changes_traffic_never_results():
     moves more bytes than the Belady order over the plan."""
     from tracer import EvictionRule
 
-    budget = int(_model_data_bytes() / 4)
-    data = batches(CFG, 4, batch=2, seq=16)
     traffic = {}
     for rule in EvictionRule:
-        base, ref = clone_pair(CFG)
-        _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-        gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=budget)
-        gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
-        opt._rt.placement.eviction_rule = rule
-        moved = 0
-        for step, (x, y) in enumerate(data):
-            opt.backward(GPT.loss(gmodel(x), y))
-            opt.step()
-            opt.zero_grad()
-            assert opt.report.device_peak_bytes <= budget
-            assert_params_close(gmodel.state_dict(), want[step], step=step)
+        moved = [0]
+
+        def count_traffic(gmodel, opt, x, step):
             if step > 0:  # after the warm-up, where the rule is in force
-                moved += opt.report.h2d_bytes + opt.report.d2h_bytes
+                moved[0] += opt.report.h2d_bytes + opt.report.d2h_bytes
+
+        def use_rule(opt, rule=rule):
+            opt._rt.placement.eviction_rule = rule
+
+        opt = _auto_checked_each_step(int(_model_data_bytes() / 4), configure=use_rule, between_steps=count_traffic)
         assert opt._rt.placement.evictions > 0
-        traffic[rule] = moved
+        traffic[rule] = moved[0]
     # On this model and budget the orders differ, so the rule is really in force.
     assert traffic[EvictionRule.LRU] > traffic[EvictionRule.BELADY] > 0
