@@ -66,9 +66,9 @@ def run(cfg: GPTConfig, args, *, placement: str, budget: int, ratio: float = 0.0
             times.append(seconds)
             reports.append(opt.report)
         else:
-            warmup_evictions = getattr(opt._rt.placement, "evictions", 0)
+            warmup_evictions = opt._rt.residency.evictions
     r = reports[-1]
-    evictions = getattr(opt._rt.placement, "evictions", 0)
+    evictions = opt._rt.residency.evictions
     return {
         "placement": placement,
         "budget_bytes": budget,

@@ -154,7 +154,7 @@ def trial(w: Workload, batches, device: str, *, budget: int | None, checkpointin
         "activation_offload_bytes": reports[-1].activation_offload_bytes,
         "activation_kept_bytes": reports[-1].activation_kept_bytes,
         "h2d_bytes": reports[-1].h2d_bytes,
-        "evictions": getattr(opt._rt.placement, "evictions", 0),
+        "evictions": opt._rt.residency.evictions,
     }
     if want is not None:
         got = {k: v.detach().cpu() for k, v in gmodel.state_dict().items()}

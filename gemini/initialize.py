@@ -20,6 +20,7 @@ from gemini.engine.activations import ActivationOffload
 from gemini.config import GeminiConfig
 from gemini.policies.footprint import Layout, chunk_bytes, device_groups
 from gemini.engine.hooks import ModuleHooks
+from gemini.engine.residency import Residency
 from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
@@ -134,10 +135,10 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     layout = manager.layout(named_groups, frozen)  # what register() will build; nothing allocated yet
     _check_device_budget(config, layout, manager)
     fixed_bytes = _move_buffers(model, device, config.param_dtype)
-    placement = make_placement(config, manager, budget_bytes=memory.budget_bytes, fixed_bytes=fixed_bytes,
-                               quiet=memory.quiet)
+    placement = make_placement(config, manager, budget_bytes=memory.budget_bytes, fixed_bytes=fixed_bytes)
+    residency = Residency(manager, placement, quiet=memory.quiet)
     nvme = _make_nvme_tier(config, manager, layout)
-    placement.nvme = nvme
+    residency.nvme = nvme
     try:
         manager.register(named_groups, frozen, initial_tier=placement.initial_tier,
                          on_group=nvme.admit if nvme is not None else lambda group: None, source=values.source)
@@ -146,23 +147,24 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
         if isinstance(placement, StaticPlacement) and config.device_memory is not None:
             _check_static_budget(placement, config.device_memory, fixed_bytes)
         if zero is not None:
-            _attach_zero(zero, manager, placement)
-        placement.setup()
-        placement.rebalance_nvme()
+            _attach_zero(zero, manager, residency, quiet=memory.quiet)
+        residency.setup()
+        residency.rebalance_nvme()
         if writer is not None:
             writer.start_run(_run_header(config, chunk_size=chunk_size, world=world, rank=rank))
     except BaseException:
         storage.close_nvme()  # no files left behind by a failed initialize
         raise
     runtime = GeminiRuntime(
-        config=config, device=device, storage=storage, manager=manager, placement=placement, memory=memory,
+        config=config, device=device, storage=storage, manager=manager, placement=placement,
+        residency=residency, memory=memory,
         module=model, module_params=tuple(model.parameters()), fixed_bytes=fixed_bytes, report_writer=writer,
         nvme=nvme, zero=zero,
     )
     if config.offload_activations:
         runtime.activations = ActivationOffload(storage, min_bytes=config.activation_offload_min_bytes)
     runtime.hooks = ModuleHooks(
-        model, manager, placement, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window,
+        model, manager, residency, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window,
         on_backward_begin=runtime.on_backward_begin, on_backward_end=runtime.on_backward_end,
         on_root_forward_end=runtime.on_root_forward_end, accumulated_in_place=runtime.grad_views.accumulated_in_place,
         on_boundary=runtime.on_boundary,
@@ -191,11 +193,13 @@ def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]], *, world: 
     return round_up(found.chunk_size, world)
 
 
-def _attach_zero(zero, manager: ChunkManager, placement) -> None:
-    """ZeRO's collectives, driven by the placement's hooks (see gemini/parallel/zero.py)."""
-    placement.reducer = GradReducer(zero, manager, optimizer_tier=placement.optimizer_tier, quiet=placement.quiet)
+def _attach_zero(zero, manager: ChunkManager, residency: Residency, *, quiet) -> None:
+    """ZeRO's collectives, driven by the engine's moves (see gemini/parallel/zero.py)."""
+    placement = residency.policy
+    residency.reducer = GradReducer(zero, manager, optimizer_tier=placement.optimizer_tier, quiet=quiet)
     if manager.shard_params:
-        placement.gatherer = ParamGatherer(zero, manager)
+        residency.gatherer = ParamGatherer(zero, manager)
+        placement.gathers_params = True
         if isinstance(placement, AutoPlacement):
             placement.prefetch_reserve_bytes = max((g.param.nbytes for g in manager.groups), default=0)
     logger.info("ZeRO-%d: rank %d of %d keeps 1/%d of every chunk's optimizer states%s", 3 if manager.shard_params

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def test_model_data_2_5x_the_budget_trains_under_budget_and_equals_adamw():
         assert r.device_budget_bytes == budget
     # Parameters and gradients alone exceed the budget, so chunks really were evicted.
     assert 8 * CFG.num_params() > budget
-    assert opt._rt.placement.evictions > 0
+    assert opt._rt.residency.evictions > 0
     assert reports[-1].h2d_bytes > 0 and reports[-1].os_chunks_on_device == 0
     assert opt._rt.plan is not None and opt._rt.plan.max_non_model_bytes > 0
 
@@ -112,7 +113,7 @@ def test_a_validation_pass_between_steps_charges_nothing_to_the_next_iteration()
         held[:] = [torch.zeros(budget // 4)]  # budget bytes of float32, alive through the next iteration
 
     opt = _auto_checked_each_step(budget, between_steps=validate_then_allocate)
-    assert held and opt._rt.placement.evictions > 0
+    assert held and opt._rt.residency.evictions > 0
 
 
 def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
@@ -185,7 +186,7 @@ def test_checkpointing_leaves_no_compute_reference_behind(placement):
     gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2)
     for x, y in batches(cfg, 3, batch=2, seq=16):
         opt.backward(GPT.loss(gmodel(x), y))
-        assert not any(opt._rt.placement._compute_refs.values()), opt._rt.placement._compute_refs
+        assert not any(opt._rt.residency._compute_refs.values()), opt._rt.residency._compute_refs
         opt.step()
         opt.zero_grad()
 
@@ -327,7 +328,7 @@ def test_two_forwards_before_one_backward_hold_no_more_chunks_than_one():
     two, opt = _two_forward_run("cpu", 2, device_memory=2**40)
     assert two[-1].device_model_peak_bytes <= one[-1].device_model_peak_bytes
     assert two[-1].h2d_bytes <= 2 * one[-1].h2d_bytes  # at most once per forward
-    assert not opt._rt.placement._fetched_for_backward and not any(opt._rt.placement._compute_refs.values())
+    assert not opt._rt.residency._fetched_for_backward and not any(opt._rt.residency._compute_refs.values())
 
 
 def test_two_forwards_follow_the_traced_iteration_under_auto():
@@ -339,7 +340,7 @@ def test_two_forwards_follow_the_traced_iteration_under_auto():
     assert not opt._rt.placement._diverged
     assert opt._rt.placement.period == len(opt._rt.plan.keys) - 1  # every traced period was seen
     assert all(r.device_peak_bytes <= budget for r in reports)
-    assert opt._rt.placement.evictions > 0
+    assert opt._rt.residency.evictions > 0
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -369,7 +370,7 @@ def test_a_tied_weight_leaves_the_device_between_its_uses_in_backward(checkpoint
         on_device_in_block_backward.clear()
         opt.backward(GPT.loss(gmodel(x), y))
         assert on_device_in_block_backward and not any(on_device_in_block_backward)
-        assert not opt._rt.placement._fetched_for_backward and not any(opt._rt.placement._compute_refs.values())
+        assert not opt._rt.residency._fetched_for_backward and not any(opt._rt.residency._compute_refs.values())
         opt.step()
         opt.zero_grad()
         assert_params_close(gmodel.state_dict(), want[step], step=step)
@@ -456,7 +457,39 @@ def test_eviction_order_changes_traffic_never_results():
             opt._rt.placement.eviction_rule = rule
 
         opt = _auto_checked_each_step(int(_model_data_bytes() / 4), configure=use_rule, between_steps=count_traffic)
-        assert opt._rt.placement.evictions > 0
+        assert opt._rt.residency.evictions > 0
         traffic[rule] = moved[0]
     # On this model and budget the orders differ, so the rule is really in force.
     assert traffic[EvictionRule.LRU] > traffic[EvictionRule.BELADY] > 0
+
+
+_CHUNK_MOVES = ("allocate", "fetch", "offload", "drop_host_copy", "drop_device_copy", "move_to", "release")
+
+
+@pytest.mark.parametrize("placement", ["auto", "static", "cpu"])
+def test_policies_decide_and_the_engine_moves(monkeypatch, placement):
+    """No chunk move is made from gemini/policies/: the policy decides (tiers, what stays, what to
+    evict and prefetch) and gemini/engine/residency.py moves, under budget pressure too."""
+    from chunks import Chunk
+
+    callers = []
+    for name in _CHUNK_MOVES:
+        def recorded(self, *args, _move=getattr(Chunk, name), **kwargs):
+            callers.append(sys._getframe(1).f_globals.get("__name__", "?"))
+            return _move(self, *args, **kwargs)
+
+        monkeypatch.setattr(Chunk, name, recorded)
+    extra = {"auto": dict(device_memory=int(_model_data_bytes() / 2.5)),
+             "static": dict(static_param_device_fraction=0.5, static_optimizer_offload_fraction=0.5),
+             "cpu": {}}[placement]
+    base, _ = clone_pair(CFG)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=CHUNK,
+                                                              **extra), lr=1e-2)
+    for x, y in batches(CFG, 3, batch=2, seq=16):
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+    assert "gemini.engine.residency" in callers
+    assert not [c for c in callers if c.startswith("gemini.policies")], sorted(set(callers))
+    if placement == "auto":
+        assert opt._rt.residency.evictions > 0

@@ -100,7 +100,7 @@ def test_compiled_model_equals_adamw(name):
     # aot_eager runs the eager kernels: the same bits as eager gemini, which equals AdamW.
     _check(got_losses, got, want_losses, want, graphs, rtol=1e-6, atol=1e-7)
     if name == "auto-evicting":
-        assert opt._rt.placement.evictions > 0
+        assert opt._rt.residency.evictions > 0
         assert opt.report.device_peak_bytes <= cfg.device_memory
 
 

@@ -172,6 +172,6 @@ def test_auto_under_budget_pressure_with_prefetch_equals_adamw_on_cuda():
         Chunk.ready_on_device = ready
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, {k: v.cpu() for k, v in w.items()}, step=step)
-    assert opt._rt.placement.track_periods and opt._rt.placement.evictions > 0
+    assert opt._rt.placement.track_periods and opt._rt.residency.evictions > 0
     assert waited[0] > 0, "no prefetch was waited for at its first use"
     assert opt.report.device_peak_bytes <= budget

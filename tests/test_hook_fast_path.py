@@ -49,8 +49,8 @@ def test_autograd_accumulates_into_the_gradient_chunk_itself():
                                     lr=1e-2)
     rt = opt._rt
     calls = []
-    buffer = rt.placement.grad_buffer
-    rt.placement.grad_buffer = lambda group: calls.append(group.index) or buffer(group)
+    buffer = rt.residency.grad_buffer
+    rt.residency.grad_buffer = lambda group: calls.append(group.index) or buffer(group)
     (x, y), = batches(TINY, 1)
     from gemini.tools.gpt import GPT
     for micro in range(2):  # the second accumulates onto the first, in the same storage

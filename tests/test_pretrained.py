@@ -146,7 +146,7 @@ def test_trains_exactly_like_from_pretrained_with_adamw(checkpoints, tmp_path, c
         assert model.lm_head.weight is model.model.embed_tokens.weight
         torch.testing.assert_close(got[-1]["lm_head.weight"], got[-1]["model.embed_tokens.weight"], rtol=0, atol=0)
     if case.startswith("auto"):
-        assert opt._rt.placement.evictions > 0, "the budget was meant to force evictions"
+        assert opt._rt.residency.evictions > 0, "the budget was meant to force evictions"
     if case.startswith("nvme"):
         assert opt._rt.nvme.groups, "some optimizer states were meant to live on NVMe"
         assert opt.report.nvme_read_bytes > 0

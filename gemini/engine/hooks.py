@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.memory import DeviceBudgetError
-from gemini.policies.base import PlacementPolicy
+from gemini.engine.residency import Residency
 from offload.profiling import trace_range
 from tracer import Boundary, PeriodHooks
 
@@ -78,7 +78,7 @@ def _needing_grad(tree) -> list[torch.Tensor]:
 # all have fired, holding nothing of the graph. An input whose gradient this backward never
 # computes (a partial backward) leaves the count short: the call is then never reported done and
 # its groups are held until their gradients are in, the conservative path (see [Note: a group
-# between its uses in backward] in gemini/policies/base.py).
+# between its uses in backward] in gemini/engine/residency.py).
 def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
     """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed
     (see [Note: a hook on all inputs' gradients without a cycle]); False if none needs one."""
@@ -104,7 +104,7 @@ class ModuleHooks:
         self,
         module: nn.Module,
         manager: ChunkManager,
-        placement: PlacementPolicy,
+        residency: Residency,
         *,
         on_root_forward: Callable[[tuple, dict], None],
         on_budget_error: Callable[[], None],
@@ -115,7 +115,7 @@ class ModuleHooks:
         accumulated_in_place: Callable[[nn.Parameter], bool] = lambda param: False,
     ) -> None:
         self.manager = manager
-        self.placement = placement
+        self.residency = residency
         self._on_budget_error = on_budget_error
         self._on_backward_begin = on_backward_begin
         self._on_backward_end = on_backward_end
@@ -154,13 +154,13 @@ class ModuleHooks:
         for sub in module.modules():
             groups = manager.groups_of(sub.parameters(recurse=False))
             if groups:
-                placement.count_uses(groups)
+                residency.count_uses(groups)
                 self._owners.append((sub, groups))
         # The root's own hooks stay for good: the plan that lets the others go is adopted inside
         # the root's pre-hook (gradient accumulation), while torch iterates over the root's hooks.
-        if placement.follows_modules and self._owners and self._owners[0][0] is module:
+        if residency.follows_modules and self._owners and self._owners[0][0] is module:
             self._install(*self._owners.pop(0), into=self._handles)
-        self.follow_modules(placement.follows_modules)
+        self.follow_modules(residency.follows_modules)
         # A parameter's hooks live in its C++ tensor, where the garbage collector cannot follow
         # them: one holding these hooks strongly kept the whole engine (every chunk) alive for
         # good, even with the model and the optimizer dropped. So it holds them weakly; the
@@ -234,10 +234,10 @@ class ModuleHooks:
         uses = self._open_uses.setdefault(module, [])
         uses.append(None)
         with self._phase("gemini::pre_forward"):
-            self.placement.before_compute(groups)
+            self.residency.before_compute(groups)
             # This call's backward is done once its inputs' gradients are (see [Note: a group
             # between its uses in backward]); a recompute's inputs never get gradients.
-            if torch._C._current_graph_task_id() == -1 and self.placement.track_backward_uses(groups):
+            if torch._C._current_graph_task_id() == -1 and self.residency.track_backward_uses(groups):
                 use = uses[-1] = _BackwardUse(groups)
                 use.via_inputs = hook_all_grads_of(args, functools.partial(self._backward_use_done, use))
 
@@ -245,17 +245,17 @@ class ModuleHooks:
         if use.begun and not use.done:  # inputs that got gradients along another path: not this use's
             use.done = True
             with self._phase("gemini::backward_use_done"):
-                self.placement.backward_use_done(use.groups)
+                self.residency.backward_use_done(use.groups)
 
     @torch._disable_dynamo
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):
         with trace_range("gemini::post_forward"):
             use = self._open_uses[module].pop()
-            self.placement.after_compute(groups)
+            self.residency.after_compute(groups)
             # Under ZeRO-3 a released group's parameters become empty tensors, which the
             # parameters' AccumulateGrad (run after the call's own nodes) cannot take a
             # gradient into: such calls are held until their gradients are in.
-            if use is not None and not use.via_inputs and self.placement.gatherer is None:
+            if use is not None and not use.via_inputs and self.residency.gatherer is None:
                 self._hook_nodes_of(output, use)
             self._hook_grads_of(output, functools.partial(self._pre_backward, groups, use))
         return None
@@ -292,7 +292,7 @@ class ModuleHooks:
     @torch._disable_dynamo
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
         self._on_root_forward_end()
-        self.placement.end_forward()
+        self.residency.end_forward()
         # The root's outputs get their gradients before any parameter of the model does (a
         # parameter's gradient flows through them), so the backward pass begins here: the
         # gradient views are withdrawn before autograd could accumulate into one.
@@ -320,7 +320,7 @@ class ModuleHooks:
             self._begin_backward_pass()
             if use is not None:
                 use.begun = True
-            self.placement.before_backward(groups)
+            self.residency.before_backward(groups)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
@@ -334,8 +334,8 @@ class ModuleHooks:
         with self._phase("gemini::grad_to_chunk"):
             group, slot = self.manager.locate(param)
             if group.grads_this_backward == 0:
-                self.placement.mark()  # the group's first gradient of this backward
-            grad = self.placement.grad_buffer(group)
+                self.residency.mark()  # the group's first gradient of this backward
+            grad = self.residency.grad_buffer(group)
             dst = grad.flat_view(slot)
             src = param.grad.reshape(-1)
             if group.grad_ready[slot.index]:
@@ -351,17 +351,17 @@ class ModuleHooks:
         group.grads_this_backward += 1
         if group.grads_this_backward == len(group.slots):
             group.grads_this_backward = 0
-            self.placement.after_backward(group)
+            self.residency.after_backward(group)
 
     def _end_of_backward(self) -> None:
         """Close chunk groups whose parameters got no gradient (unused or frozen)."""
         with trace_range("gemini::end_of_backward"):
             self._backward_queued = False
             self.backward_passes += 1
-            for group in self.placement.groups_fetched_for_backward():
+            for group in self.residency.groups_fetched_for_backward():
                 group.grads_this_backward = 0
-                self.placement.after_backward(group)
-            self.placement.end_backward()
+                self.residency.after_backward(group)
+            self.residency.end_backward()
             for group in self.manager.trainable_groups:
                 group.grads_this_backward = 0
             self._on_backward_end()

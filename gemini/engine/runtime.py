@@ -20,6 +20,7 @@ from gemini.engine.grad_views import GradViews
 from gemini.engine.hooks import ModuleHooks
 from gemini.engine.memory import DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
+from gemini.engine.residency import Residency
 from gemini.policies import AutoPlacement, PlacementPolicy
 from gemini.policies.plan import MemoryPlan
 from gemini.engine.step_report import StepOutcome, step_report
@@ -46,7 +47,8 @@ class GeminiRuntime:
     device: torch.device
     storage: ChunkStorage
     manager: ChunkManager
-    placement: PlacementPolicy
+    placement: PlacementPolicy  # decides
+    residency: Residency  # moves, as the placement decides
     memory: DeviceMemory
     module: torch.nn.Module
     module_params: tuple[torch.nn.Parameter, ...]  # the module's parameters, in its order
@@ -123,7 +125,7 @@ class GeminiRuntime:
             elif not self.warmup.tracing and torch.is_grad_enabled() and input_signature(args, kwargs) != self._signature:
                 logger.info("auto placement: input shapes changed; tracing this iteration again")
                 self._retrace(args, kwargs)
-        self.placement.begin_forward()
+        self.residency.begin_forward()
         if self.activations is not None:
             self.activations.begin_forward()
 
@@ -146,7 +148,7 @@ class GeminiRuntime:
         if self.placement.follows_modules:
             self.grad_views.hide()
         else:
-            self.grad_views.arm(self.placement.grad_buffer)
+            self.grad_views.arm(self.residency.grad_buffer)
 
     def on_backward_end(self) -> None:
         """A backward pass is over: gradients are in their chunks."""
@@ -160,7 +162,7 @@ class GeminiRuntime:
         if self.tracing:
             self.warmup.tracer.on_boundary(boundary)
         elif self.placement.track_periods:
-            self.placement.on_boundary(boundary)
+            self.residency.on_boundary(boundary)
 
     def _begin_warmup(self, args: tuple, kwargs: dict) -> None:
         self._signature = input_signature(args, kwargs)
@@ -188,14 +190,16 @@ class GeminiRuntime:
         if self.activations is not None:
             activation_bytes = self.activations.plan(self.placement.activation_room_bytes(self.plan))
         self.placement.adopt(self.plan, activation_bytes=activation_bytes)
-        self.placement.rebalance_nvme()
+        self.residency.apply_choice()
+        self.residency.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
         self.hooks.follow_periods(self.placement.track_periods)
 
     def _retrace(self, args: tuple, kwargs: dict) -> None:
         """New shapes: drop the plan, warm up again (conservatively) and plan anew at the step."""
         self.placement.abandon_plan()
-        self.placement.rebalance_nvme()
+        self.residency.apply_choice(drop_unkept=True)
+        self.residency.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
         if self.activations is not None:
             self.activations.forget_plan()
@@ -309,13 +313,13 @@ class GeminiRuntime:
         if not skipped:
             self.gather_updated_params(groups)
             for g in groups:
-                self.placement.after_commit(g)
-        if self.placement.gatherer is not None:
-            self.placement.gatherer.end_iteration()
+                self.residency.after_commit(g)
+        if self.residency.gatherer is not None:
+            self.residency.gatherer.end_iteration()
 
     def gather_updated_params(self, groups: Sequence[ChunkGroup]) -> None:
         """ZeRO-1/2: every rank's updated range of ``groups``' parameters (ZeRO-3 gathers on use)."""
-        if self.zero is not None and self.placement.gatherer is None:
+        if self.zero is not None and self.residency.gatherer is None:
             gather_params(self.zero, groups, self.storage)
 
     def step_report(self, outcome: StepOutcome, *, step: int, started: float) -> MemoryReport:
@@ -329,6 +333,6 @@ class GeminiRuntime:
                 self.report_writer.write(report)
             except OSError as e:  # the step has landed: raising would invite a retry that steps twice
                 logger.error("step %d landed, but its report could not be written: %s", report.step, e)
-        if self.placement.gatherer is not None:
-            self.placement.gatherer.gathers = 0
+        if self.residency.gatherer is not None:
+            self.residency.gatherer.gathers = 0
         self.start_new_step()

@@ -30,7 +30,7 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
     """The report of step number ``step``, read before the counters start again."""
     ledger = rt.storage.ledger
     transfers = ledger.transfers
-    gatherer = rt.placement.gatherer
+    gatherer = rt.residency.gatherer
     return MemoryReport(
         step=step,
         device_peak_bytes=rt.device_peak_bytes(),

@@ -143,7 +143,7 @@ class HybridAdam(torch.optim.Optimizer):
             nvme.prefetch(streamed)  # the first reads overlap the norm
         scale = self.loss_scale
         with trace_range("gemini::gather_for_step"):
-            tiers = {g.index: rt.placement.before_step(g) for g in groups}
+            tiers = {g.index: rt.residency.before_step(g) for g in groups}
         norm = None
         if rt.config.clip_grad_norm > 0 or self.scaler is not None:
             with trace_range("gemini::grad_norm"):
@@ -175,14 +175,14 @@ class HybridAdam(torch.optim.Optimizer):
                     tx.save_values(g, *self._changed_in_memory(g))
                     for batch in prepare([g], keep_grads=True):
                         seconds[batch.tier] += run_batch(rt, batch)
-                    rt.placement.after_step(g)
+                    rt.residency.after_step(g)
             finally:
                 stream.close()  # every write confirmed, or (after an error) every request ended
         for batch in batches:
             seconds[batch.tier] += run_batch(rt, batch)
         with trace_range("gemini::params_from_masters"):
             for g in resident:
-                rt.placement.after_step(g)
+                rt.residency.after_step(g)
         return StepOutcome(skipped=False, grad_norm=norm_value, adam_seconds=seconds, loss_scale=scale)
 
     @staticmethod

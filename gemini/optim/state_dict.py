@@ -194,5 +194,5 @@ def load_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> No
                     g.exp_avg_sq.write_range(0, entry["exp_avg_sq"])
                     g.steps.copy_(entry["steps"])
                     g.steps_uniform = bool((g.steps == g.steps[0]).all())
-                rt.placement.after_step(g)  # the parameters from the masters
+                rt.residency.after_step(g)  # the parameters from the masters
         rt.gather_updated_params(rt.manager.groups)

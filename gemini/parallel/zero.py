@@ -2,8 +2,8 @@
 
 Each rank owns one range of every chunk (see [Note: ZeRO shards of a chunk] in
 chunks/shard.py). The pieces here move data between ranks; where chunks live on a rank is
-still the placement policy's business: the policy drives these pieces through the protocols of
-gemini/policies/base.py, and they know of the policy only the callables they are given.
+the placement policy's choice: the engine (gemini/engine/residency.py) drives these pieces as
+it moves chunks, and they know of the policy only the callables they are given.
 
 [Note: the order of collectives]
 Collectives are matched across ranks by the order they are issued in, so every rank must

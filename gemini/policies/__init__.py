@@ -15,9 +15,6 @@ through the protocols of ``base``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-
 from chunks import ChunkManager
 from gemini.policies.auto import AutoPlacement
 from gemini.policies.base import PlacementPolicy
@@ -26,24 +23,21 @@ from gemini.policies.fixed import CpuPlacement, CudaPlacement, StaticPlacement
 __all__ = ["AutoPlacement", "CpuPlacement", "CudaPlacement", "PlacementPolicy", "StaticPlacement", "make_placement"]
 
 
-def make_placement(config, manager: ChunkManager, *, budget_bytes: int, fixed_bytes: int,
-                   quiet: Callable[[], AbstractContextManager]) -> PlacementPolicy:
+def make_placement(config, manager: ChunkManager, *, budget_bytes: int, fixed_bytes: int) -> PlacementPolicy:
     """The policy ``config.placement`` names, under a device budget of ``budget_bytes`` with
-    ``fixed_bytes`` of buffers on the device; ``quiet``: host work the device monitor must not
-    count (``DeviceMemory.quiet``)."""
+    ``fixed_bytes`` of buffers on the device."""
     name = config.placement
     if name == "cuda":
-        return CudaPlacement(manager, quiet=quiet)
+        return CudaPlacement(manager)
     if name == "cpu":
-        return CpuPlacement(manager, quiet=quiet)
+        return CpuPlacement(manager)
     if name == "static":
         return StaticPlacement(
             manager,
             param_device_fraction=config.static_param_device_fraction,
             optimizer_offload_fraction=config.static_optimizer_offload_fraction,
-            quiet=quiet,
         )
     if name == "auto":
         return AutoPlacement(manager, budget_bytes=budget_bytes, margin_ratio=config.gpu_margin_mem_ratio,
-                             fixed_bytes=fixed_bytes, quiet=quiet)
+                             fixed_bytes=fixed_bytes)
     raise ValueError(f"GeminiConfig.placement={name!r} has no policy; expected cuda, cpu, static or auto")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
@@ -50,9 +47,8 @@ class AutoPlacement(PlacementPolicy):
 
     name = "auto"
 
-    def __init__(self, manager: ChunkManager, *, budget_bytes: int, margin_ratio: float, fixed_bytes: int,
-                 quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> None:
-        super().__init__(manager, quiet=quiet)
+    def __init__(self, manager: ChunkManager, *, budget_bytes: int, margin_ratio: float, fixed_bytes: int) -> None:
+        super().__init__(manager)
         self.budget_bytes = budget_bytes
         self.margin_ratio = margin_ratio
         self.fixed_bytes = fixed_bytes
@@ -63,11 +59,11 @@ class AutoPlacement(PlacementPolicy):
         self._iteration_open = False  # a forward with grad ran and its backward has not
         self._trace: AccessTrace | None = None  # the warm-up's tracer, between begin_trace and end_trace
         self._segment = 0  # marks passed in the current period
-        self.evictions = 0
         # Belady over the plan's order; LRU only to measure what that order saves (bench_budget).
         self.eviction_rule = EvictionRule.BELADY
         self.track_periods = True  # decided by adopt()
         self._settled = False  # the plan keeps every chunk on the device for good (see adopt)
+        self._all_groups: set[int] = set()  # resident_params() once settled
         # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
         self.prefetch_reserve_bytes = 0
         self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
@@ -84,6 +80,12 @@ class AutoPlacement(PlacementPolicy):
 
     def keep_params_on_device(self, group: ChunkGroup) -> bool:
         return self.plan is not None
+
+    def pinned_groups(self) -> set[int]:
+        return self.os_on_device
+
+    def resident_params(self) -> set[int]:
+        return self._all_groups if self._settled else set()
 
     # -------------------------------------------------------------------------- planning
     def activation_room_bytes(self, plan: MemoryPlan) -> int:
@@ -105,9 +107,6 @@ class AutoPlacement(PlacementPolicy):
         room = margin_room_bytes(margin, self.margin_ratio, param_dtype=self.manager.param_dtype,
                                  largest_capacity=max((g.param.capacity for g in trainable), default=0))
         self.os_on_device = set(margin_choice([(g.index, self.group_device_bytes(g)) for g in trainable], room))
-        chosen = [g for g in trainable if g.index in self.os_on_device]
-        for g in chosen:
-            self._pin_on_device(g)
         # If every chunk that can be on the device fits there at once next to the largest
         # non-model peak, nothing will ever be evicted: periods need not be followed, and
         # the iteration runs without per-module boundary hooks (as fast as "cuda").
@@ -120,17 +119,15 @@ class AutoPlacement(PlacementPolicy):
                                       self.activation_bytes, plan.reserve_bytes)
         # [Note: auto settled on the device] When, besides, every group's optimizer states are
         # on the device (and no rank gathers parameters), no chunk will ever move: the frozen
-        # groups' parameters are fetched now, and the iteration runs as under "cuda", without
-        # module hooks and with autograd accumulating into the gradient chunks.
-        self._settled = (not self.track_periods and self.gatherer is None
+        # groups' parameters stay on the device too (resident_params), and the iteration runs as
+        # under "cuda", without module hooks and with autograd accumulating into the gradient
+        # chunks.
+        self._settled = (not self.track_periods and not self.gathers_params
                          and len(self.os_on_device) == len(trainable))
-        if self._settled:
-            for g in self.manager.groups:
-                if g.param.state is ChunkState.HOST:
-                    g.param.fetch(keep_host=True)
+        self._all_groups = {g.index for g in self.manager.groups}
         logger.info(
             "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
-            plan.margin_bytes, self.margin_ratio, len(chosen), len(self.manager.trainable_groups),
+            plan.margin_bytes, self.margin_ratio, len(self.os_on_device), len(trainable),
         )
 
     def abandon_plan(self) -> None:
@@ -138,14 +135,7 @@ class AutoPlacement(PlacementPolicy):
         self.plan = None
         self._settled = False
         self.activation_bytes = 0
-        for i in sorted(self.os_on_device):
-            for chunk in self.manager.groups[i].chunks:
-                if chunk.state is not ChunkState.RELEASED:
-                    chunk.move_to(Tier.HOST)
         self.os_on_device = set()
-        for g in self.manager.groups:
-            if self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
-                self._maybe_drop_params(g)
 
     def _non_model_now(self) -> int:
         plan = self.plan
@@ -160,7 +150,6 @@ class AutoPlacement(PlacementPolicy):
 
     # ------------------------------------------------------------------------ hooks' side
     def begin_forward(self) -> None:
-        super().begin_forward()
         # Periods count from the first forward of an iteration: a second forward before the
         # backward (a loss over two half batches) continues the traced sequence, as in the
         # warm-up. A forward without grad (evaluation) ends no iteration of its own.
@@ -171,13 +160,12 @@ class AutoPlacement(PlacementPolicy):
         self._iteration_open = torch.is_grad_enabled()
 
     def end_backward(self) -> None:
-        super().end_backward()
         self._iteration_open = False
 
-    def on_boundary(self, boundary: Boundary) -> None:
+    def on_boundary(self, boundary: Boundary) -> set[int] | None:
         plan = self.plan
         if plan is None:
-            return
+            return None
         self.period += 1
         self._segment = 0
         if not self._diverged and (self.period >= len(plan.keys) or plan.keys[self.period] != (boundary.phase, boundary.module_name)):
@@ -187,9 +175,7 @@ class AutoPlacement(PlacementPolicy):
                 "planning with the largest non-model peak until the next forward",
                 self.period, boundary.phase.value, boundary.module_name,
             )
-        needed = set(plan.access[self.period]) if not self._diverged else set()
-        self._make_room(0, keep=needed)
-        self._prefetch()
+        return set(plan.access[self.period]) if not self._diverged else set()
 
     def begin_trace(self, trace: AccessTrace) -> None:
         """The warm-up begins: tell ``trace`` which groups each period uses, and each mark."""
@@ -204,23 +190,17 @@ class AutoPlacement(PlacementPolicy):
         if self.plan is not None:
             self._segment += 1
 
-    def _after_release(self) -> None:
+    def needed_now(self) -> set[int] | None:
         # The rest of the period may need what the released groups hold (an activation peak
         # the warm-up reached after dropping them): evict for the new segment now.
         if self.plan is not None and not self._diverged and 0 <= self.period < len(self.plan.access):
-            self._make_room(0, keep=set(self.plan.access[self.period]))
+            return set(self.plan.access[self.period])
+        return None
 
-    def before_compute(self, groups: list[ChunkGroup]) -> None:
+    def accessed(self, groups: list[ChunkGroup]) -> None:
         if self._trace is not None:
             for g in groups:
                 self._trace.record_access(g.index)
-        super().before_compute(groups)
-
-    def before_backward(self, groups: list[ChunkGroup]) -> None:
-        if self._trace is not None:
-            for g in groups:
-                self._trace.record_access(g.index)
-        super().before_backward(groups)
 
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
         # Released groups are dropped in the warm-up and evictable after it; with nothing ever
@@ -237,20 +217,14 @@ class AutoPlacement(PlacementPolicy):
                              self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
                              self.prefetch_reserve_bytes)
 
-    def _make_room(self, nbytes: int, keep: set[int]) -> None:
+    def victims(self, nbytes: int, *, keep: set[int], busy: set[int]) -> list[int]:
         over = self._missing_bytes(nbytes, self._non_model_now())
         if not over:
-            return
-        # In use, so never evicted: groups under a running forward, and groups fetched for a
-        # backward whose gradients are not all in (their module's backward may not have run:
-        # autograd reads the parameters through saved views). The warm-up kept them too, so
-        # the plan has room for them.
-        busy = keep | self.os_on_device | self._fetched_for_backward
-        candidates = {
-            g.index: self._evictable_bytes(g)
-            for g in self.manager.groups
-            if g.index not in busy and self._compute_refs.get(g.index, 0) == 0
-        }
+            return []
+        # Groups in use (``busy``) were kept by the warm-up too, so the plan has room for them;
+        # the margin's groups live on the device for good.
+        busy = busy | self.os_on_device
+        candidates = {g.index: self._evictable_bytes(g) for g in self.manager.groups if g.index not in busy}
         candidates = {i: b for i, b in candidates.items() if b > 0}
         try:
             if self.plan is not None and not self._diverged:
@@ -271,8 +245,7 @@ class AutoPlacement(PlacementPolicy):
                 f"GeminiConfig.device_memory, lower gpu_margin_mem_ratio, or use a smaller chunk_size or batch.",
                 missing_bytes=short,
             ) from None
-        for i in victims:
-            self._evict(self.manager.groups[i])
+        return victims
 
     @staticmethod
     def _any_victims(candidates: dict[int, int], over: int) -> list[int]:
@@ -294,22 +267,14 @@ class AutoPlacement(PlacementPolicy):
             total += g.grad.nbytes
         return total
 
-    def _evict(self, g: ChunkGroup) -> None:
-        self.evictions += 1
-        if g.param.state is ChunkState.HOST_AND_DEVICE:
-            g.param.drop_device_copy()
-        if g.grad is not None and g.grad.is_on(Tier.DEVICE) and g.grad_shard is None:
-            g.grad.move_to(Tier.HOST)
-
-    def _prefetch(self) -> None:
+    def prefetch(self) -> list[int]:
+        """The next period's groups not on the device, if they fit next to both periods'
+        non-model peaks."""
         plan = self.plan
         nxt = self.period + 1
-        if self._diverged or nxt >= len(plan.access):
-            return
-        groups = [self.manager.groups[i] for i in plan.access[nxt]]
-        missing = [g for g in groups if g.param.state is ChunkState.HOST]
-        need = sum(g.param.nbytes for g in missing)
+        if plan is None or self._diverged or nxt >= len(plan.access):
+            return []
+        missing = [i for i in plan.access[nxt] if self.manager.groups[i].param.state is ChunkState.HOST]
+        need = sum(self.manager.groups[i].param.nbytes for i in missing)
         non_model = max(plan.non_model_bytes[self.period], plan.non_model_bytes[nxt])
-        if missing and not self._missing_bytes(need, non_model):
-            for g in missing:  # see [Note: a prefetch overlaps compute] in chunks/storage.py
-                g.param.fetch(keep_host=self.optimizer_tier(g) is Tier.HOST if g.trainable else True, prefetch=True)
+        return missing if missing and not self._missing_bytes(need, non_model) else []

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
-from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier
-from gemini.errors import DeviceBudgetError
+from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.footprint import DeviceGroups, chunk_bytes, static_choice
 
@@ -24,7 +22,7 @@ class CudaPlacement(PlacementPolicy):
 
     @property
     def follows_modules(self) -> bool:
-        return self.gatherer is not None  # ZeRO-3 gathers each module's parameters around its call
+        return self.gathers_params  # ZeRO-3 gathers each module's parameters around its call
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.DEVICE
@@ -66,9 +64,8 @@ class StaticPlacement(PlacementPolicy):
 
     name = "static"
 
-    def __init__(self, manager: ChunkManager, *, param_device_fraction: float, optimizer_offload_fraction: float,
-                 **kwargs) -> None:
-        super().__init__(manager, **kwargs)
+    def __init__(self, manager: ChunkManager, *, param_device_fraction: float, optimizer_offload_fraction: float) -> None:
+        super().__init__(manager)
         self.param_device_fraction = param_device_fraction
         self.optimizer_offload_fraction = optimizer_offload_fraction
         self.params_on_device: set[int] = set()
@@ -86,11 +83,12 @@ class StaticPlacement(PlacementPolicy):
 
     def setup(self) -> None:
         self._choose()
-        for g in self.manager.groups:
-            if g.index in self.os_on_device:
-                self._pin_on_device(g)
-            elif g.index in self.params_on_device and g.param_shard is None:
-                g.param.fetch(keep_host=True)
+
+    def pinned_groups(self) -> set[int]:
+        return self.os_on_device
+
+    def resident_params(self) -> set[int]:
+        return self.params_on_device
 
     def pinned_bytes(self) -> int:
         """Chunk bytes this policy keeps on the device for good (at the end of every step)."""
@@ -106,14 +104,3 @@ class StaticPlacement(PlacementPolicy):
 
     def keep_params_on_device(self, group: ChunkGroup) -> bool:
         return group.index in self.params_on_device or group.index in self.os_on_device
-
-    def after_commit(self, group: ChunkGroup) -> None:
-        # fp32 groups updated on the host dropped their (now stale) device copy: fetch the
-        # fresh parameters back if this group's parameters live on the device.
-        if group.index in self.params_on_device and group.param.state is ChunkState.HOST:
-            try:
-                group.param.fetch(keep_host=True)
-            except (torch.OutOfMemoryError, DeviceBudgetError) as e:
-                # The step has landed: raising would invite a retry that steps twice. The
-                # next forward fetches the parameters (or says what is missing).
-                logger.warning("parameters of chunk group %d stay in host memory after the step: %s", group.index, e)
