@@ -1,10 +1,10 @@
 """The engine: one training iteration's moves and the memory they cost.
 
-- ``runtime``: GeminiRuntime, the iteration (warm-up, planned, steady) and every move
-- ``hooks``: the module and gradient hooks that drive it
+- ``runtime``: GeminiRuntime, the iteration (warm-up, planned, steady)
+- ``hooks``: the one set of module and gradient hooks that drive it
+- ``residency``: every move of chunk groups around compute and the step, as the policy decides
 - ``warmup``: the warm-up iteration's measurements and the plan made from them
 - ``memory``: the device budget, measured (DeviceMemory)
-- ``plan``: MemoryPlan, what the warm-up learned
 - ``grad_views``: parameters' .grad as views of gradient chunks
 - ``transaction``: a step is all or nothing
 - ``step_report``: the per-step MemoryReport
@@ -13,4 +13,5 @@
 - ``system_memory``: host memory, measured
 """
 
-__all__ = ["activations", "grad_views", "hooks", "memory", "nvme_tier", "plan", "runtime", "step_report", "system_memory", "transaction", "warmup"]
+__all__ = ["activations", "grad_views", "hooks", "memory", "nvme_tier", "residency", "runtime", "step_report", "system_memory",
+           "transaction", "warmup"]

@@ -1,7 +1,7 @@
 """Placement policies: where each chunk group lives, one class per ``GeminiConfig.placement``.
 
-- ``base``: ``PlacementPolicy``, the mechanics every policy shares, and the protocols through
-  which ZeRO is plugged in
+- ``base``: ``PlacementPolicy``, the questions every policy answers (a policy decides; the
+  engine's ``Residency`` makes the moves)
 - ``fixed``: ``cuda``, ``cpu`` and ``static``
 - ``auto``: ``AutoPlacement``, planned from the warm-up under a device budget
 - ``plan``: ``MemoryPlan``, what the warm-up measured, as the auto policy decides with it
@@ -9,8 +9,7 @@
 - ``nvme_choice``: which optimizer-state groups live in NVMe files
 
 ``make_placement`` builds the policy a config names. Policies import nothing of the engine
-(gemini/engine/) or of data parallelism (gemini/parallel/): what they drive there, they see
-through the protocols of ``base``.
+(gemini/engine/) or of data parallelism (gemini/parallel/).
 """
 
 from __future__ import annotations
