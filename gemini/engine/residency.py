@@ -169,12 +169,17 @@ class Residency:
         self.policy.mark()
 
     def make_room(self, nbytes: int, keep: set[int]) -> None:
-        """Before ``nbytes`` more land on the device: evict the groups the policy names. In use,
-        so never offered: groups under a running forward, and groups fetched for a backward whose
-        gradients are not all in (autograd reads the parameters through saved views)."""
-        busy = keep | self._fetched_for_backward | {i for i, refs in self._compute_refs.items() if refs > 0}
-        for i in self.policy.victims(nbytes, keep=keep, busy=busy):
+        """Before ``nbytes`` more land on the device: evict the groups the policy names."""
+        if not self.policy.evicts:  # every fetch of every module call passes here
+            return
+        for i in self.policy.victims(nbytes, keep=keep, in_use=self._in_use):
             self._evict(self.manager.groups[i])
+
+    def _in_use(self) -> set[int]:
+        """Groups never to evict now: those under a running forward, and those fetched for a
+        backward whose gradients are not all in (autograd reads the parameters through saved
+        views)."""
+        return self._fetched_for_backward | {i for i, refs in self._compute_refs.items() if refs > 0}
 
     def _evict(self, g: ChunkGroup) -> None:
         self.evictions += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -46,6 +47,7 @@ class AutoPlacement(PlacementPolicy):
     """
 
     name = "auto"
+    evicts = True
 
     def __init__(self, manager: ChunkManager, *, budget_bytes: int, margin_ratio: float, fixed_bytes: int) -> None:
         super().__init__(manager)
@@ -217,13 +219,13 @@ class AutoPlacement(PlacementPolicy):
                              self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
                              self.prefetch_reserve_bytes)
 
-    def victims(self, nbytes: int, *, keep: set[int], busy: set[int]) -> list[int]:
+    def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]]) -> list[int]:
         over = self._missing_bytes(nbytes, self._non_model_now())
         if not over:
             return []
-        # Groups in use (``busy``) were kept by the warm-up too, so the plan has room for them;
-        # the margin's groups live on the device for good.
-        busy = busy | self.os_on_device
+        # Groups in use were kept by the warm-up too, so the plan has room for them; the
+        # margin's groups live on the device for good.
+        busy = keep | in_use() | self.os_on_device
         candidates = {g.index: self._evictable_bytes(g) for g in self.manager.groups if g.index not in busy}
         candidates = {i: b for i, b in candidates.items() if b > 0}
         try:

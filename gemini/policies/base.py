@@ -15,6 +15,7 @@ go (``gathers_params`` tells a policy that ZeRO-3 gathers parameters around each
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
 from tracer import Boundary
@@ -30,6 +31,8 @@ class PlacementPolicy:
     name = "base"
     # Whether the engine announces period boundaries to on_boundary (auto, under pressure).
     track_periods = False
+    # Whether victims() can name any group (the engine asks only then).
+    evicts = False
 
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager
@@ -104,9 +107,9 @@ class PlacementPolicy:
         no room)."""
         return None
 
-    def victims(self, nbytes: int, *, keep: set[int], busy: set[int]) -> list[int]:
-        """Groups to evict before ``nbytes`` more land on the device; ``busy`` (``keep``
-        included) may not be. Raises DeviceBudgetError when no choice makes room."""
+    def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]]) -> list[int]:
+        """Groups to evict before ``nbytes`` more land on the device; neither ``keep`` nor the
+        groups ``in_use()`` returns may be. Raises DeviceBudgetError when no choice makes room."""
         return []
 
     @staticmethod
