@@ -493,3 +493,30 @@ def test_policies_decide_and_the_engine_moves(monkeypatch, placement):
     assert not [c for c in callers if c.startswith("gemini.policies")], sorted(set(callers))
     if placement == "auto":
         assert opt._rt.residency.evictions > 0
+
+
+def test_the_engine_moves_through_its_states_and_refuses_a_wrong_move():
+    """IterationState: auto goes UNTRACED -> TRACING (first forward) -> PLANNED (first step) ->
+    TRACING (new input shapes) -> PLANNED; cuda stays FIXED; ending a warm-up that is not running
+    raises, naming the state."""
+    from gemini.engine.runtime import IterationState as S
+
+    base, _ = clone_pair(CFG)
+    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory=int(_model_data_bytes() / 2))
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2)
+    rt = opt._rt
+    seen = [rt.state]
+    for seq in (16, 16, 8, 8):
+        x, y = batches(CFG, 1, batch=2, seq=seq)[0]
+        loss = GPT.loss(gmodel(x), y)
+        seen.append(rt.state)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        seen.append(rt.state)
+    assert seen == [S.UNTRACED, S.TRACING, S.PLANNED, S.PLANNED, S.PLANNED, S.TRACING, S.PLANNED, S.PLANNED, S.PLANNED]
+    with pytest.raises(RuntimeError, match="the engine is IterationState.PLANNED, expected one of \\['TRACING'\\]"):
+        rt.finish_warmup()
+    base, _ = clone_pair(CFG)
+    _, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=CHUNK), lr=1e-2)
+    assert opt._rt.state is S.FIXED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -32,7 +33,27 @@ from tracer import Boundary, InputSignature, input_signature
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GeminiRuntime"]
+__all__ = ["GeminiRuntime", "IterationState"]
+
+
+class IterationState(enum.Enum):
+    """Where the engine is in learning what the model needs besides its own data.
+
+    - ``FIXED``: the placement needs no warm-up (cuda, cpu, static); every iteration is alike.
+    - ``UNTRACED``: auto before its first forward: nothing measured, nothing planned.
+    - ``TRACING``: auto's warm-up iteration runs under the tracer; chunks move as under "cpu".
+    - ``PLANNED``: the warm-up's plan drives placement (the margin's groups on the device,
+      eviction in the traced order); new input shapes send it back to ``TRACING``.
+    - ``UNPLANNED``: the warm-up ended without a plan (it overran the budget and raised
+      DeviceBudgetError); chunks keep moving as in the warm-up until new input shapes trace
+      again.
+    """
+
+    FIXED = "fixed"
+    UNTRACED = "untraced"
+    TRACING = "tracing"
+    PLANNED = "planned"
+    UNPLANNED = "unplanned"
 
 
 class LossScale(Protocol):
@@ -71,8 +92,11 @@ class GeminiRuntime:
     _signature: InputSignature | None = None  # the traced iteration's inputs
     _backward_passes_at_trace: int = 0
     _evaluation_window: bool = False  # this forward opened the window without grad (see on_root_forward_end)
+    state: IterationState = IterationState.FIXED  # UNTRACED under auto (set in __post_init__)
 
     def __post_init__(self) -> None:
+        if isinstance(self.placement, AutoPlacement):
+            self.state = IterationState.UNTRACED
         if self.system is None:
             self.system = SystemMemory(self.device)
         # Position of each parameter in the module (norms visit them in this order).
@@ -116,15 +140,16 @@ class GeminiRuntime:
         self.grad_views.hide()
         self._evaluation_window = not torch.is_grad_enabled() and not self.window_open
         self.begin_window()
-        if isinstance(self.placement, AutoPlacement):
-            if self.warmup is None:
-                self._begin_warmup(args, kwargs)
-            elif self.warmup.tracing and self.hooks.backward_passes > self._backward_passes_at_trace:
-                # Gradient accumulation: the traced iteration is the first forward + backward.
-                self.finish_warmup()
-            elif not self.warmup.tracing and torch.is_grad_enabled() and input_signature(args, kwargs) != self._signature:
-                logger.info("auto placement: input shapes changed; tracing this iteration again")
-                self._retrace(args, kwargs)
+        state = self.state
+        if state is IterationState.UNTRACED:
+            self._begin_warmup(args, kwargs)
+        elif state is IterationState.TRACING and self.hooks.backward_passes > self._backward_passes_at_trace:
+            # Gradient accumulation: the traced iteration is the first forward + backward.
+            self.finish_warmup()
+        elif (state in (IterationState.PLANNED, IterationState.UNPLANNED) and torch.is_grad_enabled()
+              and input_signature(args, kwargs) != self._signature):
+            logger.info("auto placement: input shapes changed; tracing this iteration again")
+            self._retrace(args, kwargs)
         self.residency.begin_forward()
         if self.activations is not None:
             self.activations.begin_forward()
@@ -164,7 +189,14 @@ class GeminiRuntime:
         elif self.placement.track_periods:
             self.residency.on_boundary(boundary)
 
+    def _move(self, to: IterationState, *allowed: IterationState) -> None:
+        if self.state not in allowed:
+            raise RuntimeError(f"the engine is {self.state}, expected one of {[s.name for s in allowed]} "
+                               f"to move to {to}")
+        self.state = to
+
     def _begin_warmup(self, args: tuple, kwargs: dict) -> None:
+        self._move(IterationState.TRACING, IterationState.UNTRACED, IterationState.PLANNED, IterationState.UNPLANNED)
         self._signature = input_signature(args, kwargs)
         self._backward_passes_at_trace = self.hooks.backward_passes
         self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes)
@@ -174,11 +206,10 @@ class GeminiRuntime:
 
     def finish_warmup(self) -> None:
         """End the warm-up trace; the auto policy adopts the plan (may raise DeviceBudgetError)."""
-        warmup = self.warmup
-        assert warmup is not None and warmup.tracing, "no warm-up in progress"
+        self._move(IterationState.UNPLANNED, IterationState.TRACING)  # PLANNED once the plan is adopted
         self.placement.end_trace()
         try:
-            self.plan = warmup.end()
+            self.plan = self.warmup.end()
         except Exception:
             self.end_window()
             raise
@@ -194,6 +225,7 @@ class GeminiRuntime:
         self.residency.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
         self.hooks.follow_periods(self.placement.track_periods)
+        self._move(IterationState.PLANNED, IterationState.UNPLANNED)
 
     def _retrace(self, args: tuple, kwargs: dict) -> None:
         """New shapes: drop the plan, warm up again (conservatively) and plan anew at the step."""
@@ -208,7 +240,7 @@ class GeminiRuntime:
 
     @property
     def tracing(self) -> bool:
-        return self.warmup is not None and self.warmup.tracing
+        return self.state is IterationState.TRACING
 
     # ------------------------------------------------------------------------------ NVMe
     def resident(self, group, *, modify: bool, chunks=None, overwrite: bool = False):

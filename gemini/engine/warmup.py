@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 
 from torch import nn
@@ -16,12 +15,7 @@ from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Warmup", "WarmupState"]
-
-
-class WarmupState(enum.Enum):
-    TRACING = "tracing"  # the tracer is measuring; placement runs conservatively
-    DONE = "done"  # a plan exists
+__all__ = ["Warmup"]
 
 
 class Warmup:
@@ -47,12 +41,11 @@ class Warmup:
             model_bytes_fn=lambda: storage.ledger.bytes_on(Tier.DEVICE) + fixed_bytes,
             track_module_tensors=False,
         )
-        self.state = WarmupState.DONE
-        self._trace: contextlib.AbstractContextManager | None = None
+        self._trace: contextlib.AbstractContextManager | None = None  # the tracer's trace() while tracing
 
     @property
     def tracing(self) -> bool:
-        return self.state is WarmupState.TRACING
+        return self._trace is not None
 
     def begin(self) -> None:
         assert self._trace is None, "warm-up already tracing"
@@ -60,7 +53,6 @@ class Warmup:
         self._trace.__enter__()
         self.storage.watch_moves(self.tracer.model_data_move)
         self.storage.ledger.reset_peaks(Tier.DEVICE)
-        self.state = WarmupState.TRACING
         logger.info("warm-up: tracing the first iteration")
 
     def end(self) -> MemoryPlan:
@@ -68,7 +60,6 @@ class Warmup:
         assert self._trace is not None, "warm-up is not tracing"
         trace, self._trace = self._trace, None
         self.storage.watch_moves(None)
-        self.state = WarmupState.DONE
         with trace_range("gemini::plan"):
             trace.__exit__(None, None, None)
             periods = self.tracer.periods
