@@ -311,7 +311,7 @@ class GeminiRuntime:
             return
         try:
             check_peak(self.memory.peak_bytes(), self.memory.budget_bytes,
-                       what="the first iteration" if first else "this iteration", placement=self.config.placement,
+                       what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
                        chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
         except Exception:
             self.end_window()

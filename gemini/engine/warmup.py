@@ -9,6 +9,7 @@ from torch import nn
 
 from chunks import ChunkStorage, Tier, missing_bytes
 from gemini.engine.memory import DeviceBudgetError, DeviceMemory
+from gemini.policies.auto import AutoPlacement
 from gemini.policies.plan import MemoryPlan
 from tracer import RuntimeTracer
 from offload.profiling import trace_range
@@ -80,16 +81,18 @@ class Warmup:
         # Later iterations keep the reserve free on top of what the warm-up's schedule needs at
         # each of its decisions (they can always fall back to that schedule: see
         # MemoryPlan.planned_peak_bytes), so the promise is checked with both, here.
-        check_peak(plan.planned_peak_bytes + plan.reserve_bytes, self.memory.budget_bytes, placement="auto",
+        check_peak(plan.planned_peak_bytes + plan.reserve_bytes, self.memory.budget_bytes,
+                   advice=AutoPlacement.budget_advice,
                    what=f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve)",
                    chunk_peak_bytes=plan.warmup_model_peak_bytes)
         return plan
 
 
-def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, placement: str,
+def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
                chunk_peak_bytes: int | None = None) -> None:
-    """Raise DeviceBudgetError when a measured peak went over the budget, with advice that fits
-    the placement in force (a user already on 'auto' is not told to use 'auto')."""
+    """Raise DeviceBudgetError when a measured peak went over the budget, with ``advice`` that
+    fits the placement in force (``PlacementPolicy.budget_advice``: a user already on 'auto' is
+    not told to use 'auto')."""
     missing = missing_bytes(budget_bytes, peak_bytes)
     if not missing:
         return
@@ -97,17 +100,6 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, placement: str,
     if chunk_peak_bytes is not None:
         split = (f" (chunks at most {chunk_peak_bytes} bytes; the rest is activations, workspaces and "
                  f"buffers)")
-    if placement in ("auto", "cpu"):
-        # Only the chunks of the running modules are on the device here: what is left to cut is
-        # that working set and the non-model memory.
-        advice = ("try a smaller chunk_size (fewer parameter bytes fetched per module), a smaller batch or "
-                  "sequence, activation checkpointing (less activation memory), or offload_activations=True "
-                  "(saved activations wait in host memory)")
-    elif placement == "static":
-        advice = ("lower static_param_device_fraction or raise static_optimizer_offload_fraction (fewer chunks kept "
-                  "on the device), use placement='auto' (chunks evicted under pressure), or a smaller batch")
-    else:
-        advice = "use placement='auto' (chunks evicted under pressure) or 'cpu', or a smaller batch"
     raise DeviceBudgetError(
         f"{what} needed {peak_bytes} bytes of device memory at its peak{split} but GeminiConfig.device_memory is "
         f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or {advice}.",

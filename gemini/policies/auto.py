@@ -12,6 +12,7 @@ from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, 
 from gemini.errors import DeviceBudgetError
 from gemini.policies.plan import MemoryPlan
 from gemini.policies.base import PlacementPolicy
+from gemini.policies.fixed import CpuPlacement
 from gemini.policies.footprint import margin_choice, margin_room_bytes
 from tracer import Boundary, EvictionError, EvictionRule, choose_victims
 
@@ -48,6 +49,7 @@ class AutoPlacement(PlacementPolicy):
 
     name = "auto"
     evicts = True
+    budget_advice = CpuPlacement.budget_advice  # its warm-up moves chunks as "cpu" does
 
     def __init__(self, manager: ChunkManager, *, budget_bytes: int, margin_ratio: float, fixed_bytes: int) -> None:
         super().__init__(manager)

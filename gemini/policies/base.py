@@ -33,6 +33,8 @@ class PlacementPolicy:
     track_periods = False
     # Whether victims() can name any group (the engine asks only then).
     evicts = False
+    # What to change when a measured peak overran the budget (DeviceBudgetError's advice).
+    budget_advice = "use placement='auto' (chunks evicted under pressure) or 'cpu', or a smaller batch"
 
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager

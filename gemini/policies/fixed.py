@@ -42,6 +42,11 @@ class CpuPlacement(PlacementPolicy):
     """
 
     name = "cpu"
+    # Only the chunks of the running modules are on the device: what is left to cut is that
+    # working set and the non-model memory.
+    budget_advice = ("try a smaller chunk_size (fewer parameter bytes fetched per module), a smaller batch or "
+                     "sequence, activation checkpointing (less activation memory), or offload_activations=True "
+                     "(saved activations wait in host memory)")
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST
@@ -63,6 +68,8 @@ class StaticPlacement(PlacementPolicy):
     """
 
     name = "static"
+    budget_advice = ("lower static_param_device_fraction or raise static_optimizer_offload_fraction (fewer chunks "
+                     "kept on the device), use placement='auto' (chunks evicted under pressure), or a smaller batch")
 
     def __init__(self, manager: ChunkManager, *, param_device_fraction: float, optimizer_offload_fraction: float) -> None:
         super().__init__(manager)
