@@ -131,6 +131,8 @@ def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
     assert "chunk_size" in str(err.value) and "checkpointing" in str(err.value)
     assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
     assert opt.state_dict()["state"] == {}
+    # The warm-up ended without a plan: no period hooks are left to trace or count.
+    assert opt._rt.state.name == "UNPLANNED" and not opt._rt.hooks.follows_periods
 
 
 @pytest.mark.parametrize("placement, advice", [("cuda", "placement='auto'"), ("cpu", "chunk_size"),

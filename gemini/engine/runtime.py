@@ -212,13 +212,13 @@ class GeminiRuntime:
             self.plan = self.warmup.end()
         except Exception:
             self.end_window()
+            self.hooks.follow_periods(False)  # UNPLANNED: no period to trace or count
             raise
         self._warmup_peak_bytes = self.plan.warmup_peak_bytes
         self._unreported_plan = self.plan
-        if self.activations is not None:
-            self.activations.record_trace()
         activation_bytes = 0
         if self.activations is not None:
+            self.activations.record_trace()
             activation_bytes = self.activations.plan(self.placement.activation_room_bytes(self.plan))
         self.placement.adopt(self.plan, activation_bytes=activation_bytes)
         self.residency.apply_choice()

@@ -14,13 +14,10 @@ go (``gathers_params`` tells a policy that ZeRO-3 gathers parameters around each
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
 from tracer import Boundary
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["PlacementPolicy"]
 

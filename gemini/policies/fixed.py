@@ -3,14 +3,9 @@ on the host) and ``static`` (fixed fractions)."""
 
 from __future__ import annotations
 
-import logging
-
-
 from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.footprint import DeviceGroups, chunk_bytes, static_choice
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["CpuPlacement", "CudaPlacement", "StaticPlacement"]
 
