@@ -111,7 +111,7 @@ class Chunk:
     @property
     def nbytes(self) -> int:
         """Bytes of one copy of the payload."""
-        return self.capacity * torch.empty((), dtype=self.dtype).element_size()
+        return self.capacity * self.dtype.itemsize
 
     @property
     def tiers(self) -> tuple[Tier, ...]:

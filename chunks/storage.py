@@ -106,7 +106,7 @@ class ChunkStorage:
         ``shell`` is a device payload freed earlier by :meth:`free`: its storage grows back in
         place, so views of it taken before (autograd's saved tensors) see the new data.
         """
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if shell is not None:
             assert tier is Tier.DEVICE and shell.untyped_storage().nbytes() == 0, "shell must be a freed device payload"
             shell.untyped_storage().resize_(nbytes)

@@ -139,7 +139,7 @@ class PinnedHostPool:
             raise ValueError(f"numel={numel!r} must be a non-negative int")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype={dtype!r} must be a torch.dtype")
-        element_bytes = torch.empty((), dtype=dtype).element_size()
+        element_bytes = dtype.itemsize
         nbytes = numel * element_bytes
         class_bytes = size_class_bytes(nbytes)
         with self._lock:

@@ -205,4 +205,4 @@ class _Saved:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.chunk.dtype).element_size()
+        return self.numel * self.chunk.dtype.itemsize

@@ -133,4 +133,4 @@ def undo_ratio(param_dtype: torch.dtype) -> float:
     """Bytes a step copies aside per offloadable byte of a streamed group: its parameters'
     (fp32: the param chunk is the master, 4 of 8 bytes; bf16/fp16: the low-precision copy, 2
     of 12)."""
-    return torch.empty((), dtype=param_dtype).element_size() / offloaded_bytes_per_element(param_dtype)
+    return param_dtype.itemsize / offloaded_bytes_per_element(param_dtype)

@@ -28,4 +28,4 @@ if sys.byteorder != "little":  # the format is little-endian; we copy raw bytes 
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
