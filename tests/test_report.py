@@ -290,3 +290,21 @@ def test_damage_before_the_end_of_a_run_is_an_error_naming_the_line(tmp_path):
     path.write_text("\n".join(rows) + "\n")  # a file of a version before run headers: one run
     assert gemini.read_reports(path) == reports
     assert gemini.read_report_runs(path)[0].header is None
+
+
+def test_host_readings_are_psutils():
+    """The reports' host figures, read from /proc on Linux ([Note: host readings every step]),
+    are what psutil reads: resident memory grows by a tensor's pages, availability shrinks."""
+    import psutil
+    import torch
+
+    from gemini.engine.system_memory import SystemMemory
+
+    system = SystemMemory(torch.device("cpu"))
+    before = system.host_rss_bytes()
+    assert abs(before - psutil.Process().memory_info().rss) < 4 * 2**20
+    assert abs(system.host_available_bytes() - psutil.virtual_memory().available) < 256 * 2**20
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    assert system.host_rss_bytes() - before >= 60 * 2**20
+    assert abs(system.host_rss_bytes() - psutil.Process().memory_info().rss) < 4 * 2**20
+    del big

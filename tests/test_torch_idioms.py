@@ -97,11 +97,13 @@ def test_model_clip_grad_norm_equals_torch_clipping(name):
     _assert_same_run(got, want)
 
 
-@pytest.mark.parametrize("name", ["cpu", "auto-evicting", "static"])
+@pytest.mark.parametrize("name", ["cpu", "auto-evicting", "static", "cuda"])
 def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
     """After backward p.grad equals torch's gradient, on the parameter's device; setting some to
     None (a torch optimizer's zero_grad, the inner module's zero_grad) skips them at the step,
-    as torch's AdamW does; a tensor assigned to p.grad replaces the gradient."""
+    as torch's AdamW does; a tensor assigned to p.grad replaces the gradient. After the step
+    p.grad is still what torch's is. Under "cuda" the views no edit touched are the same tensors
+    after the step ([Note: a step that moves no chunk])."""
     (ref, ref_opt), (gmodel, opt) = _pair(name)
     data = batches(CFG, STEPS, batch=2, seq=16)
     ref_params = dict(ref.named_parameters())
@@ -125,9 +127,20 @@ def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
                 torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"step {step} {n}: {m}")
             edit(ref, ref_params)
         edit(gmodel, got_params)
+        before = {n: q.grad for n, q in got_params.items()}
         with outside():
             ref_opt.step()
         opt.step()
+        with outside():
+            for n, p in ref_params.items():
+                q = got_params[n]
+                assert (q.grad is None) == (p.grad is None), n
+                if p.grad is not None:
+                    torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"step {step} {n}: {m}")
+        if name == "cuda":
+            kept = [n for n, g in before.items() if g is not None and got_params[n].grad is g]
+            assert sorted(kept) == sorted(n for n in before if n not in ("blocks.1.attn.qkv.weight",
+                                                                         "blocks.2.mlp.fc.bias")), kept
         if step % 2:
             ref.zero_grad()
             gmodel.module.zero_grad()  # the inner module's own zero_grad: p.grad = None

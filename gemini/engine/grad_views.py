@@ -33,6 +33,16 @@ it only marks the slot ready. That saved a copy and ~50 us of Python per paramet
 A parameter whose ``p.grad`` was replaced in between (torch code set it to None, or to another
 tensor) takes the copying path as before. Views are cached per parameter and payload, so arming
 and exposing allocate nothing.
+
+[Note: a step that moves no chunk]
+Before a step the views are read back (what torch code did to them counts) and, in general,
+withdrawn, since the step may move the chunks they point into. Under a policy that never
+moves a chunk (the same as for arming) they stay valid through the step: :meth:`GradViews.settle`
+reads them back but leaves each untouched view in ``p.grad``, and the :meth:`GradViews.expose`
+after the step puts back only the ones that changed. Withdrawing and re-assigning every
+``p.grad`` cost ~2 us a parameter, 0.15 ms of a 55M GPT's 24 ms optimizer step on the CPU.
+The step itself writes no gradient but in place (clipping scales the chunk), so a kept view
+reads what a fresh one would.
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ class GradViews:
         # param -> (the gradient payload, the view of its slot in it): reused while the payload is
         self._views: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
         self._armed: dict[nn.Parameter, torch.Tensor] = {}  # put into p.grad by arm() for this backward
+        self._settled = False  # settle() left untouched views in p.grad for expose() to keep
 
     def _view(self, g: ChunkGroup, slot, p: nn.Parameter, tier: Tier | None) -> torch.Tensor:
         payload = g.grad.payload(tier)
@@ -123,8 +134,11 @@ class GradViews:
         return armed is not None and p.grad is armed
 
     def expose(self) -> None:
-        """Every parameter with a gradient since zero_grad: ``p.grad`` = its gradient."""
-        self.hide()
+        """Every parameter with a gradient since zero_grad: ``p.grad`` = its gradient (after
+        :meth:`settle`, only where it is not already there)."""
+        if not self._settled:
+            self.hide()
+        self._settled = False
         for g in self.manager.trainable_groups:
             if not g.any_grad_ready:
                 continue
@@ -140,6 +154,9 @@ class GradViews:
             for slot, p in zip(g.slots, g.params):
                 if not g.grad_ready[slot.index]:
                     continue
+                out = self._out.get(p)
+                if out is not None and p.grad is out[2] and (reason is not None or out[2] is self._view(g, slot, p, tier)):
+                    continue  # settled: its gradient is still there
                 grad = self._view(g, slot, p, tier) if reason is None else UnavailableGrad(p, reason.format(name=slot.name))
                 p.grad = grad
                 self._out[p] = (g, slot.index, grad, tier)
@@ -149,14 +166,29 @@ class GradViews:
             p.data = g.param.view(slot, tier)
         self._redirected.append(g.param)
 
-    def hide(self) -> None:
+    def settle(self) -> None:
+        """Read back what torch code did to ``p.grad``, as :meth:`hide` does, but leave every
+        untouched view where it is: for a step that moves no chunk, after which :meth:`expose`
+        has only the changed ones to put back (see [Note: a step that moves no chunk])."""
+        if self._redirected:  # p.data points at another copy: that must end before the step
+            self.hide()
+            return
+        self.hide(keep_untouched=True)
+        self._settled = True
+
+    def hide(self, *, keep_untouched: bool = False) -> None:
         """Take the views back, keeping what was done to them (see the module note)."""
         refused = []
+        kept = {}
         for p, (g, index, grad, tier) in self._out.items():
             now = p.grad
-            p.grad = None
             if now is grad:
+                if keep_untouched:
+                    kept[p] = self._out[p]
+                else:
+                    p.grad = None
                 continue
+            p.grad = None
             if p in self._armed:  # replaced while armed: the copying path took the gradient
                 continue
             if now is None:
@@ -166,6 +198,7 @@ class GradViews:
             else:
                 g.grad.flat_view(g.slots[index], tier).copy_(now.reshape(-1))  # assigned: it replaces the gradient
         self._out.clear()
+        self._out.update(kept)
         self._armed.clear()
         for chunk in self._redirected:
             self.manager.repoint(chunk)

@@ -134,6 +134,14 @@ class GeminiRuntime:
         for p in self.module_params:
             p.grad = None
 
+    def settle_grad_views(self) -> None:
+        """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless
+        no chunk can move under them (see [Note: a step that moves no chunk])."""
+        if self.placement.follows_modules:
+            self.grad_views.hide()
+        else:
+            self.grad_views.settle()
+
     # -------------------------------------------------------------------- iteration events
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
         """The root module's forward begins (its first forward pre-hook)."""

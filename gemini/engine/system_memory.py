@@ -9,6 +9,7 @@ context, the caching allocator's blocks).
 from __future__ import annotations
 
 import logging
+import os
 
 import psutil
 import torch
@@ -16,6 +17,23 @@ import torch
 from tracer import NvmlMonitor
 
 logger = logging.getLogger(__name__)
+
+# [Note: host readings every step] Every step report reads the process's resident memory and
+# what the host can still give. psutil reads the same /proc files, but parses the whole of
+# /proc/meminfo and wraps each call: 9 and 24 us hot, ~0.1 ms each right after an optimizer
+# step has streamed its states through the caches, 0.7% of a 55M GPT's optimizer step on the
+# CPU. On Linux the two figures are read straight from /proc/self/statm (resident pages) and
+# /proc/meminfo's MemAvailable (what psutil's ``available`` is there); psutil elsewhere.
+_PROC = os.path.exists("/proc/self/statm") and os.path.exists("/proc/meminfo")
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if _PROC else 0
+
+
+def _read_proc(path: str, size: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
 
 __all__ = ["SystemMemory"]
 
@@ -35,10 +53,17 @@ class SystemMemory:
                 self._nvml.start()
 
     def host_rss_bytes(self) -> int:
+        if _PROC:
+            return int(_read_proc("/proc/self/statm", 128).split()[1]) * _PAGE_BYTES
         return self._process.memory_info().rss
 
     @staticmethod
     def host_available_bytes() -> int:
+        if _PROC:
+            data = _read_proc("/proc/meminfo", 4096)
+            start = data.find(b"MemAvailable:")
+            if start >= 0:
+                return int(data[start + 13 : data.index(b"\n", start)].split()[0]) * 1024  # the file says kB
         return psutil.virtual_memory().available
 
     def device_used_peak_bytes(self) -> int | None:

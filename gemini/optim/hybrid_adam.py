@@ -101,7 +101,7 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
-        rt.grad_views.hide()  # what torch code did to p.grad counts; no view outlives a chunk move
+        rt.settle_grad_views()  # what torch code did to p.grad counts; no view outlives a chunk move
         try:
             rt.begin_step()  # may raise DeviceBudgetError: nothing has been updated yet
             tx = StepTransaction(rt.storage, undo_on_nvme=rt.nvme is not None and rt.nvme.layout.undo_on_nvme)
