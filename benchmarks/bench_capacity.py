@@ -16,6 +16,11 @@ measured peak under the budget (a ``DeviceBudgetError`` is a failure), and repor
   gradients + buffers (what must be on the device at once, whatever the placement), and the
   ratio model data / bound; the smallest budget must be within 1.05x of the bound;
 - the step time at that budget against the same model with a budget that holds everything;
+- the cost of budget pressure alone (issue 17: <= 1.3x): where the model trains at 10x model
+  data per budget, the step time at that budget against the same model and configuration
+  (same checkpointing, same offload, same chunk size) under a budget of 4x model data, which
+  holds everything (on the CPU stand-in any budget measures every allocation), alternated and timed
+  over PRESSURE_STEPS steps after the warm-up, with the bytes moved host to device per step;
 - the largest difference from plain ``torch.optim.AdamW(fused=True)`` over the 3 steps at every
   budget tried that trained.
 
@@ -53,6 +58,8 @@ CONFIGS = {  # name -> (activation checkpointing, offload_activations)
     "offload": (False, True),
 }
 OFFLOAD_MIN_BYTES = 64 * 1024
+PRESSURE_RATIO = 10  # model data / budget of the pressure-cost measurement
+PRESSURE_STEPS = 6  # timed steps (after the warm-up step) of each pressure-cost trial
 
 
 @dataclass
@@ -219,6 +226,33 @@ def smallest_budget(w, batches, device, *, checkpointing, offload, chunk_size, l
     return best, tried
 
 
+def pressure_cost(w: Workload, batches, device: str, *, checkpointing: bool, offload: bool,
+                  chunk_size: int | None) -> dict:
+    """Step time at PRESSURE_RATIO x model data per budget / the same configuration under a
+    budget of 4x model data, which holds everything: only what the pressure adds (evictions,
+    refetches), not what checkpointing or offload cost, nor the CPU stand-in's measuring of
+    every allocation, which any budget turns on there (a GPU's allocator counts for free).
+    The two alternate twice; each keeps its faster mean, so a burst of noise on the shared
+    machine does not land on one side only."""
+    md = model_data_bytes(w.make(False))
+    budget = md // PRESSURE_RATIO
+    steps = (batches * (PRESSURE_STEPS // len(batches) + 2))[: PRESSURE_STEPS + 1]
+    means: dict[str, list[float]] = {"free": [], "pressed": []}
+    pressed = None
+    for _ in range(2):
+        for side, b in (("free", 4 * md), ("pressed", budget)):
+            r = trial(w, steps, device, budget=b, checkpointing=checkpointing, offload=offload, chunk_size=chunk_size)
+            if not r["ok"]:
+                return {"budget_bytes": budget, "trains": False, "error": r.get("error")}
+            means[side].append(statistics.mean(r["step_seconds"][1:]))
+            if b is not None:
+                pressed = r
+    free, press = min(means["free"]), min(means["pressed"])
+    return {"budget_bytes": budget, "trains": True, "step_seconds_free": free, "step_seconds_pressed": press,
+            "cost": press / free, "h2d_bytes_per_step": pressed["h2d_bytes"], "evictions": pressed["evictions"],
+            "peaks": pressed["peaks"]}
+
+
 def measure(w: Workload, device: str, config: str, *, chunk_size: int | None, rel_precision: float,
             want: dict) -> dict:
     """One row: the bound, the smallest budget, and the step-time cost against the same model
@@ -248,6 +282,10 @@ def measure(w: Workload, device: str, config: str, *, chunk_size: int | None, re
     base_seconds = statistics.mean(plain["step_seconds"][1:])
     best = min(best, again, key=lambda r: statistics.mean(r["step_seconds"][1:])) if again["ok"] else best
     step_seconds = statistics.mean(best["step_seconds"][1:])
+    pressure = None
+    if md / budget >= PRESSURE_RATIO:
+        pressure = pressure_cost(w, batches, device, checkpointing=checkpointing, offload=offload,
+                                 chunk_size=chunk_size)
     return {
         "model": w.name, "config": config, "chunk_size": chunk_size, "model_data_bytes": md,
         "largest_module_params": largest, "non_model_peak_bytes": ample["non_model_peak_bytes"],
@@ -259,6 +297,7 @@ def measure(w: Workload, device: str, config: str, *, chunk_size: int | None, re
         "max_abs_diff_from_adamw": max(r["max_abs_diff"] for r in ok_runs),
         "max_rel_diff_from_adamw": max(r["max_rel_diff"] for r in ok_runs),
         "budgets_tried": [(b, r["ok"]) for b, r in tried],
+        "pressure_at_10x": pressure,
     }
 
 
@@ -273,6 +312,14 @@ def run_row(args, name: str, config: str, chunk: int, rel: float) -> dict:
     row = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("ROW "))[4:])
     print(json.dumps({k: v for k, v in row.items() if k != "budgets_tried"}), flush=True)
     return row
+
+
+def _pressure_cells(p: dict | None) -> str:
+    if p is None:
+        return "- | -"
+    if not p["trains"]:
+        return "refused | -"
+    return f"**{p['cost']:.2f}** | {p['h2d_bytes_per_step'] / 2**20:.1f}"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -355,19 +402,25 @@ def main() -> int:
         f"parameter counts, the one whose warm-up plans the least. Bound = warm-up non-model peak + the largest "
         f"module's parameters and gradients + buffers. Step-time cost = mean step time (after the warm-up) at the "
         f"smallest budget / the same model without checkpointing or offload and no budget. |Δ AdamW| = the largest absolute difference of any parameter from fused "
-        f"torch AdamW over every budget that trained.",
+        f"torch AdamW over every budget that trained. Pressure cost at {PRESSURE_RATIO}x = mean step time at "
+        f"model data / {PRESSURE_RATIO} / the same configuration and chunk size at 4x model data, which holds "
+        f"everything (on the CPU both run the allocation monitor) ({PRESSURE_STEPS} "
+        f"steps after the warm-up, the better of two alternated runs each); '-' where the model does not train "
+        f"at {PRESSURE_RATIO}x.",
         "",
         f"Command: `{result['command']}`",
         "",
         "| model | config | chunk size | model data MiB | bound MiB | bound ratio | smallest budget MiB | ratio | "
-        "budget / bound | step-time cost | activations offloaded MiB/step | max abs Δ AdamW |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"budget / bound | step-time cost | pressure cost at {PRESSURE_RATIO}x | h2d MiB/step at {PRESSURE_RATIO}x | "
+        "activations offloaded MiB/step | max abs Δ AdamW |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         md_lines.append(
             f"| {r['model']} | {r['config']} | {r['chunk_size'] or 'searched'} | {r['model_data_bytes'] / 2**20:.1f} | "
             f"{r['bound_bytes'] / 2**20:.2f} | {r['bound_ratio']:.1f}x | {r['smallest_budget_bytes'] / 2**20:.2f} | "
             f"**{r['ratio']:.1f}x** | {r['budget_over_bound']:.3f} | {r['step_time_cost']:.2f} | "
+            f"{_pressure_cells(r.get('pressure_at_10x'))} | "
             f"{r['activation_offload_bytes'] / 2**20:.2f} | {r['max_abs_diff_from_adamw']:.1e} |")
     if medium is not None:
         md_lines += ["", f"Medium GPT (d 256, 8 layers, batch 8, ctx 32, no checkpointing, searched chunk size) at 40% of its "

@@ -21,7 +21,8 @@ Contenders are timed in interleaved rounds (A, B, A, B, ...) so that drift of th
    monitor on both sides) as well as with unbudgeted cuda.
 2. The optimizer step alone (the 55M GPT), over the same parameters with gradients present: gemini's
    HybridAdam over chunks, ``AdamW(fused=True)`` over the model's parameters, and DeepSpeed's
-   CPU Adam (``DeepSpeedCPUAdam``, its AVX kernel) when deepspeed is installed (CPU only).
+   CPU Adam (``DeepSpeedCPUAdam``, its AVX kernel) when deepspeed is installed (CPU only;
+   ``bash scripts/bench_venv.sh`` makes a venv with it and says how to run this script there).
 
 Results go to benchmarks/results/step_<device>.json and .md.
 """
@@ -178,6 +179,7 @@ def bench_optimizer_step(cfg: GPTConfig, args) -> dict:
     notes = []
     if args.device == "cpu":
         try:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read at deepspeed's import; else it warns
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             ds_model = copy.deepcopy(base)
