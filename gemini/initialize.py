@@ -18,7 +18,7 @@ from chunks import ChunkManager, ChunkStorage, Tier, missing_bytes, round_up, se
 from offload import NvmeStore
 from gemini.engine.activations import ActivationOffload
 from gemini.config import GeminiConfig
-from gemini.policies.footprint import Layout, chunk_bytes, device_groups
+from gemini.policies.footprint import Layout, chunk_bytes
 from gemini.engine.hooks import ModuleHooks
 from gemini.engine.residency import Residency
 from gemini.engine.memory import DeviceBudgetError, DeviceMemory
@@ -26,7 +26,7 @@ from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
-from gemini.policies import AutoPlacement, StaticPlacement, make_placement
+from gemini.policies import AutoPlacement, StaticPlacement, device_groups, make_placement
 from gemini.report import ReportWriter
 from gemini.engine.runtime import GeminiRuntime
 from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group

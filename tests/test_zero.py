@@ -14,7 +14,8 @@ import torch
 import gemini
 import zero_workers as zw
 from chunks import ChunkManager, ChunkStorage
-from gemini.policies.footprint import chunk_bytes, device_groups, named_bytes
+from gemini.policies import device_groups
+from gemini.policies.footprint import chunk_bytes, named_bytes
 from gemini.initialize import split_param_groups
 from multiprocess import run_ranks
 

@@ -8,35 +8,48 @@
 - ``footprint``: the bytes a placement needs and the margin rules shared with the planner
 - ``nvme_choice``: which optimizer-state groups live in NVMe files
 
-``make_placement`` builds the policy a config names. Policies import nothing of the engine
-(gemini/engine/) or of data parallelism (gemini/parallel/).
+``placement_type`` is the one place a ``GeminiConfig.placement`` name becomes a policy class;
+``make_placement`` builds the policy a config names, ``device_groups`` asks its class what it
+keeps on the device. Policies import nothing of the engine (gemini/engine/), of data parallelism
+(gemini/parallel/) or of the tools (gemini/tools/).
 """
 
 from __future__ import annotations
 
 from chunks import ChunkManager
+from gemini.config import GeminiConfig
 from gemini.policies.auto import AutoPlacement
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.fixed import CpuPlacement, CudaPlacement, StaticPlacement
+from gemini.policies.footprint import DeviceGroups, Layout
 
-__all__ = ["AutoPlacement", "CpuPlacement", "CudaPlacement", "PlacementPolicy", "StaticPlacement", "make_placement"]
+__all__ = ["AutoPlacement", "CpuPlacement", "CudaPlacement", "PlacementPolicy", "StaticPlacement", "device_groups",
+           "make_placement", "placement_type"]
+
+# Every placement by its name: the name is looked up here, once; what differs is asked of the class.
+_TYPES: dict[str, type[PlacementPolicy]] = {
+    cls.name: cls for cls in (CudaPlacement, CpuPlacement, StaticPlacement, AutoPlacement)
+}
 
 
-def make_placement(config, manager: ChunkManager, *, budget_bytes: int, fixed_bytes: int) -> PlacementPolicy:
+def placement_type(name: str) -> type[PlacementPolicy]:
+    """The policy class of ``GeminiConfig.placement`` value ``name``."""
+    try:
+        return _TYPES[name]
+    except KeyError:
+        raise ValueError(f"GeminiConfig.placement={name!r} has no policy; expected cuda, cpu, static or auto") from None
+
+
+def make_placement(config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
+                   fixed_bytes: int) -> PlacementPolicy:
     """The policy ``config.placement`` names, under a device budget of ``budget_bytes`` with
     ``fixed_bytes`` of buffers on the device."""
-    name = config.placement
-    if name == "cuda":
-        return CudaPlacement(manager)
-    if name == "cpu":
-        return CpuPlacement(manager)
-    if name == "static":
-        return StaticPlacement(
-            manager,
-            param_device_fraction=config.static_param_device_fraction,
-            optimizer_offload_fraction=config.static_optimizer_offload_fraction,
-        )
-    if name == "auto":
-        return AutoPlacement(manager, budget_bytes=budget_bytes, margin_ratio=config.gpu_margin_mem_ratio,
-                             fixed_bytes=fixed_bytes)
-    raise ValueError(f"GeminiConfig.placement={name!r} has no policy; expected cuda, cpu, static or auto")
+    return placement_type(config.placement).from_config(config, manager, budget_bytes=budget_bytes,
+                                                        fixed_bytes=fixed_bytes)
+
+
+def device_groups(config: GeminiConfig, layout: Layout) -> DeviceGroups:
+    """What ``config.placement`` keeps on the device for good, from the layout alone: everything
+    under "cuda", the fractions' groups under "static", nothing under "cpu" (and under "auto"
+    before its warm-up decides)."""
+    return placement_type(config.placement).layout_choice(config, layout)

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, Tier, fits, missing_bytes
+from gemini.config import GeminiConfig
 from gemini.errors import DeviceBudgetError
 from gemini.policies.plan import MemoryPlan
 from gemini.policies.base import PlacementPolicy
@@ -71,6 +72,12 @@ class AutoPlacement(PlacementPolicy):
         # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
         self.prefetch_reserve_bytes = 0
         self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
+
+    @classmethod
+    def from_config(cls, config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
+                    fixed_bytes: int) -> AutoPlacement:
+        return cls(manager, budget_bytes=budget_bytes, margin_ratio=config.gpu_margin_mem_ratio,
+                   fixed_bytes=fixed_bytes)
 
     @property
     def follows_modules(self) -> bool:

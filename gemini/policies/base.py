@@ -1,7 +1,8 @@
 """`PlacementPolicy`: what a placement decides; the engine makes every move.
 
 A policy is chosen by type (one class per ``GeminiConfig.placement`` value: cuda, cpu and static
-in gemini/policies/fixed.py, auto in gemini/policies/auto.py; ``make_placement`` picks one). It
+in gemini/policies/fixed.py, auto in gemini/policies/auto.py; ``placement_type`` looks one up by
+its ``name``, ``make_placement`` builds it). It
 answers the engine's questions (where a chunk starts, where a group's optimizer states live,
 what stays on the device, what to evict and what to prefetch) over the chunk layout, the
 memory ledger and, for auto, the warm-up's plan; :class:`gemini.engine.residency.Residency`
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
+from gemini.config import GeminiConfig
+from gemini.policies.footprint import DeviceGroups, Layout
 from tracer import Boundary
 
 __all__ = ["PlacementPolicy"]
@@ -37,6 +40,21 @@ class PlacementPolicy:
         self.manager = manager
         # ZeRO-3 gathers each module's parameters around its call (set by initialize).
         self.gathers_params = False
+
+    @classmethod
+    def from_config(cls, config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
+                    fixed_bytes: int) -> PlacementPolicy:
+        """This policy, as ``config`` sets it, over ``manager``'s chunks, under a device budget of
+        ``budget_bytes`` with ``fixed_bytes`` of buffers (which only a policy that plans reads)."""
+        return cls(manager)
+
+    @classmethod
+    def layout_choice(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups:
+        """The groups this placement keeps on the device for good, from the chunk layout alone:
+        before any chunk exists, so that the planner and ``initialize``'s budget check apply the
+        policy's own rule (see [Note: the footprint of a placement]). No group by default:
+        chunks start on the host, and auto decides only after its warm-up."""
+        return DeviceGroups()
 
     def setup(self) -> None:
         """Once after registration: make the choices ``pinned_groups`` and ``resident_params``

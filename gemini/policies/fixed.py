@@ -4,8 +4,9 @@ on the host) and ``static`` (fixed fractions)."""
 from __future__ import annotations
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
+from gemini.config import GeminiConfig
 from gemini.policies.base import PlacementPolicy
-from gemini.policies.footprint import DeviceGroups, chunk_bytes, static_choice
+from gemini.policies.footprint import DeviceGroups, Layout, chunk_bytes, static_choice
 
 __all__ = ["CpuPlacement", "CudaPlacement", "StaticPlacement"]
 
@@ -14,6 +15,10 @@ class CudaPlacement(PlacementPolicy):
     """Everything on the device: parameters, gradients, masters and Adam states."""
 
     name = "cuda"
+
+    @classmethod
+    def layout_choice(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups:
+        return DeviceGroups(whole=frozenset(range(len(layout))))
 
     @property
     def follows_modules(self) -> bool:
@@ -72,6 +77,19 @@ class StaticPlacement(PlacementPolicy):
         self.optimizer_offload_fraction = optimizer_offload_fraction
         self.params_on_device: set[int] = set()
         self.os_on_device: set[int] = set()
+
+    @classmethod
+    def from_config(cls, config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
+                    fixed_bytes: int) -> StaticPlacement:
+        return cls(manager, param_device_fraction=config.static_param_device_fraction,
+                   optimizer_offload_fraction=config.static_optimizer_offload_fraction)
+
+    @classmethod
+    def layout_choice(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups:
+        params, states = static_choice(list(range(len(layout))), [i for i, (_, pg, _) in enumerate(layout) if pg >= 0],
+                                       param_device_fraction=config.static_param_device_fraction,
+                                       optimizer_offload_fraction=config.static_optimizer_offload_fraction)
+        return DeviceGroups(whole=frozenset(states), params=frozenset(params))
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST

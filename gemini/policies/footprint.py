@@ -4,8 +4,9 @@ chunk layout alone: before any chunk exists, so that a plan or a budget check co
 [Note: the footprint of a placement]
 A chunk layout (``ChunkManager.layout``: per chunk group, its tensors, its param group — -1
 for frozen parameters — and its capacity in elements) and a placement's choice of groups on
-the device (:class:`DeviceGroups`) determine where every chunk is once a step is over, by the
-rules ``ChunkManager.register``, the policies' ``setup`` and the step follow:
+the device (:class:`DeviceGroups`, which each policy's ``layout_choice`` gives from the layout
+alone) determine where every chunk is once a step is over, by the rules
+``ChunkManager.register``, the policies' ``setup`` and the step follow:
 - the parameters lie on the device only for a group kept wholly there, on the host with a
   clean copy on the device for a group whose parameters stay cached there, else on the host.
   Under ZeRO-3 that is this rank's parameter shard (a cached group's shard stays on the host);
@@ -30,9 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from chunks import ChunkKind, Tier, fits
-from gemini.config import GeminiConfig
 
-__all__ = ["DeviceGroups", "Layout", "chunk_bytes", "device_groups", "margin_choice", "margin_room_bytes", "named_bytes",
+__all__ = ["DeviceGroups", "Layout", "chunk_bytes", "margin_choice", "margin_room_bytes", "named_bytes",
            "static_choice", "whole_group_bytes"]
 
 # ChunkManager.layout's rows: (tensor indices, param group index or -1 for frozen, capacity in elements).
@@ -89,21 +89,6 @@ def margin_choice(costs: Sequence[tuple[int, int]], room_bytes: int) -> frozense
             room_bytes -= cost
             chosen.append(index)
     return frozenset(chosen)
-
-
-def device_groups(config: GeminiConfig, layout: Layout) -> DeviceGroups:
-    """What ``config.placement`` keeps on the device for good: everything under "cuda", the
-    fractions' groups under "static", nothing under "cpu" (and under "auto" before its warm-up
-    decides)."""
-    groups = list(range(len(layout)))
-    if config.placement == "cuda":
-        return DeviceGroups(whole=frozenset(groups))
-    if config.placement == "static":
-        params, states = static_choice(groups, [i for i, (_, pg, _) in enumerate(layout) if pg >= 0],
-                                       param_device_fraction=config.static_param_device_fraction,
-                                       optimizer_offload_fraction=config.static_optimizer_offload_fraction)
-        return DeviceGroups(whole=frozenset(states), params=frozenset(params))
-    return DeviceGroups()
 
 
 def chunk_bytes(layout: Layout, choice: DeviceGroups, *, param_dtype: torch.dtype,

@@ -5,7 +5,8 @@ can be planned) and a :class:`GeminiConfig`, :func:`plan_placement` lays out the
 exactly as :func:`gemini.initialize` will, applies the placement's rule and the NVMe tier's
 choice, and says how many bytes of each chunk kind sit on the device, in host memory and on
 NVMe at the end of a step — the figures ``MemoryReport.model_bytes_by_tier`` then measures —
-and whether the budgets hold them.
+and whether the budgets hold them. What differs between placements (the groups kept on the
+device, the predicted peaks, the advice) each answers in its own class (gemini/tools/forecast.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from torch import nn
 
 from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
-from gemini.policies.footprint import (DeviceGroups, chunk_bytes, device_groups, margin_choice, margin_room_bytes, named_bytes,
-                              whole_group_bytes)
+from gemini.policies.footprint import chunk_bytes, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
-from gemini.engine.memory import planned_reserve_bytes
+from gemini.tools.forecast import PlacementForecast, forecast_for
 from gemini.tools.meta_run import meta_peaks
 from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
 from gemini.tools.summary import readable_unit
@@ -135,12 +135,13 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     With ``example_inputs`` (the model's positional arguments: tensors, or ``(shape, dtype)``
     pairs) one forward and backward runs on the meta device — no memory, no compute — and the
     verdict counts the activations (``non_model_peak_bytes``, ``first_step_peak_bytes``,
-    ``device_peak_bytes``; see [Note: the predicted device peak]). Under "auto" they also
-    predict the margin the warm-up will leave, and ``gpu_margin_mem_ratio``'s groups in it are
-    chosen by the engine's own rule (:func:`gemini.policies.footprint.margin_choice`); without them (or
-    without ``device_memory``) auto's host and NVMe figures are those of ratio 0 and the notes
-    say so. ``loss_fn(output)`` gives the scalar to differentiate (default: the
-    sum of the first output). Without them the verdict says that activations were not counted.
+    ``device_peak_bytes``; see [Note: the predicted device peak] in gemini/tools/forecast.py).
+    Under "auto" they also predict the margin the warm-up will leave, and
+    ``gpu_margin_mem_ratio``'s groups in it are chosen by the engine's own rule
+    (:func:`gemini.policies.footprint.margin_choice`); without them (or without
+    ``device_memory``) auto's host and NVMe figures are those of ratio 0 and the notes say so.
+    ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
+    output). Without them the verdict says that activations were not counted.
     """
     _, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
@@ -159,12 +160,8 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         peaks = meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=config.param_dtype,
                            group_of=group_of, group_bytes=[capacity * elem for _, _, capacity in layout])
         non_model = peaks.non_model_bytes
-    choice = device_groups(config, layout)
-    margin = None
-    if config.placement == "auto" and peaks is not None and config.device_memory is not None:
-        margin = _auto_margin(config, layout, trainable, planned_peak_bytes=buffer_bytes + peaks.planned_peak_bytes,
-                              non_model_bytes=non_model)
-        choice = margin.choice
+    forecast = forecast_for(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
+    choice = forecast.choice
     os_on_device = [i for i in trainable if i in choice.whole]
     problems: list[str] = []
     notes: list[str] = []
@@ -179,13 +176,10 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         nvme_undo_file_bytes=_undo_file_bytes(nvme, layout, config), device_budget_bytes=config.device_memory,
         cpu_memory_bytes=config.cpu_memory, host_available_bytes=psutil.virtual_memory().available,
         nvme_free_bytes=_free_disk_bytes(config.nvme_dir), non_model_peak_bytes=non_model,
-        margin_bytes=None if margin is None else margin.margin_bytes, problems=problems, notes=notes,
+        margin_bytes=forecast.margin_bytes, problems=problems, notes=notes,
     )
-    warmup_peak = None if peaks is None else buffer_bytes + peaks.warmup_peak_bytes
-    planned_peak = buffer_bytes + peaks.planned_peak_bytes if peaks is not None and config.placement == "auto" else None
-    _check_device(plan, config, warmup_peak, _auto_cached_bytes(layout, choice, config.param_dtype), planned_peak,
-                  (0, 0) if peaks is None else (peaks.forward_non_model_bytes, peaks.backward_non_model_bytes))
-    _check_host_and_nvme(plan, config)
+    _check_device(plan, forecast)
+    _check_host_and_nvme(plan, forecast)
     return plan
 
 
@@ -211,135 +205,50 @@ def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups
         return NvmeLayout(frozenset(), sum(b for _, b in os_bytes), 0, 0)
 
 
-@dataclass(frozen=True)
-class _AutoMargin:
-    margin_bytes: int
-    choice: DeviceGroups
-
-
-def _auto_margin(config: GeminiConfig, layout, trainable: list[int], *, planned_peak_bytes: int,
-                 non_model_bytes: int) -> _AutoMargin:
-    """The margin the warm-up will leave (``MemoryPlan.margin_bytes``, from the warm-up replayed
-    on meta) and the groups ``gpu_margin_mem_ratio`` keeps in it, by the engine's own rule
-    (``AutoPlacement.adopt``)."""
-    reserve = planned_reserve_bytes(non_model_bytes, config.resolved_device())
-    margin = config.device_memory - reserve - planned_peak_bytes
-    room = margin_room_bytes(margin, config.gpu_margin_mem_ratio, param_dtype=config.param_dtype,
-                             largest_capacity=max((layout[i][2] for i in trainable), default=0))
-    costs = [(i, whole_group_bytes(layout[i][2], param_dtype=config.param_dtype)) for i in trainable]
-    return _AutoMargin(margin, DeviceGroups(whole=margin_choice(costs, room)))
-
-
-def _auto_cached_bytes(layout, choice: DeviceGroups, param_dtype: torch.dtype) -> int:
-    """What placement "auto" holds on the device once nothing presses it: the margin's whole
-    groups, every other group's parameters, and one gradient chunk being filled."""
-    elem = torch.empty((), dtype=param_dtype).element_size()
-    pinned = sum(whole_group_bytes(cap, param_dtype=param_dtype) for i, (_, _, cap) in enumerate(layout)
-                 if i in choice.whole)
-    params = sum(cap * elem for i, (_, _, cap) in enumerate(layout) if i not in choice.whole)
-    grad = max((cap * elem for i, (_, pg, cap) in enumerate(layout) if pg >= 0 and i not in choice.whole), default=0)
-    return pinned + params + grad
-
-
-def _predict_peaks(plan: PlacementPlan, config: GeminiConfig, reserve: int, warmup_peak_bytes: int,
-                   auto_cached_bytes: int, forward_non_model_bytes: int, backward_non_model_bytes: int
-                   ) -> tuple[int, int, str]:
-    """(first step's peak, later steps' peak, what the model data on the device is) from the
-    meta run's non-model peak; see [Note: the predicted device peak]."""
-    # [Note: the predicted device peak]
-    # The activation peak (the end of forward, the start of backward) meets the model data the
-    # placement holds then:
-    # - "cuda" and "static": the chunks they keep. Under "static" (and "cuda" with fp16) the
-    #   gradient chunks come as the gradients do, so the first step's activation peak lacks
-    #   them; under "cuda" they are there as its backward begins;
-    # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
-    #   [Note: the warm-up replayed on meta] in gemini/tools/meta_run.py);
-    # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
-    #   margin's groups to the device for its optimizer step. Later it keeps every
-    #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
-    #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
-    nm = plan.non_model_peak_bytes
-    fixed = plan.buffer_bytes + nm
-    device = plan.model_bytes_by_tier["device"]
-    if config.placement in ("cuda", "static"):
-        steady = sum(device.values()) + fixed
-        if config.placement == "static" and plan.model_bytes_by_tier["host"][ChunkKind.PARAM.value]:
-            steady += plan.device_working_set_bytes  # host-only groups visit for compute
-        grads = device[ChunkKind.GRAD.value]
-        if config.placement == "cuda" and config.precision != "fp16":
-            # Autograd accumulates into the gradient chunks, allocated as the first backward
-            # begins (see [Note: autograd accumulates into the chunks] in gemini/engine/grad_views.py):
-            # a peak in the forward or the loss comes before them.
-            first = steady - nm - grads + max(forward_non_model_bytes, backward_non_model_bytes + grads)
-            return first, steady, "the chunks it keeps"
-        return steady - grads, steady, "the chunks it keeps"
-    first = warmup_peak_bytes
-    if config.placement == "cpu":
-        return first, first, "the chunk groups visiting it for compute"
-    # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam
-    # updates them there once the activations are gone.
-    first = max(first, sum(device.values()) + plan.buffer_bytes)
-    cached = auto_cached_bytes + fixed
-    if plan.device_budget_bytes is not None:
-        cached = min(cached, plan.device_budget_bytes - reserve)
-    return first, max(first, cached), ("the parameter chunks it caches and the margin's whole groups (its "
-                                        "warm-up: the chunk groups visiting for compute)")
-
-
-def _check_device(plan: PlacementPlan, config: GeminiConfig, warmup_peak_bytes: int | None,
-                  auto_cached_bytes: int, planned_peak_bytes: int | None = None,
-                  split_non_model_bytes: tuple[int, int] = (0, 0)) -> None:
-    device_bytes = plan.tier_bytes("device") + plan.buffer_bytes
-    budget = config.device_memory
-    if config.placement == "auto":
-        if config.gpu_margin_mem_ratio == 0:
-            share = "optimizer states stay on the host (gpu_margin_mem_ratio=0)"
-        elif plan.margin_bytes is not None:
-            share = (f"the warm-up will leave a margin of {format_size(max(0, plan.margin_bytes))}; "
-                     f"gpu_margin_mem_ratio={config.gpu_margin_mem_ratio:g} of it holds {plan.os_groups_on_device} "
-                     f"whole chunk groups (their optimizer states are updated on the device)")
-        else:
-            share = (f"gpu_margin_mem_ratio={config.gpu_margin_mem_ratio:g} also moves optimizer states into the "
-                     f"margin the warm-up measures; without example_inputs and device_memory that margin is "
-                     f"unknown, so host and NVMe are shown as at ratio 0 (they shrink by what moves)")
-        plan.notes.append("auto: parameter chunks are cached on the device as the budget allows after the warm-up; "
-                          + share)
+def _check_device(plan: PlacementPlan, forecast: PlacementForecast) -> None:
+    """The device's verdict: the predicted peak against the budget with example inputs, the
+    model data the placement keeps there without."""
+    config = forecast.config
+    plan.notes.extend(forecast.notes(plan))
     if config.offload_activations:
         plan.notes.append(
             f"offload_activations: saved activations of at least {format_size(config.activation_offload_min_bytes)} "
             "wait in host memory between forward and backward (their bytes are measured at warm-up and reported as "
-            "activation_offload_bytes)" + ("; the margin left by gpu_margin_mem_ratio keeps the last ones on the "
-                                            "device" if config.placement == "auto" else ""))
-    if config.placement in ("cpu", "auto"):
-        # Chunks visit the device for compute: at least the largest group's parameters and gradients.
-        device_bytes += plan.device_working_set_bytes
-        what = "the largest chunk group's parameters and gradients visiting it"
-    else:
-        what = "the chunks it keeps"
+            "activation_offload_bytes)" + forecast.activation_offload_note)
     if plan.non_model_peak_bytes is not None:
-        reserve = planned_reserve_bytes(plan.non_model_peak_bytes, config.resolved_device())
-        plan.first_step_peak_bytes, plan.device_peak_bytes, what = _predict_peaks(
-            plan, config, reserve, warmup_peak_bytes, auto_cached_bytes, *split_non_model_bytes)
-        peak = max(plan.first_step_peak_bytes, plan.device_peak_bytes)
-        plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
-                          f"{format_size(plan.first_step_peak_bytes)}): {what}, buffers, and activations and "
-                          f"temporaries (at most {format_size(plan.non_model_peak_bytes)} at once: one forward and "
-                          f"backward on the meta device); the warm-up keeps a reserve of {format_size(reserve)} besides")
-        if budget is None:
-            return
-        needed, why = peak, "at its peak"
-        if planned_peak_bytes is not None and planned_peak_bytes > peak:
-            # The warm-up refuses a budget its planned peak does not fit (MemoryPlan.planned_peak_bytes).
-            needed, why = planned_peak_bytes, "for the warm-up's plan, each period's chunks with its activations"
-        missing = missing_bytes(budget, needed, reserve)
-        if missing:
-            advice = "" if config.placement in ("cpu", "auto") else ", or placement 'cpu'/'auto'"
-            plan.problems.append(
-                f"the device needs {format_size(needed + reserve)} {why} ({format_size(needed)} predicted, "
-                f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: "
-                f"{format_size(missing)} are missing; raise device_memory, use activation checkpointing or "
-                f"offload_activations, or a smaller batch{advice}")
+        _check_predicted_peak(plan, forecast)
+    else:
+        _check_model_data(plan, forecast)
+
+
+def _check_predicted_peak(plan: PlacementPlan, forecast: PlacementForecast) -> None:
+    """With example inputs: each step's predicted peak, and the budget's verdict on it."""
+    budget, reserve = forecast.config.device_memory, forecast.reserve_bytes
+    plan.first_step_peak_bytes, plan.device_peak_bytes = forecast.predict_peaks(plan)
+    peak = max(plan.first_step_peak_bytes, plan.device_peak_bytes)
+    plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
+                      f"{format_size(plan.first_step_peak_bytes)}): {forecast.holds}, buffers, and activations and "
+                      f"temporaries (at most {format_size(plan.non_model_peak_bytes)} at once: one forward and "
+                      f"backward on the meta device); the warm-up keeps a reserve of {format_size(reserve)} besides")
+    if budget is None:
         return
+    needed, why = peak, "at its peak"
+    planned = forecast.planned_peak_bytes
+    if planned is not None and planned > peak:
+        # The warm-up refuses a budget its planned peak does not fit (MemoryPlan.planned_peak_bytes).
+        needed, why = planned, "for the warm-up's plan, each period's chunks with its activations"
+    missing = missing_bytes(budget, needed, reserve)
+    if missing:
+        plan.problems.append(
+            f"the device needs {format_size(needed + reserve)} {why} ({format_size(needed)} predicted, "
+            f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: "
+            f"{format_size(missing)} are missing; raise device_memory, use activation checkpointing or "
+            f"offload_activations, or a smaller batch{forecast.peak_advice}")
+
+
+def _check_model_data(plan: PlacementPlan, forecast: PlacementForecast) -> None:
+    """Without example inputs: only the model data and buffers against the budget."""
+    budget, device_bytes, what = forecast.config.device_memory, forecast.device_need_bytes(plan), forecast.needs
     if budget is None:
         plan.notes.append(f"no device budget: the whole device; it needs {format_size(device_bytes)} for {what}, "
                           f"plus activations")
@@ -355,16 +264,15 @@ def _check_device(plan: PlacementPlan, config: GeminiConfig, warmup_peak_bytes: 
                           f"for activations and other non-model memory (measured at warm-up)")
 
 
-def _check_host_and_nvme(plan: PlacementPlan, config: GeminiConfig) -> None:
+def _check_host_and_nvme(plan: PlacementPlan, forecast: PlacementForecast) -> None:
+    config = forecast.config
     host_bytes = plan.tier_bytes("host") + plan.nvme_staging_bytes + plan.nvme_undo_bytes
     if config.resolved_device().type == "cpu":
         host_bytes += plan.tier_bytes("device")  # the CPU stand-in's "device" is host memory too
     if host_bytes > plan.host_available_bytes:
-        knob = ("set cpu_memory and nvme_dir to move optimizer states to NVMe" if config.placement != "cuda" else
-                "with placement 'cpu', 'auto' or 'static', cpu_memory and nvme_dir move optimizer states to NVMe")
         plan.problems.append(
             f"host memory: {format_size(host_bytes)} needed, {format_size(plan.host_available_bytes)} available now; "
-            f"{knob}")
+            f"{forecast.host_advice}")
     if plan.nvme_staging_bytes:
         plan.notes.append(f"the NVMe pipeline stages up to {format_size(plan.nvme_staging_bytes)} in host memory")
     nvme_bytes = plan.tier_bytes("nvme")

@@ -1,0 +1,224 @@
+"""The planner's questions to a placement, answered by one class per placement.
+
+:func:`gemini.tools.planner.plan_placement` asks every placement the same things: which chunk
+groups it keeps on the device (under auto, from the margin its warm-up will leave), what model
+data it holds at the activation peak, the device's peak in the first step and in the later ones,
+and what to advise when a budget falls short. Each ``GeminiConfig.placement`` value answers in
+its own class here; :func:`forecast_for` picks it once, by the policy class
+:func:`gemini.policies.placement_type` names, so nothing tests the placement's name.
+
+Why here and not on the policy classes: the answers read the engine's safety reserve
+(``planned_reserve_bytes``), the meta run's peaks and the plan, and a policy imports nothing of
+gemini/engine/ or gemini/tools/. What is the policy's own the forecast asks its policy class:
+the groups it keeps from the layout alone (``layout_choice``, the rule ``initialize`` applies
+too). The classes follow the runtime's kinship: auto's warm-up moves chunks as "cpu" does (its
+``budget_advice`` is cpu's), so :class:`AutoForecast` is a :class:`CpuForecast`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from chunks import ChunkKind
+from gemini.config import GeminiConfig
+from gemini.engine.memory import planned_reserve_bytes
+from gemini.policies import (AutoPlacement, CpuPlacement, CudaPlacement, PlacementPolicy, StaticPlacement,
+                             placement_type)
+from gemini.policies.footprint import DeviceGroups, Layout, margin_choice, margin_room_bytes, whole_group_bytes
+from gemini.tools.meta_run import MetaPeaks
+from offload import format_size
+
+if TYPE_CHECKING:
+    from gemini.tools.planner import PlacementPlan
+
+__all__ = ["AutoForecast", "CpuForecast", "CudaForecast", "PlacementForecast", "StaticForecast", "forecast_for"]
+
+
+class PlacementForecast:
+    """One placement's answers for one model and config. The base answers as a placement that
+    keeps its chunks on the device for good does ("cuda", "static"); those that fetch chunks
+    for compute ("cpu", "auto") answer in :class:`CpuForecast`."""
+
+    policy: type[PlacementPolicy] = PlacementPolicy
+    # The model data on the device at the activation peak, as the predicted peak's note says it.
+    holds = "the chunks it keeps"
+    # The model data the device must hold, as the check without example inputs says it.
+    needs = "the chunks it keeps"
+    # Ends the advice of a refused peak: the placements that keep less on the device.
+    peak_advice = ", or placement 'cpu'/'auto'"
+    # What takes optimizer states out of host memory when it is short.
+    host_advice = "set cpu_memory and nvme_dir to move optimizer states to NVMe"
+    # Ends the offload_activations note.
+    activation_offload_note = ""
+
+    def __init__(self, config: GeminiConfig, layout: Layout, *, buffer_bytes: int, peaks: MetaPeaks | None) -> None:
+        self.config = config
+        self.layout = layout
+        self.buffer_bytes = buffer_bytes
+        self.peaks = peaks  # None: no example inputs, activations not counted
+        self.reserve_bytes = None if peaks is None else planned_reserve_bytes(peaks.non_model_bytes,
+                                                                              config.resolved_device())
+        self.choice: DeviceGroups = self.policy.layout_choice(config, layout)
+        # Only auto's warm-up plans (with example inputs) and leaves a margin (with a budget too).
+        self.planned_peak_bytes: int | None = None
+        self.margin_bytes: int | None = None
+
+    def notes(self, plan: PlacementPlan) -> list[str]:
+        """What this placement says of itself, before the device's figures."""
+        return []
+
+    def device_need_bytes(self, plan: PlacementPlan) -> int:
+        """Model data (``needs``) and buffers on the device, as checked without example inputs."""
+        return plan.tier_bytes("device") + plan.buffer_bytes
+
+    def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
+        """(The first step's device peak, every later step's), from the meta run's non-model
+        peak (so only with example inputs); see [Note: the predicted device peak]."""
+        # [Note: the predicted device peak]
+        # The activation peak (the end of forward, the start of backward) meets the model data the
+        # placement holds then:
+        # - "cuda" and "static": the chunks they keep. Under "static" (and "cuda" with fp16) the
+        #   gradient chunks come as the gradients do, so the first step's activation peak lacks
+        #   them; under "cuda" they are there as its backward begins;
+        # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
+        #   [Note: the warm-up replayed on meta] in gemini/tools/meta_run.py);
+        # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
+        #   margin's groups to the device for its optimizer step. Later it keeps every
+        #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
+        #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
+        steady = self._kept_peak_bytes(plan)
+        return steady - plan.model_bytes_by_tier["device"][ChunkKind.GRAD.value], steady
+
+    def _kept_peak_bytes(self, plan: PlacementPlan) -> int:
+        """The peak of a step once every chunk kept on the device exists."""
+        return plan.tier_bytes("device") + plan.buffer_bytes + plan.non_model_peak_bytes
+
+
+class CudaForecast(PlacementForecast):
+    """Every chunk on the device."""
+
+    policy = CudaPlacement
+    # cuda rejects cpu_memory and nvme_dir (GeminiConfig): the knob is another placement.
+    host_advice = "with placement 'cpu', 'auto' or 'static', cpu_memory and nvme_dir move optimizer states to NVMe"
+
+    def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
+        if self.config.precision == "fp16":
+            return super().predict_peaks(plan)
+        # Autograd accumulates into the gradient chunks, allocated as the first backward
+        # begins (see [Note: autograd accumulates into the chunks] in gemini/engine/grad_views.py):
+        # a peak in the forward or the loss comes before them.
+        steady = self._kept_peak_bytes(plan)
+        grads = plan.model_bytes_by_tier["device"][ChunkKind.GRAD.value]
+        first = (steady - plan.non_model_peak_bytes - grads
+                 + max(self.peaks.forward_non_model_bytes, self.peaks.backward_non_model_bytes + grads))
+        return first, steady
+
+
+class StaticForecast(PlacementForecast):
+    """The fractions' groups kept on the device; the others visit it for compute."""
+
+    policy = StaticPlacement
+
+    def _kept_peak_bytes(self, plan: PlacementPlan) -> int:
+        peak = super()._kept_peak_bytes(plan)
+        if plan.model_bytes_by_tier["host"][ChunkKind.PARAM.value]:
+            peak += plan.device_working_set_bytes  # host-only groups visit for compute
+        return peak
+
+
+class CpuForecast(PlacementForecast):
+    """Nothing kept on the device: each chunk group visits it for compute."""
+
+    policy = CpuPlacement
+    holds = "the chunk groups visiting it for compute"
+    needs = "the largest chunk group's parameters and gradients visiting it"
+    peak_advice = ""  # already one that fetches only what it computes with
+
+    def device_need_bytes(self, plan: PlacementPlan) -> int:
+        # At least the largest group's parameters and gradients, while they visit.
+        return super().device_need_bytes(plan) + plan.device_working_set_bytes
+
+    def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
+        # Every step moves chunks as the warm-up replayed on meta does.
+        warmup = self.buffer_bytes + self.peaks.warmup_peak_bytes
+        return warmup, warmup
+
+
+class AutoForecast(CpuForecast):
+    """The warm-up as "cpu"; then parameter chunks cached as the budget allows, and the margin's
+    whole groups on the device for good (see [Note: auto placement] in gemini/policies/auto.py)."""
+
+    policy = AutoPlacement
+    holds = ("the parameter chunks it caches and the margin's whole groups (its warm-up: the chunk groups visiting "
+             "for compute)")
+    activation_offload_note = "; the margin left by gpu_margin_mem_ratio keeps the last ones on the device"
+
+    def __init__(self, config: GeminiConfig, layout: Layout, *, buffer_bytes: int, peaks: MetaPeaks | None) -> None:
+        super().__init__(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
+        if peaks is None:
+            return  # without a meta run the margin is unknown: ratio 0's choice, as the notes say
+        self.planned_peak_bytes = buffer_bytes + peaks.planned_peak_bytes
+        if config.device_memory is not None:
+            # MemoryPlan.margin_bytes, from the warm-up replayed on meta.
+            self.margin_bytes = config.device_memory - self.reserve_bytes - self.planned_peak_bytes
+            self.choice = self._margin_choice(self.margin_bytes)
+
+    def _margin_choice(self, margin_bytes: int) -> DeviceGroups:
+        """The groups ``gpu_margin_mem_ratio`` keeps in the margin, by the engine's own rule
+        (``AutoPlacement.adopt``)."""
+        config, layout = self.config, self.layout
+        trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
+        room = margin_room_bytes(margin_bytes, config.gpu_margin_mem_ratio, param_dtype=config.param_dtype,
+                                 largest_capacity=max((layout[i][2] for i in trainable), default=0))
+        costs = [(i, whole_group_bytes(layout[i][2], param_dtype=config.param_dtype)) for i in trainable]
+        return DeviceGroups(whole=margin_choice(costs, room))
+
+    def notes(self, plan: PlacementPlan) -> list[str]:
+        ratio = self.config.gpu_margin_mem_ratio
+        if ratio == 0:
+            share = "optimizer states stay on the host (gpu_margin_mem_ratio=0)"
+        elif plan.margin_bytes is not None:
+            share = (f"the warm-up will leave a margin of {format_size(max(0, plan.margin_bytes))}; "
+                     f"gpu_margin_mem_ratio={ratio:g} of it holds {plan.os_groups_on_device} "
+                     f"whole chunk groups (their optimizer states are updated on the device)")
+        else:
+            share = (f"gpu_margin_mem_ratio={ratio:g} also moves optimizer states into the "
+                     f"margin the warm-up measures; without example_inputs and device_memory that margin is "
+                     f"unknown, so host and NVMe are shown as at ratio 0 (they shrink by what moves)")
+        return ["auto: parameter chunks are cached on the device as the budget allows after the warm-up; " + share]
+
+    def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
+        first, _ = super().predict_peaks(plan)
+        # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam
+        # updates them there once the activations are gone.
+        first = max(first, plan.tier_bytes("device") + plan.buffer_bytes)
+        cached = self._cached_bytes() + plan.buffer_bytes + plan.non_model_peak_bytes
+        if plan.device_budget_bytes is not None:
+            cached = min(cached, plan.device_budget_bytes - self.reserve_bytes)
+        return first, max(first, cached)
+
+    def _cached_bytes(self) -> int:
+        """What auto holds on the device once nothing presses it: the margin's whole groups,
+        every other group's parameters, and one gradient chunk being filled."""
+        param_dtype, whole = self.config.param_dtype, self.choice.whole
+        elem = torch.empty((), dtype=param_dtype).element_size()
+        pinned = sum(whole_group_bytes(cap, param_dtype=param_dtype) for i, (_, _, cap) in enumerate(self.layout)
+                     if i in whole)
+        params = sum(cap * elem for i, (_, _, cap) in enumerate(self.layout) if i not in whole)
+        grad = max((cap * elem for i, (_, pg, cap) in enumerate(self.layout) if pg >= 0 and i not in whole), default=0)
+        return pinned + params + grad
+
+
+# Each placement's forecast by its policy class: the name was looked up once, by placement_type.
+_FORECASTS: dict[type[PlacementPolicy], type[PlacementForecast]] = {
+    f.policy: f for f in (CudaForecast, CpuForecast, StaticForecast, AutoForecast)
+}
+
+
+def forecast_for(config: GeminiConfig, layout: Layout, *, buffer_bytes: int,
+                 peaks: MetaPeaks | None) -> PlacementForecast:
+    """The forecast of the placement ``config`` names, for the chunk groups of ``layout``,
+    ``buffer_bytes`` of module buffers and, with example inputs, the meta run's ``peaks``."""
+    return _FORECASTS[placement_type(config.placement)](config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
