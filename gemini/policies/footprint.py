@@ -63,7 +63,7 @@ def whole_group_bytes(capacity: int, *, param_dtype: torch.dtype, trainable: boo
     """Bytes of every chunk of a group of ``capacity`` elements: what keeping the whole group on
     the device costs (parameters and gradients in ``param_dtype``; fp32 master under bf16/fp16;
     fp32 m and v)."""
-    elem = torch.empty((), dtype=param_dtype).element_size()
+    elem = param_dtype.itemsize
     if not trainable:
         return capacity * elem
     return capacity * (2 * elem + (4 if param_dtype != torch.float32 else 0) + 8)
@@ -97,7 +97,7 @@ def chunk_bytes(layout: Layout, choice: DeviceGroups, *, param_dtype: torch.dtyp
     """Bytes of chunks per tier and kind at the end of a step, on one of ``world`` data-parallel
     ranks; see [Note: the footprint of a placement]. ``nvme_groups``: trainable groups whose
     master, m and v the NVMe tier keeps in files."""
-    elem = torch.empty((), dtype=param_dtype).element_size()
+    elem = param_dtype.itemsize
     low = param_dtype != torch.float32
     sharded = world > 1
     # Adam's fp32 chunks, which the NVMe tier may hold (see [Note: what goes to NVMe] in gemini/policies/nvme_choice.py).

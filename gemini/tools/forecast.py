@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from chunks import ChunkKind
 from gemini.config import GeminiConfig
 from gemini.engine.memory import planned_reserve_bytes
@@ -203,7 +201,7 @@ class AutoForecast(CpuForecast):
         """What auto holds on the device once nothing presses it: the margin's whole groups,
         every other group's parameters, and one gradient chunk being filled."""
         param_dtype, whole = self.config.param_dtype, self.choice.whole
-        elem = torch.empty((), dtype=param_dtype).element_size()
+        elem = param_dtype.itemsize
         pinned = sum(whole_group_bytes(cap, param_dtype=param_dtype) for i, (_, _, cap) in enumerate(self.layout)
                      if i in whole)
         params = sum(cap * elem for i, (_, _, cap) in enumerate(self.layout) if i not in whole)

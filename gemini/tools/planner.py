@@ -150,7 +150,7 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     layout = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=chunk_size,
                           param_dtype=config.param_dtype).layout(named_groups, frozen)
     trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
-    elem = torch.empty((), dtype=config.param_dtype).element_size()
+    elem = config.param_dtype.itemsize
     buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
     working_set = max((capacity * elem * (2 if pg >= 0 else 1) for _, pg, capacity in layout), default=0)
     non_model = peaks = None
