@@ -125,8 +125,10 @@ def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
                 q = got_params[n]
                 assert q.grad is not None and q.grad.device == q.device, n
                 torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"step {step} {n}: {m}")
-            edit(ref, ref_params)
-        edit(gmodel, got_params)
+            if step != 2:  # step 2 touches no p.grad: the step keeps every view
+                edit(ref, ref_params)
+        if step != 2:
+            edit(gmodel, got_params)
         before = {n: q.grad for n, q in got_params.items()}
         with outside():
             ref_opt.step()
@@ -139,8 +141,8 @@ def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
                     torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"step {step} {n}: {m}")
         if name == "cuda":
             kept = [n for n, g in before.items() if g is not None and got_params[n].grad is g]
-            assert sorted(kept) == sorted(n for n in before if n not in ("blocks.1.attn.qkv.weight",
-                                                                         "blocks.2.mlp.fc.bias")), kept
+            edited = () if step == 2 else ("blocks.1.attn.qkv.weight", "blocks.2.mlp.fc.bias")
+            assert sorted(kept) == sorted(n for n in before if n not in edited), kept
         if step % 2:
             ref.zero_grad()
             gmodel.module.zero_grad()  # the inner module's own zero_grad: p.grad = None

@@ -42,7 +42,10 @@ reads them back but leaves each untouched view in ``p.grad``, and the :meth:`Gra
 after the step puts back only the ones that changed. Withdrawing and re-assigning every
 ``p.grad`` cost ~2 us a parameter, 0.15 ms of a 55M GPT's 24 ms optimizer step on the CPU.
 The step itself writes no gradient but in place (clipping scales the chunk), so a kept view
-reads what a fresh one would.
+reads what a fresh one would. Where no view was touched, expose has nothing to do at all: every
+gradient ready before the step had its view out (each backward ends by exposing), and the step
+marks none ready — except under ZeRO, whose ranks agree on which gradients any rank has, so
+the engine settles only without it.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class GradViews:
         self._views: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
         self._armed: dict[nn.Parameter, torch.Tensor] = {}  # put into p.grad by arm() for this backward
         self._settled = False  # settle() left untouched views in p.grad for expose() to keep
+        self._settled_whole = False  # ... and every view was untouched: expose() has nothing to do
 
     def _view(self, g: ChunkGroup, slot, p: nn.Parameter, tier: Tier | None) -> torch.Tensor:
         payload = g.grad.payload(tier)
@@ -136,9 +140,12 @@ class GradViews:
     def expose(self) -> None:
         """Every parameter with a gradient since zero_grad: ``p.grad`` = its gradient (after
         :meth:`settle`, only where it is not already there)."""
-        if not self._settled:
+        settled, whole = self._settled, self._settled_whole
+        self._settled = self._settled_whole = False
+        if whole:
+            return
+        if not settled:
             self.hide()
-        self._settled = False
         for g in self.manager.trainable_groups:
             if not g.any_grad_ready:
                 continue
@@ -168,13 +175,16 @@ class GradViews:
 
     def settle(self) -> None:
         """Read back what torch code did to ``p.grad``, as :meth:`hide` does, but leave every
-        untouched view where it is: for a step that moves no chunk, after which :meth:`expose`
-        has only the changed ones to put back (see [Note: a step that moves no chunk])."""
+        untouched view where it is: for a step that moves no chunk and marks no gradient ready,
+        after which :meth:`expose` has only the changed ones to put back, or none (see [Note: a
+        step that moves no chunk])."""
         if self._redirected:  # p.data points at another copy: that must end before the step
             self.hide()
             return
+        out = len(self._out)
         self.hide(keep_untouched=True)
         self._settled = True
+        self._settled_whole = len(self._out) == out
 
     def hide(self, *, keep_untouched: bool = False) -> None:
         """Take the views back, keeping what was done to them (see the module note)."""

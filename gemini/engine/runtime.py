@@ -136,8 +136,9 @@ class GeminiRuntime:
 
     def settle_grad_views(self) -> None:
         """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless
-        no chunk can move under them (see [Note: a step that moves no chunk])."""
-        if self.placement.follows_modules:
+        no chunk can move under them and no rank can mark more ready (see [Note: a step that
+        moves no chunk])."""
+        if self.placement.follows_modules or self.zero is not None:
             self.grad_views.hide()
         else:
             self.grad_views.settle()
