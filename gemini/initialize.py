@@ -26,7 +26,7 @@ from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
-from gemini.policies import AutoPlacement, StaticPlacement, device_groups, make_placement
+from gemini.policies import AutoPlacement, StaticPlacement, device_groups, make_placement, placement_type
 from gemini.report import ReportWriter
 from gemini.engine.runtime import GeminiRuntime
 from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
@@ -127,8 +127,9 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
     # auto always measures: its warm-up plans from what it sees (with no budget on the CPU
     # stand-in, against the machine's memory).
+    policy_type = placement_type(config.placement)
     memory = DeviceMemory(device, config.device_memory,
-                          measure=config.device_memory is not None or config.placement == "auto")
+                          measure=config.device_memory is not None or policy_type.plans_from_measurement)
     storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype, rank=rank, world=world,
                            shard_params=config.shard_params)
@@ -223,7 +224,7 @@ def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
 
 def _check_supported(config: GeminiConfig) -> None:
     """Combinations of fields that have no meaning fail loudly, never silently."""
-    if config.gpu_margin_mem_ratio != 0.0 and config.placement != "auto":
+    if config.gpu_margin_mem_ratio != 0.0 and not placement_type(config.placement).has_margin:
         raise ValueError(
             f"GeminiConfig.gpu_margin_mem_ratio={config.gpu_margin_mem_ratio} needs placement='auto' "
             f"(placement={config.placement!r} has no margin); use 0.0 or placement='auto'"
@@ -247,15 +248,17 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout)
 
 
 def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkManager) -> None:
-    """Under placement 'cuda' every chunk lives on the device: say before allocating if they can't."""
-    if config.placement != "cuda":
+    """Where a placement keeps every chunk on the device ('cuda'), say before allocating if they
+    can't fit."""
+    choice = device_groups(config, layout)
+    if len(choice.whole) < len(layout):
         return
-    need = sum(chunk_bytes(layout, device_groups(config, layout), param_dtype=manager.param_dtype,
+    need = sum(chunk_bytes(layout, choice, param_dtype=manager.param_dtype,
                            world=manager.world, shard_params=manager.shard_params)[Tier.DEVICE].values())
     missing = missing_bytes(config.device_memory, need)
     if missing:
         raise ValueError(
-            f"placement='cuda' needs {need} bytes of chunks on the device but "
+            f"placement={config.placement!r} needs {need} bytes of chunks on the device but "
             f"GeminiConfig.device_memory={config.device_memory}: {missing} bytes are missing; "
             f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size"
         )

@@ -112,9 +112,26 @@ def test_param_in_two_groups_is_refused():
                           param_groups=[{"params": [p]}, {"params": [p]}])
 
 
-def test_device_budget_too_small_for_cuda_placement_says_how_much_is_missing():
-    with pytest.raises(ValueError, match=r"bytes are missing"):
-        gemini.initialize(GPT(TINY), gemini.GeminiConfig(device="cpu", placement="cuda", device_memory="64KiB"))
+@pytest.mark.parametrize("placement, fractions", [
+    ("cuda", {}),
+    # static with every chunk on the device is checked the same way, before any is allocated
+    ("static", dict(static_param_device_fraction=1.0, static_optimizer_offload_fraction=0.0)),
+])
+def test_device_budget_too_small_for_cuda_placement_says_how_much_is_missing(placement, fractions):
+    model = GPT(TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"placement='{placement}' needs \d+ bytes of chunks on the device but "
+                                         r"GeminiConfig.device_memory=65536: \d+ bytes are missing"):
+        gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement=placement, device_memory="64KiB",
+                                                     **fractions))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("placement", ["cuda", "cpu", "static"])
+def test_a_margin_ratio_without_a_margin_is_refused(placement):
+    with pytest.raises(ValueError, match=rf"gpu_margin_mem_ratio=0.5 needs placement='auto' \(placement="
+                                         rf"'{placement}' has no margin\)"):
+        gemini.initialize(GPT(TINY), gemini.GeminiConfig(device="cpu", placement=placement, gpu_margin_mem_ratio=0.5))
 
 
 # ------------------------------------------------------------------------------ report_path

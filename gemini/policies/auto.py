@@ -49,6 +49,8 @@ class AutoPlacement(PlacementPolicy):
     """
 
     name = "auto"
+    plans_from_measurement = True
+    has_margin = True
     evicts = True
     budget_advice = CpuPlacement.budget_advice  # its warm-up moves chunks as "cpu" does
 

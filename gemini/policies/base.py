@@ -35,6 +35,11 @@ class PlacementPolicy:
     evicts = False
     # What to change when a measured peak overran the budget (DeviceBudgetError's advice).
     budget_advice = "use placement='auto' (chunks evicted under pressure) or 'cpu', or a smaller batch"
+    # Whether its warm-up plans from measured memory, so the device is measured even without
+    # a budget (on the CPU stand-in a dispatch mode; on CUDA the allocator's counters).
+    plans_from_measurement = False
+    # Whether it keeps optimizer states in the warm-up's margin (GeminiConfig.gpu_margin_mem_ratio).
+    has_margin = False
 
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager

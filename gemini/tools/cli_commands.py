@@ -18,6 +18,7 @@ import torch
 
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
+from gemini.policies import placement_type
 from gemini.report import MemoryReport, ReportRun, WarmupTimeline, read_report_runs
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 from gemini.tools.loop import StepResult, train_steps
@@ -104,7 +105,7 @@ def _train(args: argparse.Namespace, cfg: GPTConfig, config: GeminiConfig) -> li
         mgr = opt._rt.manager
         print(f"chunks: {len(mgr.groups)} chunk groups of {mgr.chunk_size:,} elements "
               f"({mgr.waste_elements():,} elements of padding)", flush=True)
-        if config.placement == "auto" and not args.quiet:
+        if placement_type(config.placement).plans_from_measurement and not args.quiet:
             print(f"step   1/{args.steps}: warm-up, tracing the first iteration ...", flush=True)
         start = time.perf_counter()
         # One batch, learned by heart: the loss visibly falls within a few steps.

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gemini.policies import placement_type
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
 from gemini.tools.loop import train_steps
@@ -102,7 +103,7 @@ def tune_margin(
     See [Note: what the ratio trades], [Note: needed memory, not the measured peak] and
     [Note: timing within noise].
     """
-    if config.placement != "auto":
+    if not placement_type(config.placement).has_margin:
         raise ValueError(f"GeminiConfig.placement={config.placement!r} is invalid for tune_margin: expected 'auto' "
                          f"(only auto placement has a margin)")
     if config.device_memory is None:
