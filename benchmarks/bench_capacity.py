@@ -389,7 +389,8 @@ def main() -> int:
 
     result = {"machine": machine_info(args.device), "steps": STEPS, "rows": rows, "medium_gpt_at_40_percent": medium,
               "command": "python benchmarks/bench_capacity.py" + (" --device cuda" if args.device == "cuda" else "")
-              + (" --quick" if args.quick else "")}
+              + (" --quick" if args.quick else "")
+              + (f" --precision {args.precision:g}" if args.precision != p.get_default("precision") else "")}
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"capacity_{args.device}" + ("_quick" if args.quick else "")
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))

@@ -1,0 +1,300 @@
+"""Optimizer states on the host, side by side: gemini, DeepSpeed ZeRO-2 with ``offload_optimizer:
+cpu``, torchao's ``CPUOffloadOptimizer`` and plain PyTorch, same model, same data, one run.
+
+    python benchmarks/bench_peers.py --device cuda                   # a 1.3B GPT on the GPU
+    python benchmarks/bench_peers.py --device cuda --model gpt-350m  # a smaller one
+    python benchmarks/bench_peers.py --device cpu --model gpt-small  # smoke test of the script
+
+Each contender trains the same GPT (fp32 weights, the same initial values and batches) for
+``--steps`` steps in a process of its own (so that CUDA's caching allocator, DeepSpeed's
+process group and its JIT-built op start clean), and reports the median step time after
+``--warmup`` steps, tokens per second, the peak of ``torch.cuda.max_memory_allocated`` over the
+whole run (on the CPU: none), and its losses, whose agreement with plain AdamW the table shows:
+
+- ``torch AdamW(fused)``: everything on the device; the reference (skipped with --no-plain
+  when the model does not fit);
+- ``gemini auto (ratio 0)``: placement "auto" with ``gpu_margin_mem_ratio`` 0, so every
+  optimizer state lives on the host and the host Adam updates it, as ZeRO-Offload does;
+- ``gemini auto (ratio 1)``: the same with the warm-up's margin holding optimizer states on the
+  device (what gemini adds over ZeRO-Offload); ``--device-memory`` sets both runs' budget;
+- ``DeepSpeed ZeRO-2 offload``: ``deepspeed.initialize`` with ZeRO stage 2 and
+  ``offload_optimizer: {device: cpu, pin_memory: true}`` on a world of 1 (DeepSpeedCPUAdam);
+- ``torchao CPUOffloadOptimizer``: ``torch.optim.AdamW(fused=True)`` on the host behind
+  torchao's offload wrapper (CUDA only).
+
+A peer that is not installed, or fails, is a row saying why; the others still run. Issue 18's
+goal: gemini faster than both peers at equal or lower peak memory. Writes
+benchmarks/results/gpu_peers.json and .md on CUDA, peers_cpu.* on the CPU.
+
+On a machine without network (the lent GPU), carry the peers' wheels with the working tree
+and install them first: ``pip download deepspeed torchao --no-deps -d wheels/`` here, then
+``pip install --no-index --find-links wheels/ deepspeed torchao`` there (DeepSpeed also needs
+hjson, ninja, py-cpuinfo, pydantic, msgpack and einops, and builds its CPU Adam with g++).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gemini  # noqa: E402
+from bench_step import RESULTS, machine_info  # noqa: E402
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+MODELS = {  # name -> (GPTConfig fields, batch, seq)
+    "gpt-small": (dict(vocab_size=1024, block_size=64, n_layer=4, n_head=4, n_embd=128), 4, 64),
+    "gpt-350m": (dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024), 4, 1024),
+    "gpt-1.3b": (dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=2048), 4, 1024),
+}
+CONTENDERS = ["torch AdamW(fused)", "gemini auto (ratio 0)", "gemini auto (ratio 1)", "DeepSpeed ZeRO-2 offload",
+              "torchao CPUOffloadOptimizer"]
+LR, WEIGHT_DECAY = 1e-4, 0.1
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_model(name: str) -> tuple[GPT, GPTConfig, int, int]:
+    fields, batch, seq = MODELS[name]
+    cfg = GPTConfig(**fields)
+    torch.manual_seed(0)
+    return GPT(cfg), cfg, batch, seq
+
+
+def make_batches(cfg: GPTConfig, batch: int, seq: int, steps: int, device: str):
+    g = torch.Generator().manual_seed(1)
+    return [synthetic_batch(cfg, batch, seq, generator=g, device=device) for _ in range(steps)]
+
+
+# Each builder returns step(x, y) -> loss (a float), training the model one step.
+
+def torch_loop(model: GPT, opt: torch.optim.Optimizer):
+    """The plain loop, for any torch optimizer (AdamW itself, or behind torchao's wrapper)."""
+    def step(x, y):
+        loss = GPT.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
+def build_plain(model: GPT, device: str, args):
+    model = model.to(device)
+    return torch_loop(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True))
+
+
+def build_gemini(ratio: float):
+    def build(model: GPT, device: str, args):
+        config = gemini.GeminiConfig(device=device, placement="auto", gpu_margin_mem_ratio=ratio,
+                                     device_memory=args.device_memory)
+        gmodel, opt = gemini.initialize(model, config, lr=LR, weight_decay=WEIGHT_DECAY)
+
+        def step(x, y):
+            loss = GPT.loss(gmodel(x), y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+    return build
+
+
+def build_deepspeed(model: GPT, device: str, args):
+    # A world of one: DeepSpeed wants a process group even so.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(args.port))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    _, batch, _ = MODELS[args.model]
+    ds_config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999],
+                                                  "eps": 1e-8}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": device == "cuda"},
+                              "contiguous_gradients": True, "overlap_comm": device == "cuda"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    def step(x, y):
+        loss = GPT.loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+    return step
+
+
+def build_torchao(model: GPT, device: str, args):
+    if device != "cuda":
+        raise RuntimeError("torchao's CPUOffloadOptimizer needs CUDA")
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:  # releases before torchao.optim existed
+        from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
+    model = model.to(device)
+    return torch_loop(model, CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR,
+                                                 weight_decay=WEIGHT_DECAY, fused=True))
+
+
+BUILDERS = {
+    "torch AdamW(fused)": build_plain,
+    "gemini auto (ratio 0)": build_gemini(0.0),
+    "gemini auto (ratio 1)": build_gemini(1.0),
+    "DeepSpeed ZeRO-2 offload": build_deepspeed,
+    "torchao CPUOffloadOptimizer": build_torchao,
+}
+
+
+def run_one(name: str, args) -> dict:
+    """One contender, in this process: build, train, measure."""
+    device = args.device
+    model, cfg, batch, seq = make_model(args.model)
+    batches = make_batches(cfg, batch, seq, args.warmup + args.steps, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step = BUILDERS[name](model, device, args)
+    losses, seconds = [], []
+    for x, y in batches:
+        sync(device)
+        start = time.perf_counter()
+        loss = step(x, y)
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(loss))
+    timed = seconds[args.warmup:]
+    median = statistics.median(timed)
+    return {
+        "contender": name, "ok": True, "median_step_s": median, "min_step_s": min(timed),
+        "tokens_per_s": batch * seq / median, "losses": losses,
+        "peak_device_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "n_params": cfg.num_params(), "batch": batch, "seq": seq,
+    }
+
+
+def run_isolated(name: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--one", name, "--device", args.device, "--model", args.model,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--port", str(args.port)]
+    if args.device_memory is not None:
+        cmd += ["--device-memory", str(args.device_memory)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+    return {"contender": name, "ok": False, "error": f"exit {out.returncode}: " + " | ".join(tail)[-400:]}
+
+
+def markdown(result: dict) -> str:
+    m, rows = result["machine"], result["rows"]
+    ref = next((r for r in rows if r["contender"] == "torch AdamW(fused)" and r["ok"]), None)
+    lines = [f"# Optimizer states on the host: gemini against its peers ({result['model']}, device {m['device']})", "",
+             f"{m['date']} on {m.get('gpu', m['cpu'])} (torch {m['torch']}"
+             + (f", CUDA {m['cuda']}, driver {m['driver']}" if m.get("cuda") else "") + f"). {result['steps']} timed "
+             f"steps after {result['warmup']} of warm-up, each contender in a process of its own; fp32 weights; "
+             f"{result['n_params'] / 1e6:.3g}M parameters, batch {result['batch']}x{result['seq']}.", "",
+             f"Command: `{result['command']}`", ""]
+    if m["device"] == "cpu":
+        lines += ["A smoke test of the script, not a comparison: on the CPU stand-in placement auto measures "
+                  "every operator through a Python dispatch mode to plan (a GPU's allocator counters cost "
+                  "nothing), DeepSpeed's \"offload\" moves nothing, and torchao needs CUDA.", ""]
+    lines += ["| contender | median step s | tokens/s | peak device MiB | max abs Δ loss vs torch | note |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"| {r['contender']} | - | - | - | - | {r['error']} |")
+            continue
+        peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
+        diff = "-" if ref is None else f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.1e}"
+        lines.append(f"| {r['contender']} | {r['median_step_s']:.4f} | {r['tokens_per_s']:.0f} | {peak} | {diff} | |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--model", default="gpt-1.3b", choices=list(MODELS))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device-memory", default=None, help="gemini's device budget (bytes or '8GiB'); default none")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of: " + ", ".join(CONTENDERS))
+    p.add_argument("--port", type=int, default=29517, help="DeepSpeed's process group (a world of one)")
+    p.add_argument("--timeout", type=int, default=540, help="seconds per contender")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a contender, run by run_isolated
+    args = p.parse_args()
+    if args.device_memory is not None and args.device_memory.isdigit():
+        args.device_memory = int(args.device_memory)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (use --device cpu for a smoke test)")
+        return 1
+    if args.one is not None:
+        try:
+            print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        except Exception as e:  # a peer that fails is a row, not the end of the run
+            traceback.print_exc()
+            print("RESULT " + json.dumps({"contender": args.one, "ok": False,
+                                          "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+        return 0
+    names = [n.strip() for n in args.contenders.split(",")]
+    unknown = [n for n in names if n not in BUILDERS]
+    if unknown:
+        p.error(f"--contenders: unknown {unknown}; expected some of {CONTENDERS}")
+    rows = []
+    for name in names:
+        print(f"{name} ...", flush=True)
+        rows.append(run_isolated(name, args))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "losses"}), flush=True)
+    info = machine_info(args.device)
+    if args.device == "cuda":
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _driver_version()
+    fields, batch, seq = MODELS[args.model]
+    result = {"machine": info, "model": args.model, "n_params": GPTConfig(**fields).num_params(), "batch": batch,
+              "seq": seq, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+              "command": "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])}
+    stem = "gpu_peers" if args.device == "cuda" else "peers_cpu"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (RESULTS / f"{stem}.md").write_text(md)
+    print(md)
+    return 0
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else v
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing: the table says "None"
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
