@@ -240,7 +240,7 @@ def main() -> int:
     md = [f"# Step time, device {args.device}", "",
           f"{info['date']} on {info['cpu']} ({info['cores']} cores, torch {info['torch']}"
           f"{', ' + info.get('gpu', '') if args.device == 'cuda' else ''}). Medians of interleaved rounds.", "",
-          "Command: `python benchmarks/bench_step.py" + (" --device cuda" if args.device == "cuda" else "") + "`", ""]
+          "Command: `python benchmarks/bench_step.py" + "".join(f" {a}" for a in sys.argv[1:]) + "`", ""]
     for name, part in result["sizes"].items():
         m = part["model"]
         md += [f"## Whole training step: {name} ({m['params'] / 1e6:.1f}M parameters, d {m['n_embd']}, "
