@@ -249,11 +249,10 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout)
 
 def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkManager) -> None:
     """Where a placement keeps every chunk on the device ('cuda'), say before allocating if they
-    can't fit."""
-    choice = device_groups(config, layout)
-    if len(choice.whole) < len(layout):
+    can't fit ('static' is checked once registered: ``_check_static_budget``)."""
+    if not placement_type(config.placement).keeps_every_chunk_on_device:
         return
-    need = sum(chunk_bytes(layout, choice, param_dtype=manager.param_dtype,
+    need = sum(chunk_bytes(layout, device_groups(config, layout), param_dtype=manager.param_dtype,
                            world=manager.world, shard_params=manager.shard_params)[Tier.DEVICE].values())
     missing = missing_bytes(config.device_memory, need)
     if missing:

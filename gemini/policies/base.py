@@ -40,6 +40,9 @@ class PlacementPolicy:
     plans_from_measurement = False
     # Whether it keeps optimizer states in the warm-up's margin (GeminiConfig.gpu_margin_mem_ratio).
     has_margin = False
+    # Whether every chunk lives on the device from registration on, whatever the config says
+    # (initialize then checks the budget before allocating anything).
+    keeps_every_chunk_on_device = False
 
     def __init__(self, manager: ChunkManager) -> None:
         self.manager = manager

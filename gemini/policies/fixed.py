@@ -15,6 +15,7 @@ class CudaPlacement(PlacementPolicy):
     """Everything on the device: parameters, gradients, masters and Adam states."""
 
     name = "cuda"
+    keeps_every_chunk_on_device = True
 
     @classmethod
     def layout_choice(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups:
