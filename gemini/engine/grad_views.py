@@ -190,11 +190,12 @@ class GradViews:
         """Take the views back, keeping what was done to them (see the module note)."""
         refused = []
         kept = {}
-        for p, (g, index, grad, tier) in self._out.items():
+        for p, out in self._out.items():
+            g, index, grad, tier = out
             now = p.grad
             if now is grad:
                 if keep_untouched:
-                    kept[p] = self._out[p]
+                    kept[p] = out
                 else:
                     p.grad = None
                 continue
