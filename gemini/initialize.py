@@ -21,12 +21,12 @@ from gemini.config import GeminiConfig
 from gemini.policies.footprint import Layout, chunk_bytes
 from gemini.engine.hooks import ModuleHooks
 from gemini.engine.residency import Residency
-from gemini.engine.memory import DeviceBudgetError, DeviceMemory
+from gemini.engine.memory import DeviceMemory
 from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
-from gemini.policies import AutoPlacement, StaticPlacement, device_groups, make_placement, placement_type
+from gemini.policies import device_groups, make_placement, placement_type
 from gemini.report import ReportWriter
 from gemini.engine.runtime import GeminiRuntime
 from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
@@ -145,8 +145,8 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
                          on_group=nvme.admit if nvme is not None else lambda group: None, source=values.source)
         if nvme is not None:
             nvme.finish_registration()
-        if isinstance(placement, StaticPlacement) and config.device_memory is not None:
-            _check_static_budget(placement, config.device_memory, fixed_bytes)
+        if config.device_memory is not None:
+            placement.check_budget(config.device_memory, fixed_bytes)
         if zero is not None:
             _attach_zero(zero, manager, residency, quiet=memory.quiet)
         residency.setup()
@@ -201,8 +201,7 @@ def _attach_zero(zero, manager: ChunkManager, residency: Residency, *, quiet) ->
     if manager.shard_params:
         residency.gatherer = ParamGatherer(zero, manager)
         placement.gathers_params = True
-        if isinstance(placement, AutoPlacement):
-            placement.prefetch_reserve_bytes = max((g.param.nbytes for g in manager.groups), default=0)
+        placement.prefetch_reserve_bytes = max((g.param.nbytes for g in manager.groups), default=0)
     logger.info("ZeRO-%d: rank %d of %d keeps 1/%d of every chunk's optimizer states%s", 3 if manager.shard_params
                 else 2, zero.rank, zero.world, zero.world, " and parameters" if manager.shard_params else "")
 
@@ -249,7 +248,7 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout)
 
 def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkManager) -> None:
     """Where a placement keeps every chunk on the device ('cuda'), say before allocating if they
-    can't fit ('static' is checked once registered: ``_check_static_budget``)."""
+    can't fit (a policy that keeps less checks once registered: ``PlacementPolicy.check_budget``)."""
     if not placement_type(config.placement).keeps_every_chunk_on_device:
         return
     need = sum(chunk_bytes(layout, device_groups(config, layout), param_dtype=manager.param_dtype,
@@ -262,19 +261,6 @@ def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkMan
             f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size"
         )
 
-
-def _check_static_budget(placement: StaticPlacement, budget_bytes: int, fixed_bytes: int) -> None:
-    """The chunks placement 'static' keeps on the device for good, next to the buffers, fit the budget."""
-    pinned = placement.pinned_bytes()
-    missing = missing_bytes(budget_bytes, pinned, fixed_bytes)
-    if missing:
-        raise DeviceBudgetError(
-            f"placement='static' keeps {pinned} bytes of chunks on the device for good but GeminiConfig.device_memory "
-            f"leaves {budget_bytes - fixed_bytes} for them: {missing} bytes are missing; lower "
-            f"static_param_device_fraction, raise static_optimizer_offload_fraction or device_memory, or use "
-            f"placement='auto'",
-            missing_bytes=missing,
-        )
 
 
 def split_param_groups(model: nn.Module, param_groups):

@@ -22,7 +22,7 @@ from gemini.engine.hooks import ModuleHooks
 from gemini.engine.memory import DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.engine.residency import Residency
-from gemini.policies import AutoPlacement, PlacementPolicy
+from gemini.policies import PlacementPolicy
 from gemini.policies.plan import MemoryPlan
 from gemini.engine.step_report import StepOutcome, step_report
 from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
@@ -95,7 +95,7 @@ class GeminiRuntime:
     state: IterationState = IterationState.FIXED  # UNTRACED under auto (set in __post_init__)
 
     def __post_init__(self) -> None:
-        if isinstance(self.placement, AutoPlacement):
+        if self.placement.plans_from_measurement:  # its first iteration is traced to plan
             self.state = IterationState.UNTRACED
         if self.system is None:
             self.system = SystemMemory(self.device)

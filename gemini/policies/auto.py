@@ -71,8 +71,6 @@ class AutoPlacement(PlacementPolicy):
         self.track_periods = True  # decided by adopt()
         self._settled = False  # the plan keeps every chunk on the device for good (see adopt)
         self._all_groups: set[int] = set()  # resident_params() once settled
-        # ZeRO-3: the parameter gather prefetches one group ahead outside this policy's control.
-        self.prefetch_reserve_bytes = 0
         self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
 
     @classmethod

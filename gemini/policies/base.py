@@ -48,6 +48,9 @@ class PlacementPolicy:
         self.manager = manager
         # ZeRO-3 gathers each module's parameters around its call (set by initialize).
         self.gathers_params = False
+        # Under ZeRO-3, room for one prefetched group's gathered parameters (set by initialize;
+        # a policy that keeps to a budget counts it).
+        self.prefetch_reserve_bytes = 0
 
     @classmethod
     def from_config(cls, config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
@@ -63,6 +66,13 @@ class PlacementPolicy:
         policy's own rule (see [Note: the footprint of a placement]). No group by default:
         chunks start on the host, and auto decides only after its warm-up."""
         return DeviceGroups()
+
+    def check_budget(self, budget_bytes: int, fixed_bytes: int) -> None:
+        """Once the chunks are registered, before any goes to the device: raise
+        :class:`gemini.errors.DeviceBudgetError` if what this policy keeps on the device for good
+        cannot fit ``budget_bytes`` next to ``fixed_bytes`` of buffers. Nothing by default:
+        cuda is checked before allocating (``keeps_every_chunk_on_device``), and cpu and auto
+        keep nothing for good before a plan."""
 
     def setup(self) -> None:
         """Once after registration: make the choices ``pinned_groups`` and ``resident_params``

@@ -3,8 +3,9 @@ on the host) and ``static`` (fixed fractions)."""
 
 from __future__ import annotations
 
-from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
+from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier, missing_bytes
 from gemini.config import GeminiConfig
+from gemini.errors import DeviceBudgetError
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.footprint import DeviceGroups, Layout, chunk_bytes, static_choice
 
@@ -119,6 +120,18 @@ class StaticPlacement(PlacementPolicy):
         choice = DeviceGroups(whole=frozenset(self.os_on_device), params=frozenset(self.params_on_device))
         return sum(chunk_bytes(layout, choice, param_dtype=m.param_dtype, world=m.world,
                                shard_params=m.shard_params)[Tier.DEVICE].values())
+
+    def check_budget(self, budget_bytes: int, fixed_bytes: int) -> None:
+        pinned = self.pinned_bytes()
+        missing = missing_bytes(budget_bytes, pinned, fixed_bytes)
+        if missing:
+            raise DeviceBudgetError(
+                f"placement='static' keeps {pinned} bytes of chunks on the device for good but "
+                f"GeminiConfig.device_memory leaves {budget_bytes - fixed_bytes} for them: {missing} bytes are "
+                f"missing; lower static_param_device_fraction, raise static_optimizer_offload_fraction or "
+                f"device_memory, or use placement='auto'",
+                missing_bytes=missing,
+            )
 
     def optimizer_tier(self, group: ChunkGroup) -> Tier:
         return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
