@@ -20,7 +20,8 @@ measured peak under the budget (a ``DeviceBudgetError`` is a failure), and repor
   data per budget, the step time at that budget against the same model and configuration
   (same checkpointing, same offload, same chunk size) under a budget of 4x model data, which
   holds everything (on the CPU stand-in any budget measures every allocation), alternated and timed
-  over PRESSURE_STEPS steps after the warm-up, with the bytes moved host to device per step;
+  over PRESSURE_STEPS steps after the warm-up, with the bytes moved each way per step and what
+  the Belady eviction order saves against LRU at that budget;
 - the largest difference from plain ``torch.optim.AdamW(fused=True)`` over the 3 steps at every
   budget tried that trained.
 
@@ -49,6 +50,7 @@ import gemini  # noqa: E402
 from bench_step import RESULTS, machine_info, pyplot, save_figure  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig  # noqa: E402
 from gemini.engine.memory import DeviceBudgetError  # noqa: E402
+from tracer import EvictionRule  # noqa: E402
 
 STEPS = 3
 CONFIGS = {  # name -> (activation checkpointing, offload_activations)
@@ -129,12 +131,13 @@ def reference(w: Workload, batches, device: str) -> dict[str, torch.Tensor]:
 
 
 def trial(w: Workload, batches, device: str, *, budget: int | None, checkpointing: bool, offload: bool,
-          chunk_size: int | None, want: dict | None = None) -> dict:
+          chunk_size: int | None, want: dict | None = None, rule: EvictionRule = EvictionRule.BELADY) -> dict:
     """Train STEPS steps under ``budget``; the measured peaks, step times and the distance from AdamW."""
     model = w.make(checkpointing)
     cfg = gemini.GeminiConfig(device=device, placement="auto", device_memory=budget, chunk_size=chunk_size,
                               offload_activations=offload, activation_offload_min_bytes=OFFLOAD_MIN_BYTES)
     gmodel, opt = gemini.initialize(model, cfg, lr=1e-3)
+    opt._rt.placement.eviction_rule = rule  # a benchmark's counterfactual, not a user setting
     reports, seconds = [], []
     try:
         for x, y in batches:
@@ -161,6 +164,7 @@ def trial(w: Workload, batches, device: str, *, budget: int | None, checkpointin
         "activation_offload_bytes": reports[-1].activation_offload_bytes,
         "activation_kept_bytes": reports[-1].activation_kept_bytes,
         "h2d_bytes": reports[-1].h2d_bytes,
+        "d2h_bytes": reports[-1].d2h_bytes,
         "evictions": opt._rt.residency.evictions,
     }
     if want is not None:
@@ -248,9 +252,15 @@ def pressure_cost(w: Workload, batches, device: str, *, checkpointing: bool, off
             if b is not None:
                 pressed = r
     free, press = min(means["free"]), min(means["pressed"])
+    # The same budget evicting the least recently used group first: what the Belady order saves.
+    lru = trial(w, steps, device, budget=budget, checkpointing=checkpointing, offload=offload, chunk_size=chunk_size,
+                rule=EvictionRule.LRU)
+    moved = pressed["h2d_bytes"] + pressed["d2h_bytes"]
     return {"budget_bytes": budget, "trains": True, "step_seconds_free": free, "step_seconds_pressed": press,
-            "cost": press / free, "h2d_bytes_per_step": pressed["h2d_bytes"], "evictions": pressed["evictions"],
-            "peaks": pressed["peaks"]}
+            "cost": press / free, "h2d_bytes_per_step": pressed["h2d_bytes"], "d2h_bytes_per_step": pressed["d2h_bytes"],
+            "evictions": pressed["evictions"], "peaks": pressed["peaks"],
+            "lru_moved_bytes_per_step": lru["h2d_bytes"] + lru["d2h_bytes"] if lru["ok"] else None,
+            "saved_by_belady_bytes_per_step": lru["h2d_bytes"] + lru["d2h_bytes"] - moved if lru["ok"] else None}
 
 
 def measure(w: Workload, device: str, config: str, *, chunk_size: int | None, rel_precision: float,
@@ -316,10 +326,12 @@ def run_row(args, name: str, config: str, chunk: int, rel: float) -> dict:
 
 def _pressure_cells(p: dict | None) -> str:
     if p is None:
-        return "- | -"
+        return "- | - | -"
     if not p["trains"]:
-        return "refused | -"
-    return f"**{p['cost']:.2f}** | {p['h2d_bytes_per_step'] / 2**20:.1f}"
+        return "refused | - | -"
+    saved = p.get("saved_by_belady_bytes_per_step")
+    return (f"**{p['cost']:.2f}** | {p['h2d_bytes_per_step'] / 2**20:.1f} / {p['d2h_bytes_per_step'] / 2**20:.1f} | "
+            + ("LRU refused" if saved is None else f"{saved / 2**20:.1f}"))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -407,14 +419,15 @@ def main() -> int:
         f"model data / {PRESSURE_RATIO} / the same configuration and chunk size at 4x model data, which holds "
         f"everything (on the CPU both run the allocation monitor) ({PRESSURE_STEPS} "
         f"steps after the warm-up, the better of two alternated runs each); '-' where the model does not train "
-        f"at {PRESSURE_RATIO}x.",
+        f"at {PRESSURE_RATIO}x. Saved by Belady = h2d+d2h per step of the same budget evicting the least recently "
+        f"used group first, less the Belady order's.",
         "",
         f"Command: `{result['command']}`",
         "",
         "| model | config | chunk size | model data MiB | bound MiB | bound ratio | smallest budget MiB | ratio | "
-        f"budget / bound | step-time cost | pressure cost at {PRESSURE_RATIO}x | h2d MiB/step at {PRESSURE_RATIO}x | "
-        "activations offloaded MiB/step | max abs Δ AdamW |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"budget / bound | step-time cost | pressure cost at {PRESSURE_RATIO}x | h2d / d2h MiB/step at {PRESSURE_RATIO}x | "
+        "saved by Belady over LRU MiB/step | activations offloaded MiB/step | max abs Δ AdamW |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         md_lines.append(
