@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
-from bench_step import RESULTS, machine_info  # noqa: E402
+from bench_step import machine_info, write_results  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 MODELS = {  # name -> (GPTConfig fields, batch, seq)
@@ -266,34 +266,12 @@ def main() -> int:
         rows.append(run_isolated(name, args))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "losses"}), flush=True)
     info = machine_info(args.device)
-    if args.device == "cuda":
-        info["cuda"] = torch.version.cuda
-        info["driver"] = _driver_version()
     fields, batch, seq = MODELS[args.model]
     result = {"machine": info, "model": args.model, "n_params": GPTConfig(**fields).num_params(), "batch": batch,
               "seq": seq, "steps": args.steps, "warmup": args.warmup, "rows": rows,
               "command": "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])}
-    stem = "gpu_peers" if args.device == "cuda" else "peers_cpu"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    (RESULTS / f"{stem}.md").write_text(md)
-    print(md)
+    write_results("gpu_peers" if args.device == "cuda" else "peers_cpu", result, markdown(result))
     return 0
-
-
-def _driver_version() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else v
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVML missing: the table says "None"
-        return None
 
 
 if __name__ == "__main__":

@@ -82,7 +82,31 @@ def machine_info(device: str) -> dict:
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        info["driver"] = _driver_version()
     return info
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else v
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing: the table says "None"
+        return None
+
+
+def write_results(stem: str, result: dict, markdown: str) -> None:
+    """benchmarks/results/<stem>.json and .md, and the table on stdout."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{stem}.md").write_text(markdown)
+    print(markdown)
 
 
 def _cpu_model() -> str:
