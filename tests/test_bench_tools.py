@@ -1,0 +1,73 @@
+"""The GPU benchmarks' logic, checked on the CPU before a lent GPU's scarce minutes depend on it:
+the capacity search finds the deepest model that trains and stops cleanly at its deadline, and
+the peers' benchmark trains every contender from the same start on the same data."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_gpu_capacity  # noqa: E402
+import bench_peers  # noqa: E402
+
+
+def _search_with(monkeypatch, trains, *, start=8, time_limit=1000.0, timeout_after=None):
+    """bench_gpu_capacity.search over a fake trial: ``trains(layers)`` says whether it trains;
+    after ``timeout_after`` trials every trial runs out of time."""
+    asked = []
+
+    def fake_trial(args, layers, placement="auto", timeout=None):
+        asked.append(layers)
+        if timeout_after is not None and len(asked) > timeout_after:
+            return {"layers": layers, "placement": placement, "ok": False, "timed_out": True, "error": "time"}
+        return {"layers": layers, "placement": placement, "ok": trains(layers), "error": "over budget"}
+
+    monkeypatch.setattr(bench_gpu_capacity, "trial", fake_trial)
+    args = argparse.Namespace(start_layers=start, time_limit=time_limit)
+    return bench_gpu_capacity.search(args), asked
+
+
+@pytest.mark.parametrize("deepest", [8, 9, 37, 63, 64, 300])
+def test_capacity_search_finds_the_deepest_model_that_trains(monkeypatch, deepest):
+    rows, asked = _search_with(monkeypatch, lambda layers: layers <= deepest)
+    trained = [r["layers"] for r in rows if r["ok"]]
+    refused = [r["layers"] for r in rows if not r["ok"]]
+    assert max(trained) == deepest
+    assert min(refused) == deepest + 1  # the boundary was tried from both sides
+    assert asked[:2] == [8, 16]  # doubling first
+    assert len(asked) == len(set(asked))  # nothing tried twice
+
+
+def test_capacity_search_stops_at_its_deadline_without_calling_that_a_failure(monkeypatch):
+    rows, asked = _search_with(monkeypatch, lambda layers: layers <= 100, timeout_after=3)
+    assert [r["layers"] for r in rows] == [8, 16, 32]  # the 4th trial ran out of time
+    assert all(r["ok"] for r in rows)
+    assert asked == [8, 16, 32, 64]
+
+
+def test_capacity_search_below_its_start_bisects_down(monkeypatch):
+    rows, asked = _search_with(monkeypatch, lambda layers: layers <= 3)
+    assert asked == [8, 4, 2, 3]
+    assert max(r["layers"] for r in rows if r["ok"]) == 3
+
+
+def test_capacity_search_where_nothing_trains_says_so_down_to_one_layer(monkeypatch):
+    rows, asked = _search_with(monkeypatch, lambda layers: False)
+    assert asked == [8, 4, 2, 1]
+    assert not any(r["ok"] for r in rows)
+
+
+def test_peers_contenders_start_alike_and_gemini_trains_like_plain_adamw():
+    """Same initial values, same batches: with fp32, gemini (states on the host, or in the
+    margin) gives plain fused AdamW's losses exactly, so the table compares like with like."""
+    args = argparse.Namespace(device="cpu", model="gpt-small", steps=3, warmup=1, device_memory=None, port=0)
+    plain = bench_peers.run_one("torch AdamW(fused)", args)
+    for name in ("gemini auto (ratio 0)", "gemini auto (ratio 1)"):
+        got = bench_peers.run_one(name, args)
+        assert got["ok"] and got["n_params"] == plain["n_params"]
+        assert got["losses"] == plain["losses"], name
+    assert len(set(plain["losses"])) == len(plain["losses"])  # it trains: the loss moves
