@@ -295,6 +295,8 @@ def test_damage_before_the_end_of_a_run_is_an_error_naming_the_line(tmp_path):
 def test_host_readings_are_psutils():
     """The reports' host figures, read from /proc on Linux ([Note: host readings every step]),
     are what psutil reads: resident memory grows by a tensor's pages, availability shrinks."""
+    import mmap
+
     import psutil
     import torch
 
@@ -304,7 +306,10 @@ def test_host_readings_are_psutils():
     before = system.host_rss_bytes()
     assert abs(before - psutil.Process().memory_info().rss) < 4 * 2**20
     assert abs(system.host_available_bytes() - psutil.virtual_memory().available) < 256 * 2**20
-    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # Fresh pages, touched (an allocator may hand back memory that is resident already).
+    big = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(big), mmap.PAGESIZE):
+        big[offset] = 1
     assert system.host_rss_bytes() - before >= 60 * 2**20
     assert abs(system.host_rss_bytes() - psutil.Process().memory_info().rss) < 4 * 2**20
-    del big
+    big.close()
