@@ -58,6 +58,8 @@ class ChunkGroup:
 
     # Flat views of (master, grad, m, v) on one tier, and the chunk versions they were cut at.
     _step_views: tuple | None = field(default=None, repr=False)
+    # (steps, its first count, the others) as views, cut once per steps tensor.
+    _count_views: tuple | None = field(default=None, repr=False)
 
     @property
     def trainable(self) -> bool:
@@ -72,6 +74,14 @@ class ChunkGroup:
             offsets = (self.master_offset, 0, 0, 0)
             self._step_views = (key, tuple(c.payload(tier)[o : o + n] for c, o in zip(chunks, offsets)))
         return self._step_views[1]
+
+    def count_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first step count, the others) as views of :attr:`steps`: a whole group's update
+        increments the first, and the others follow it."""
+        cached = self._count_views
+        if cached is None or cached[0] is not self.steps:
+            cached = self._count_views = (self.steps, self.steps[0], self.steps[1:])
+        return cached[1], cached[2]
 
     def slot_views(self, slot: TensorSlot, tier: Tier) -> tuple[torch.Tensor, ...]:
         """(master, grad, m, v) of one of :attr:`os_slots` on ``tier``, flat."""

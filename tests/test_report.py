@@ -313,3 +313,54 @@ def test_host_readings_are_psutils():
     assert system.host_rss_bytes() - before >= 60 * 2**20
     assert abs(system.host_rss_bytes() - psutil.Process().memory_info().rss) < 4 * 2**20
     big.close()
+
+
+def _child_rss_reading(system, conn) -> None:
+    import mmap
+
+    import psutil
+
+    big = mmap.mmap(-1, 128 * 2**20)  # the child's own pages: the parent's reading would miss them
+    for offset in range(0, len(big), mmap.PAGESIZE):
+        big[offset] = 1
+    conn.send((system.host_rss_bytes(), psutil.Process().memory_info().rss))
+    conn.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and fork are Linux's")
+def test_host_readings_follow_fork_and_close_their_files():
+    """The /proc files stay open between readings: a forked child reads its own resident memory,
+    not its parent's, and closing (or dropping) the reader closes them."""
+    import gc
+    import multiprocessing
+
+    import torch
+
+    from gemini.engine.system_memory import SystemMemory
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    system = SystemMemory(torch.device("cpu"))
+    system.host_rss_bytes()
+    system.host_available_bytes()
+    assert open_fds() == before + 2
+    ctx = multiprocessing.get_context("fork")
+    parent_conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_child_rss_reading, args=(system, child_conn))
+    child.start()
+    assert parent_conn.poll(60), "the forked child did not answer"
+    reading, psutils = parent_conn.recv()
+    child.join(30)
+    assert child.exitcode == 0
+    assert abs(reading - psutils) < 4 * 2**20
+    for end in (parent_conn, child_conn, child):
+        end.close()
+    system.close()
+    assert open_fds() == before
+    dropped = SystemMemory(torch.device("cpu"))
+    dropped.host_rss_bytes()
+    del dropped
+    gc.collect()
+    assert open_fds() == before

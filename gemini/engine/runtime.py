@@ -12,11 +12,10 @@ from typing import Protocol
 
 import torch
 
-from chunks import ChunkGroup, ChunkManager, ChunkState, ChunkStorage, Tier
+from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, ChunkStorage, Tier
 from gemini.engine.activations import ActivationOffload
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
-from gemini.policies.footprint import named_bytes
 from gemini.engine.grad_views import GradViews
 from gemini.engine.hooks import ModuleHooks
 from gemini.engine.memory import DeviceMemory
@@ -34,6 +33,10 @@ from tracer import Boundary, InputSignature, input_signature
 logger = logging.getLogger(__name__)
 
 __all__ = ["GeminiRuntime", "IterationState"]
+
+# Names as MemoryReport.model_bytes_by_tier has them, read once: an Enum's value is a property.
+_TIER_NAMES = tuple((tier, tier.value) for tier in Tier)
+_KIND_NAMES = tuple((kind, kind.value) for kind in ChunkKind)
 
 
 class IterationState(enum.Enum):
@@ -308,7 +311,9 @@ class GeminiRuntime:
     def model_bytes_by_tier(self) -> dict[str, dict[str, int]]:
         """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a
         file counts on NVMe)."""
-        return named_bytes({tier: self.manager.bytes_by_kind(tier) for tier in Tier})
+        kind_bytes = self.storage.ledger.kind_bytes
+        return {tier_name: {kind_name: kind_bytes(tier, kind) for kind, kind_name in _KIND_NAMES}
+                for tier, tier_name in _TIER_NAMES}
 
     def check_step_peak(self) -> None:
         """The budget promise on every step: the measured peak of this iteration's forward and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import psutil
 import torch
@@ -24,18 +25,33 @@ logger = logging.getLogger(__name__)
 # step has streamed its states through the caches, 0.7% of a 55M GPT's optimizer step on the
 # CPU. On Linux the two figures are read straight from /proc/self/statm (resident pages) and
 # /proc/meminfo's MemAvailable (what psutil's ``available`` is there); psutil elsewhere.
+# The files stay open and are read with pread at offset 0, which makes the kernel write them
+# afresh: open and close were most of the hot cost (statm 4.6 -> 1.0 us, meminfo 8.6 -> 5.3 us).
+# /proc/self is resolved at open, so a forked child opens its own.
 _PROC = os.path.exists("/proc/self/statm") and os.path.exists("/proc/meminfo")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if _PROC else 0
 
 
-def _read_proc(path: str, size: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.read(fd, size)
-    finally:
-        os.close(fd)
-
 __all__ = ["SystemMemory"]
+
+
+class _ProcFile:
+    """One /proc file kept open, read whole at each call (see [Note: host readings every step])."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self._path, self._size = path, size
+        self._fd: int | None = None
+        self._pid = 0
+
+    def read(self) -> bytes:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd, self._pid = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC), os.getpid()
+        return os.pread(self._fd, self._size, 0)
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
 
 
 class SystemMemory:
@@ -43,6 +59,10 @@ class SystemMemory:
 
     def __init__(self, device: torch.device) -> None:
         self._process = psutil.Process()
+        self._statm = _ProcFile("/proc/self/statm", 128)
+        self._meminfo = _ProcFile("/proc/meminfo", 4096)
+        # Engines are not always closed: the files must not outlive the object.
+        self._finalizer = weakref.finalize(self, _close_all, self._statm, self._meminfo)
         self._nvml: NvmlMonitor | None = None
         if device.type == "cuda":
             index = _nvml_index(device)
@@ -54,13 +74,12 @@ class SystemMemory:
 
     def host_rss_bytes(self) -> int:
         if _PROC:
-            return int(_read_proc("/proc/self/statm", 128).split()[1]) * _PAGE_BYTES
+            return int(self._statm.read().split()[1]) * _PAGE_BYTES
         return self._process.memory_info().rss
 
-    @staticmethod
-    def host_available_bytes() -> int:
+    def host_available_bytes(self) -> int:
         if _PROC:
-            data = _read_proc("/proc/meminfo", 4096)
+            data = self._meminfo.read()
             start = data.find(b"MemAvailable:")
             if start >= 0:
                 return int(data[start + 13 : data.index(b"\n", start)].split()[0]) * 1024  # the file says kB
@@ -75,8 +94,14 @@ class SystemMemory:
             self._nvml.reset_peak()
 
     def close(self) -> None:
+        self._finalizer()
         if self._nvml is not None and self._nvml.running:
             self._nvml.stop()
+
+
+def _close_all(*files: _ProcFile) -> None:
+    for f in files:
+        f.close()
 
 
 def _nvml_index(device: torch.device) -> int | None:

@@ -38,6 +38,7 @@ class AdamBatch:
     coef: torch.Tensor | None = None  # the clipping coefficient, on the batch's device
     scratch: torch.Tensor | None = None  # fp32 room for one gradient (low precision, or clipped aside)
     whole: list[ChunkGroup] = field(default_factory=list)  # updated as one flat tensor: counts re-synced
+    tails: list[torch.Tensor] = field(default_factory=list)  # their step counts after the first, one per group
     bump: list[tuple[ChunkGroup, int]] = field(default_factory=list)  # gradients wholly on other ranks' shards
 
 
@@ -67,7 +68,10 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
             if g.all_grads_ready and g.steps_uniform:
                 batch.whole.append(g)
                 views = g.step_views(tier)
-                batch.steps.append(g.steps[0])
+                first, tail = g.count_views()
+                batch.steps.append(first)
+                if len(g.slots) > 1:
+                    batch.tails.append(tail)
             else:
                 ready = [s for s in g.os_slots if g.grad_ready[s.index]]
                 views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
@@ -117,8 +121,9 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    for g in batch.whole:
-        g.steps[1:].copy_(g.steps[:1].expand(len(g.slots) - 1))
+    if batch.tails:
+        # The kernel added 1 to each whole group's first count; the others were equal to it.
+        torch._foreach_add_(batch.tails, 1.0)
     for g, i in batch.bump:
         g.steps[i] += 1
     whole = set(batch.whole)
