@@ -12,10 +12,9 @@ the NVMe tier of the optimizer states (``nvme``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -44,7 +43,7 @@ class Residency:
     """
 
     def __init__(self, manager: ChunkManager, policy: PlacementPolicy, *,
-                 quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> None:
+                 quiet: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.manager = manager
         self.policy = policy
         # Host-side temporaries made inside it are not device memory (see DeviceMemory.quiet).
@@ -359,7 +358,7 @@ class Residency:
             return
         # Cast where the master lies, then move the half-size result.
         src = master.tiers[0]
-        with self.quiet() if src is Tier.HOST else contextlib.nullcontext():
+        with self.quiet() if src is Tier.HOST else nullcontext():
             low = master.payload(src)[:numel].to(out.dtype)
         self.manager.storage.copy_(out, low, src=src, dst=tier)
 
