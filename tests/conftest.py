@@ -1,11 +1,56 @@
+"""Markers and the compute device of the run.
+
+``GEMINI_TEST_DEVICE`` (see tests/helpers.py) names the device the training tests run on:
+"cpu" (the default: the CPU stands in for the device) or "cuda". Under "cuda" a session
+without CUDA stops before any test runs, and tests marked ``standin`` (they test the CPU
+stand-in itself) are skipped. Tests marked ``cuda`` run wherever CUDA is available.
+"""
+
+import gc
+
 import pytest
 import torch
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "standin: tests the CPU stand-in itself (its dispatch monitor, its exact byte counts); "
+                   "skipped when GEMINI_TEST_DEVICE=cuda")
+    try:
+        from helpers import DEVICE
+    except ValueError as e:  # an unknown device name
+        pytest.exit(str(e), returncode=pytest.ExitCode.USAGE_ERROR)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.exit(f"GEMINI_TEST_DEVICE=cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
+                    f"CUDA build {torch.version.cuda}): no test was run; unset GEMINI_TEST_DEVICE to test on the CPU",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 def pytest_collection_modifyitems(config, items):
+    from helpers import DEVICE
+
+    if DEVICE == "cuda":
+        standin = pytest.mark.skip(reason="tests the CPU stand-in itself; GEMINI_TEST_DEVICE=cuda")
+        for item in items:
+            if item.get_closest_marker("standin") is not None:
+                item.add_marker(standin)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_left_as_found():
+    """After a test that used CUDA: its tensors freed, the allocator's cache emptied and no
+    memory cap left behind (gemini caps the process at a budget below the card's memory with
+    ``set_per_process_memory_fraction`` and does not lift it), so that the next test's
+    measurements and budget start from a clean device. Nothing happens where CUDA was not used."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())

@@ -1,15 +1,45 @@
-"""Training loops shared by the integration tests: the same model and data, two optimizers."""
+"""Training loops shared by the integration tests: the same model and data, two optimizers.
+
+``DEVICE`` is the compute device the tests train on: the CPU standing in for it (the default),
+or CUDA with ``GEMINI_TEST_DEVICE=cuda``. Data from :func:`batches` is made on the CPU from a
+seeded generator and then moved there, so that both devices see the same values; the plain
+PyTorch reference runs where its data is; snapshots are taken on the CPU (where gemini's
+``state_dict()`` puts them), so that comparisons never mix devices.
+"""
 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
+DEVICE_ENV = "GEMINI_TEST_DEVICE"
+DEVICES = ("cpu", "cuda")
+
+
+def device_from_env() -> str:
+    """The compute device named by GEMINI_TEST_DEVICE: "cpu" (the default) or "cuda"."""
+    value = os.environ.get(DEVICE_ENV, "cpu")
+    if value not in DEVICES:
+        raise ValueError(f"{DEVICE_ENV}={value!r} is invalid: expected one of {', '.join(map(repr, DEVICES))} "
+                         f"(unset means 'cpu')")
+    return value
+
+
+DEVICE = device_from_env()
+
 TINY = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def roomy_budget(cpu_budget: int | str) -> int | str:
+    """A device budget that holds everything a tiny test model needs: ``cpu_budget`` on the CPU
+    stand-in; on CUDA 1 GiB, since what the CUDA libraries keep on the device counts there too
+    (cuBLAS's workspace alone is 32 MiB on Hopper)."""
+    return cpu_budget if DEVICE == "cpu" else "1GiB"
 
 
 def make_gpt(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
@@ -17,13 +47,28 @@ def make_gpt(cfg: GPTConfig = TINY, seed: int = 0) -> GPT:
     return GPT(cfg)
 
 
-def batches(cfg: GPTConfig, n: int, *, batch: int = 4, seq: int = 32, seed: int = 1):
+def batches(cfg: GPTConfig, n: int, *, batch: int = 4, seq: int = 32, seed: int = 1, device: str | None = None):
+    """``n`` (input, target) pairs on ``device`` (DEVICE by default), the same values on every device."""
     g = torch.Generator().manual_seed(seed)
-    return [synthetic_batch(cfg, batch, seq, generator=g) for _ in range(n)]
+    return [synthetic_batch(cfg, batch, seq, generator=g, device=DEVICE if device is None else device)
+            for _ in range(n)]
+
+
+def cpu_copy(state: dict) -> dict:
+    """A state_dict's tensors copied to the CPU (``torch.optim`` state dicts: nested too)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: cpu_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cpu_copy(v) for v in state)
+    return copy.deepcopy(state)
 
 
 def train_reference(model, data, *, micro_batches: int = 1, clip: float = 0.0, param_groups=None, **adamw):
-    """Plain PyTorch: AdamW over the model's parameters. Returns (losses, params per step)."""
+    """Plain PyTorch: AdamW over the model's parameters, on the device of ``data`` (the model is
+    moved there). Returns (losses, params per step on the CPU, optimizer)."""
+    model.to(data[0][0].device)
     groups = param_groups(model) if param_groups else model.parameters()
     opt = torch.optim.AdamW(groups, fused=True, **adamw)
     losses, snapshots = [], []
@@ -38,7 +83,7 @@ def train_reference(model, data, *, micro_batches: int = 1, clip: float = 0.0, p
         opt.step()
         opt.zero_grad()
         losses.append(total)
-        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        snapshots.append({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
     return losses, snapshots, opt
 
 
@@ -61,9 +106,12 @@ def train_gemini(model, data, config: gemini.GeminiConfig, *, micro_batches: int
 
 
 def assert_params_close(got: dict, want: dict, *, rtol: float = 1e-6, atol: float = 1e-7, step: int | None = None):
+    """Every entry equal to ``rtol`` / ``atol``, compared on the CPU (a reference on the device
+    against gemini's ``state_dict()``, which is on the CPU)."""
     assert got.keys() == want.keys(), f"keys differ: {set(got) ^ set(want)}"
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"step {step}, {k}: {m}")
+        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"step {step}, {k}: {m}")
 
 
 def clone_pair(cfg: GPTConfig = TINY, seed: int = 0):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
 
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
-from helpers import assert_params_close, batches, clone_pair, train_reference
+from helpers import DEVICE, assert_params_close, batches, clone_pair, train_reference
 
 MIN_BYTES = 4096  # the test model's activations are small
 
@@ -21,12 +22,12 @@ def _cfg(checkpointing: bool) -> GPTConfig:
 
 def _train(cfg: GPTConfig, data, *, offload: bool, autocast: bool = False, steps_check=None, **config):
     base, _ = clone_pair(cfg)
-    gcfg = gemini.GeminiConfig(device="cpu", chunk_size=8192, offload_activations=offload,
+    gcfg = gemini.GeminiConfig(device=DEVICE, chunk_size=8192, offload_activations=offload,
                                activation_offload_min_bytes=MIN_BYTES, **config)
     gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
     reports, states = [], []
     for x, y in data:
-        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        with torch.autocast(DEVICE, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             loss = GPT.loss(gmodel(x), y)
         opt.backward(loss)
         if steps_check is not None:
@@ -55,7 +56,8 @@ def test_offloaded_training_equals_adamw_and_lowers_the_device_peak(placement, c
         held_after_backward.append(opt._rt.storage.ledger.activations.current_bytes)
         pool_allocations.append(opt._rt.storage.pool.stats().allocations)
 
-    plain, _, _ = _train(cfg, data, offload=False, placement=placement, **budget)
+    plain = _train(cfg, data, offload=False, placement=placement, **budget)[0]
+    gc.collect()  # the first run's chunks gone: on CUDA the device's measured peak counts every live tensor
     reports, states, opt = _train(cfg, data, offload=True, placement=placement, steps_check=after_backward, **budget)
     for step, state in enumerate(states):
         assert_params_close(state, want[step], step=step)
@@ -84,6 +86,9 @@ def test_offload_under_bf16_autocast_changes_nothing(checkpointing):
         assert_params_close(a, b, rtol=0, atol=0, step=step)
 
 
+# Budgets at the warm-up's measured peak to the byte, which the CPU stand-in repeats exactly;
+# on CUDA, test_cuda_stream_path_equals_adamw_and_prefetches keeps some slack over it.
+@pytest.mark.standin
 def test_the_budget_decides_how_much_stays_on_the_device():
     """Under auto the warm-up offloads everything it may; then the margin keeps the last saved
     tensors on the device: all of them with a large budget, none at the smallest budget the

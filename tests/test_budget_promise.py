@@ -1,5 +1,11 @@
 """The device budget is a promise on every step: exact at the byte, checked before any update,
-and kept by the auto policy at the least traffic its traced order allows."""
+and kept by the auto policy at the least traffic its traced order allows.
+
+Tests marked standin set budgets at measured peaks to the byte, or at a few KiB: the CPU
+stand-in counts exactly the tensors alive; on CUDA the caching allocator reserves whole
+segments, and the budget caps what it reserves. Refusals at initialize (the chunks a placement
+keeps on the device, counted before anything runs) hold on every device.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from torch import nn
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
 from gemini.engine.memory import DeviceBudgetError
-from helpers import assert_params_close, batches, clone_pair
+from helpers import DEVICE, assert_params_close, batches, clone_pair
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 CHUNK = 8192
@@ -30,7 +36,7 @@ MEASURED = {
 
 
 def _config(placement: str, budget) -> gemini.GeminiConfig:
-    return gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=CHUNK, device_memory=budget,
+    return gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=CHUNK, device_memory=budget,
                                **MEASURED[placement])
 
 
@@ -93,6 +99,7 @@ def _refused(placement: str, budget) -> tuple[str, Exception]:
     return "iteration", err.value
 
 
+@pytest.mark.standin
 @pytest.mark.parametrize("placement", list(MEASURED))
 def test_a_peak_exactly_at_the_budget_passes_and_one_byte_less_is_refused(placement):
     """`<` for `<=` in a budget check refuses a step that fits to the byte; `<= budget + 1`
@@ -126,11 +133,14 @@ def test_the_chunks_kept_on_the_device_fit_the_budget_to_the_byte(placement):
 
 @pytest.mark.parametrize("placement, budget, refused_at", [
     ("cuda", 1, "initialize"),  # the chunks alone do not fit
-    ("cuda", "chunks", "iteration"),  # the chunks fit exactly, the first iteration's activations do not
+    # the chunks fit exactly, the first iteration's activations do not
+    pytest.param("cuda", "chunks", "iteration", marks=pytest.mark.standin),
     ("static", 1, "initialize"),
-    ("static", "chunks", "iteration"),
-    ("cpu", 64 * 1024, "iteration"),  # a module's parameters and activations do not fit
-    ("auto", 64 * 1024, "iteration"),  # refused in the warm-up's forward or backward
+    pytest.param("static", "chunks", "iteration", marks=pytest.mark.standin),
+    # a module's parameters and activations do not fit
+    pytest.param("cpu", 64 * 1024, "iteration", marks=pytest.mark.standin),
+    # refused in the warm-up's forward or backward
+    pytest.param("auto", 64 * 1024, "iteration", marks=pytest.mark.standin),
 ])
 def test_every_placement_refuses_a_budget_it_cannot_meet_before_updating_anything(placement, budget, refused_at):
     """A first step whose check is skipped would update parameters and Adam's states (and
@@ -141,6 +151,7 @@ def test_every_placement_refuses_a_budget_it_cannot_meet_before_updating_anythin
     assert where == refused_at
 
 
+@pytest.mark.standin
 def test_every_step_is_checked_before_anything_is_updated():
     """A tensor the caller keeps alive on the device in a later step pushes that step over the
     budget: the step raises before any update, and a retry without it gives the uninterrupted
@@ -151,7 +162,7 @@ def test_every_step_is_checked_before_anything_is_updated():
 
     def run(extra_at: int | None):
         base, _ = clone_pair(CFG)
-        gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK,
+        gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=CHUNK,
                                                                   device_memory=budget), lr=1e-2)
         for step, (x, y) in enumerate(data):
             kept = None
@@ -212,7 +223,7 @@ class _Chain(nn.Module):
 
 def _chain_run(budget, steps: int):
     torch.manual_seed(0)
-    gcfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=WIDTH * WIDTH, device_memory=budget)
+    gcfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=WIDTH * WIDTH, device_memory=budget)
     gmodel, opt = gemini.initialize(_Chain(), gcfg, lr=1e-2)
     x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1))
     reports = []
@@ -316,6 +327,7 @@ def _in_group_order(candidates, p, access):
     return min(candidates)  # what largest-first does among equal groups (a stable sort)
 
 
+@pytest.mark.standin
 def test_steady_state_traffic_is_the_fewest_fetches_the_traced_order_allows():
     """Evicting the largest group (among equal ones, the first in group order) instead of the one
     needed furthest ahead evicts groups about to be used (here, in the backward, the group just

@@ -21,7 +21,7 @@ import torch
 import gemini
 from gemini.checkpoint import CheckpointCorruptionError, CheckpointDiskFullError
 from gemini.tools.gpt import GPT
-from helpers import TINY, assert_params_close, batches, clone_pair, make_gpt, train_reference
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, cpu_copy, make_gpt, train_reference
 
 
 def _run(gmodel, opt, data):
@@ -35,7 +35,7 @@ def _run(gmodel, opt, data):
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_save_reload_continue_equals_uninterrupted(placement, precision, tmp_path):
     data = batches(TINY, 8)
-    cfg = lambda: gemini.GeminiConfig(device="cpu", placement=placement, precision=precision, chunk_size=3000,
+    cfg = lambda: gemini.GeminiConfig(device=DEVICE, placement=placement, precision=precision, chunk_size=3000,
                                       initial_scale=2.0**10, growth_interval=2)
     groups = lambda m: [{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                         {"params": [p for p in m.parameters() if p.dim() < 2], "lr": 5e-3}]
@@ -66,9 +66,9 @@ def test_save_reload_continue_equals_uninterrupted(placement, precision, tmp_pat
 
 def test_load_into_wrapped_model_after_initialize():
     data = batches(TINY, 2)
-    src, src_opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=3000))
+    src, src_opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=3000))
     _run(src, src_opt, data)
-    dst, _ = gemini.initialize(make_gpt(seed=7), gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=5000))
+    dst, _ = gemini.initialize(make_gpt(seed=7), gemini.GeminiConfig(device=DEVICE, placement="cuda", chunk_size=5000))
     dst.load_state_dict(src.state_dict())
     assert_params_close(dst.state_dict(), src.state_dict(), rtol=0, atol=0)
     x, _ = data[0]
@@ -83,14 +83,14 @@ def test_state_dicts_match_plain_pytorch():
     data = batches(TINY, 4)
     ref = make_gpt()
     _, _, ref_opt = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    gmodel, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=3000),
+    gmodel, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=3000),
                                     lr=1e-2, weight_decay=0.1)
     _run(gmodel, opt, data)
     ours, theirs = gmodel.state_dict(), ref.state_dict()
     assert list(ours) == list(theirs)
     assert all(ours[k].shape == theirs[k].shape for k in theirs)
     assert_params_close(ours, theirs)
-    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    sd, ref_sd = opt.state_dict(), cpu_copy(ref_opt.state_dict())
     assert sd["state"].keys() == ref_sd["state"].keys()
     for i in ref_sd["state"]:
         assert float(sd["state"][i]["step"]) == float(ref_sd["state"][i]["step"])
@@ -99,6 +99,7 @@ def test_state_dicts_match_plain_pytorch():
     # The plain model loads gemini's state_dict and computes the same thing.
     plain = make_gpt(seed=99)
     plain.load_state_dict(ours)
+    plain.to(DEVICE)
     x, _ = data[0]
     with torch.no_grad():
         torch.testing.assert_close(plain(x), gmodel(x))
@@ -110,8 +111,9 @@ def test_load_state_lacking_parameters_resets_them_like_torch(placement):
     state (they start again at step 0), so gemini, which had trained them, must too."""
     data = batches(TINY, 5)
     ref, base = clone_pair()
+    ref.to(DEVICE)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)  # our arithmetic
-    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=3000),
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=3000),
                                     lr=1e-2, weight_decay=0.1)
 
     def both_step(x, y):
@@ -132,7 +134,7 @@ def test_load_state_lacking_parameters_resets_them_like_torch(placement):
     opt.load_state_dict(copy.deepcopy(saved))
 
     def assert_same_state():
-        ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        ours, theirs = opt.state_dict()["state"], cpu_copy(ref_opt.state_dict()["state"])
         assert sorted(ours) == sorted(theirs)
         for i in theirs:
             assert float(ours[i]["step"]) == float(theirs[i]["step"]), i
@@ -151,7 +153,7 @@ def test_load_state_lacking_parameters_resets_them_like_torch(placement):
 
 # ------------------------------------------------------------------------- checkpoint files
 def _trained(precision: str = "fp32", steps: int = 2):
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision=precision, chunk_size=3000,
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", precision=precision, chunk_size=3000,
                               initial_scale=2.0**10, growth_interval=1)
     gmodel, opt = gemini.initialize(make_gpt(), cfg, lr=1e-2, weight_decay=0.1)
     _run(gmodel, opt, batches(TINY, steps))
@@ -159,7 +161,7 @@ def _trained(precision: str = "fp32", steps: int = 2):
 
 
 def _fresh(precision: str = "fp32"):
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision=precision, chunk_size=3000,
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", precision=precision, chunk_size=3000,
                               initial_scale=2.0**10, growth_interval=1)
     return gemini.initialize(make_gpt(seed=5), cfg, lr=1e-2, weight_decay=0.1)
 

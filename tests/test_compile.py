@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import gemini
 from gemini.tools.gpt import GPT
-from helpers import TINY, assert_params_close, batches, clone_pair, train_reference
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, train_reference
 
 STEPS = 3
 CHUNK = 2000  # 14 chunk groups for TINY: most modules' parameters share a chunk with others
@@ -83,17 +83,21 @@ PLACEMENTS = {
     # Half the parameter chunks stay on the device, half of the optimizer states on the host.
     "static": dict(placement="static", static_param_device_fraction=0.5, static_optimizer_offload_fraction=0.5),
     # Parameters and gradients alone exceed the budget: chunks are evicted inside forward and
-    # backward, and the warm-up (the first step) is traced with the model compiled.
+    # backward, and the warm-up (the first step) is traced with the model compiled. The budget is
+    # sized for the CPU stand-in, which counts exactly the tensors alive (standin: on CUDA the
+    # allocator's segments and cuBLAS's workspace alone exceed it).
     "auto-evicting": dict(placement="auto", device_memory=int(0.8 * MODEL_DATA_BYTES)),
 }
+STANDIN = {"auto-evicting"}
 
 
-@pytest.mark.parametrize("name", list(PLACEMENTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.standin) if n in STANDIN else n
+                                  for n in PLACEMENTS])
 def test_compiled_model_equals_adamw(name):
     base, ref = clone_pair()
     data = _data()
     want_losses, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    cfg = gemini.GeminiConfig(device="cpu", chunk_size=CHUNK, **PLACEMENTS[name])
+    cfg = gemini.GeminiConfig(device=DEVICE, chunk_size=CHUNK, **PLACEMENTS[name])
     got_losses, got, graphs, opt = _train_compiled(
         base, data, cfg, lambda m: torch.compile(m, backend="aot_eager"), lr=1e-2
     )
@@ -112,7 +116,7 @@ def test_compiled_with_inductor_under_cuda_placement_equals_adamw():
     base, ref = clone_pair()
     data = _data()
     want_losses, want, _ = train_reference(ref, data, lr=1e-3, weight_decay=0.1)
-    cfg = gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=CHUNK)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cuda", chunk_size=CHUNK)
     got_losses, got, graphs, _ = _train_compiled(base, data, cfg, torch.compile, lr=1e-3)
     _check(got_losses, got, want_losses, want, graphs, rtol=1e-5, atol=1e-5)
 
@@ -122,7 +126,7 @@ def test_compiling_each_block_equals_adamw():
     base, ref = clone_pair()
     data = _data()
     want_losses, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=CHUNK)
 
     def compile_blocks(gmodel):
         for block in gmodel.module.blocks:

@@ -11,7 +11,7 @@ import pytest
 import gemini
 from gemini.tools.gpt import GPT
 from gemini.engine.hooks import _BackwardUse
-from helpers import TINY, batches, make_gpt
+from helpers import DEVICE, TINY, batches, make_gpt, roomy_budget
 
 
 def _live_backward_uses() -> int:
@@ -21,8 +21,8 @@ def _live_backward_uses() -> int:
 
 @pytest.mark.parametrize("placement", ["cpu", "auto"])
 def test_no_hook_state_accumulates_over_iterations(placement):
-    model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=2000,
-                                                                   device_memory="4MiB"), lr=1e-2)
+    model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=2000,
+                                                                   device_memory=roomy_budget("4MiB")), lr=1e-2)
     (x, y), = batches(TINY, 1)
     counts = []
     for n in (2, 20):
@@ -41,8 +41,9 @@ def test_no_hook_state_accumulates_over_iterations(placement):
 def test_an_engine_is_freed_with_its_model_and_optimizer(placement, close):
     """Dropped, closed or not, the engine and its chunks go (its parameter hooks hold it weakly)."""
     def run():
-        model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device="cpu", placement=placement,
-                                                                       chunk_size=2000, device_memory="4MiB"), lr=1e-2)
+        config = gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=2000,
+                                     device_memory=roomy_budget("4MiB"))
+        model, opt = gemini.initialize(make_gpt(), config, lr=1e-2)
         for x, y in batches(TINY, 2):
             opt.backward(GPT.loss(model(x), y))
             opt.step()

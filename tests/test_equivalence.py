@@ -10,7 +10,7 @@ from torch import nn
 
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
-from helpers import TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
 
 PLACEMENTS = ["cuda", "cpu"]
 STEPS = 10
@@ -22,7 +22,7 @@ def test_fp32_training_equals_adamw(placement, chunk_size):
     base, ref = clone_pair()
     data = batches(TINY, STEPS)
     want_losses, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    cfg = gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=chunk_size)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=chunk_size)
     got_losses, got, _, opt = train_gemini(base, data, cfg, lr=1e-2, weight_decay=0.1)
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, w, step=step)
@@ -50,7 +50,7 @@ def test_clipping_groups_frozen_and_accumulation(placement):
     want_losses, want, _ = train_reference(
         ref, data, micro_batches=2, clip=0.05, param_groups=_two_groups, lr=1e-2
     )
-    cfg = gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=3000, clip_grad_norm=0.05)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=3000, clip_grad_norm=0.05)
     got_losses, got, _, opt = train_gemini(base, data, cfg, micro_batches=2, param_groups=_two_groups, lr=1e-2)
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, w, step=step)
@@ -62,10 +62,11 @@ def test_clipping_groups_frozen_and_accumulation(placement):
 
 def test_adam_mode_with_l2_decay_equals_torch_adam():
     base, ref = clone_pair()
+    ref.to(DEVICE)
     data = batches(TINY, 5)
     opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     gmodel, opt = gemini.initialize(
-        base, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=4096),
+        base, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=4096),
         lr=1e-2, weight_decay=0.1, adamw_mode=False,
     )
     for x, y in data:
@@ -92,11 +93,11 @@ class _WithUnused(nn.Module):
 def test_unused_parameters_are_skipped_like_torch(placement):
     torch.manual_seed(0)
     base = _WithUnused()
-    ref = copy.deepcopy(base)
+    ref = copy.deepcopy(base).to(DEVICE)
     data = batches(TINY, 4)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     gmodel, opt = gemini.initialize(
-        base, gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=100_000), lr=1e-2, weight_decay=0.1
+        base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=100_000), lr=1e-2, weight_decay=0.1
     )
     for x, y in data:
         GPT.loss(ref(x), y).backward()
@@ -117,7 +118,7 @@ def test_low_precision_tracks_fp32_loss(precision, placement):
     base, ref = clone_pair(cfg)
     data = batches(cfg, 1) * 12  # one batch, learned by heart: the loss must fall
     want_losses, _, _ = train_reference(ref, data, lr=3e-3)
-    gcfg = gemini.GeminiConfig(device="cpu", placement=placement, precision=precision, chunk_size=20_000)
+    gcfg = gemini.GeminiConfig(device=DEVICE, placement=placement, precision=precision, chunk_size=20_000)
     got_losses, got, gmodel, opt = train_gemini(base, data, gcfg, lr=3e-3)
     # The curves agree to bf16/fp16 resolution and both go down.
     for g, w in zip(got_losses, want_losses):
@@ -133,7 +134,7 @@ def test_low_precision_tracks_fp32_loss(precision, placement):
 
 def test_fp16_without_scaled_backward_is_refused():
     gmodel, opt = gemini.initialize(
-        GPT(TINY), gemini.GeminiConfig(device="cpu", placement="cpu", precision="fp16", chunk_size=10_000)
+        GPT(TINY), gemini.GeminiConfig(device=DEVICE, placement="cpu", precision="fp16", chunk_size=10_000)
     )
     x, y = batches(TINY, 1)[0]
     GPT.loss(gmodel(x), y).backward()
@@ -144,7 +145,7 @@ def test_fp16_without_scaled_backward_is_refused():
 def test_fp16_overflow_skips_the_step_and_backs_off():
     gmodel, opt = gemini.initialize(
         GPT(TINY),
-        gemini.GeminiConfig(device="cpu", placement="cuda", precision="fp16", chunk_size=10_000, hysteresis=1),
+        gemini.GeminiConfig(device=DEVICE, placement="cuda", precision="fp16", chunk_size=10_000, hysteresis=1),
     )
     before = {k: v.clone() for k, v in gmodel.state_dict().items()}
     x, y = batches(TINY, 1)[0]
@@ -173,13 +174,13 @@ class _MLPWithBatchNorm(nn.Module):
 def test_buffers_are_updated_like_torch(placement):
     torch.manual_seed(0)
     base = _MLPWithBatchNorm()
-    ref = copy.deepcopy(base)
+    ref = copy.deepcopy(base).to(DEVICE)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
-    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=64),
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=64),
                                     lr=1e-2, weight_decay=0.01)
     g = torch.Generator().manual_seed(3)
     for _ in range(5):
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        x, y = torch.randn(16, 8, generator=g).to(DEVICE), torch.randn(16, 1, generator=g).to(DEVICE)
         torch.nn.functional.mse_loss(ref(x), y).backward()
         opt_ref.step()
         opt_ref.zero_grad()

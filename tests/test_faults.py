@@ -31,7 +31,7 @@ from gemini.engine.nvme_tier import NvmeTier
 from gemini.engine.transaction import UNDO_KIND
 from offload import NvmeStoreError, Tier
 
-from helpers import TINY, batches, clone_pair, train_reference
+from helpers import DEVICE, TINY, batches, clone_pair, cpu_copy, train_reference
 
 STEPS = 4
 FAULT_STEP = 2  # the fault strikes during this step (or the checkpoint saved after it)
@@ -54,11 +54,12 @@ def small_disk(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Plain fused AdamW over the same model and data: parameters and states after the last step."""
+    """Plain fused AdamW over the same model and data: parameters and states after the last step
+    (on the CPU, where gemini's state dicts are)."""
     _, ref = clone_pair()
     data = batches(TINY, STEPS)
     _, snapshots, ref_opt = train_reference(ref, data, lr=LR, weight_decay=0.0)
-    return snapshots[-1], ref_opt.state_dict()
+    return snapshots[-1], cpu_copy(ref_opt.state_dict())
 
 
 class Fault:
@@ -192,7 +193,7 @@ def test_a_fault_leaves_a_clear_error_and_the_recovered_run_equals_the_uninterru
     nvme_dir.mkdir()
     base, _ = clone_pair()
     data = batches(TINY, STEPS)
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir=str(nvme_dir),
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000, nvme_dir=str(nvme_dir),
                               nvme_offload_fraction=1.0, nvme_pipeline_depth=1)
     model, opt = gemini.initialize(base, cfg, lr=LR)
     fault = Fault(kind, str(small_disk), monkeypatch)
@@ -266,13 +267,13 @@ _KILLED_CHILD = textwrap.dedent(
     import gemini.checkpoint as ckpt
     from gemini.tools.gpt import GPT
     from gemini.engine.nvme_tier import NvmeTier
-    from helpers import TINY, batches, clone_pair
+    from helpers import DEVICE, TINY, batches, clone_pair
 
     moment, folder = {moment!r}, {folder!r}
     os.makedirs(os.path.join(folder, "nvme"), exist_ok=True)
     base, _ = clone_pair()
     data = batches(TINY, {steps})
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir=os.path.join(folder, "nvme"),
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000, nvme_dir=os.path.join(folder, "nvme"),
                               nvme_offload_fraction=1.0, nvme_pipeline_depth=1)
     model, opt = gemini.initialize(base, cfg, lr={lr})
     step = [0]
@@ -321,7 +322,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_uninterrupted_result(mo
     # A new process (here: this one) resumes from the checkpoint the killed run left.
     base, _ = clone_pair()
     data = batches(TINY, STEPS)
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path / "nvme"),
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path / "nvme"),
                               nvme_offload_fraction=1.0, nvme_pipeline_depth=1)
     model, opt = gemini.initialize(base, cfg, lr=LR)
     try:
@@ -342,14 +343,14 @@ def _train_retrying(model, opt, data, fault: Fault | None, step_box: list[int]) 
     step is called again."""
     for i, (x, y) in enumerate(data):
         step_box[0] = i
-        params_before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        params_before = {n: p.detach().to("cpu", copy=True) for n, p in model.module.named_parameters()}
         before = _values(model, opt)
         opt.backward(GPT.loss(model(x), y))
         try:
             opt.step()
         except NvmeStoreError:
             fault.fix()
-            assert all(torch.equal(p, params_before[n]) for n, p in model.module.named_parameters())
+            assert all(torch.equal(p.cpu(), params_before[n]) for n, p in model.module.named_parameters())
             _assert_same(_values(model, opt), before, f"after the failed step {i}")
             opt.step()
         opt.zero_grad()
@@ -361,7 +362,7 @@ def test_a_failed_bf16_step_restores_masters_and_low_precision_params(placement,
     during the step; a write error part-way puts both back, and the retry equals a run that
     never failed, bit for bit."""
     data = batches(TINY, 3)
-    cfg = dict(device="cpu", placement=placement, chunk_size=2000, precision="bf16", nvme_offload_fraction=1.0,
+    cfg = dict(device=DEVICE, placement=placement, chunk_size=2000, precision="bf16", nvme_offload_fraction=1.0,
                nvme_pipeline_depth=1)
     if placement == "static":
         cfg.update(static_param_device_fraction=1.0, static_optimizer_offload_fraction=1.0)
@@ -378,7 +379,8 @@ def test_a_failed_bf16_step_restores_masters_and_low_precision_params(placement,
         if faulty:
             assert fault.fired
             monkeypatch.undo()
-        runs.append((_values(model, opt), {n: p.detach().clone() for n, p in model.module.named_parameters()}))
+        params = {n: p.detach().to("cpu", copy=True) for n, p in model.module.named_parameters()}
+        runs.append((_values(model, opt), params))
         opt.close()
     (clean, clean_params), (recovered, recovered_params) = runs
     _assert_same(recovered, clean, "the recovered run against the clean one")
@@ -391,7 +393,7 @@ def test_a_failed_step_is_undone_from_copies_in_nvme_files_under_a_small_host_bu
     a write error part-way is undone from those files; the retry equals AdamW."""
     base, _ = clone_pair()
     data = batches(TINY, STEPS)
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path),
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path),
                               cpu_memory=100_000, nvme_pipeline_depth=1)
     model, opt = gemini.initialize(base, cfg, lr=LR)
     assert opt._rt.nvme.layout.undo_on_nvme and opt._rt.nvme.layout.depth == 0

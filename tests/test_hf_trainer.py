@@ -13,6 +13,7 @@ pytest.importorskip("accelerate")
 
 import gemini  # noqa: E402
 from gemini.hf import GeminiTrainer  # noqa: E402
+from helpers import DEVICE  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -50,7 +51,7 @@ class _Tokens(torch.utils.data.Dataset):
 def _args(out, **kw):
     base = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6,
                 learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5,
-                logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=7, data_seed=7,
+                logging_steps=1, save_strategy="no", report_to="none", use_cpu=DEVICE == "cpu", seed=7, data_seed=7,
                 dataloader_num_workers=0, disable_tqdm=True)
     base.update(kw)
     return transformers.TrainingArguments(**base)
@@ -74,7 +75,7 @@ def test_gemini_trainer_saves_the_same_model_as_plain_trainer(tmp_path, placemen
     plain.train()
     plain.save_model(tmp_path / "plain")
 
-    cfg = gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=4096)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=4096)
     trainer = GeminiTrainer(model=copy.deepcopy(base), args=_args(tmp_path / "gemini"), train_dataset=_Tokens(),
                             gemini_config=cfg)
     # What Trainer learns from the model: label names, loss kwargs, the causal-LM label shift.
@@ -98,7 +99,7 @@ def test_gemini_trainer_saves_the_same_model_as_plain_trainer(tmp_path, placemen
 
 def test_resume_from_checkpoint_restores_the_optimizer_exactly(tmp_path):
     base = _llama()
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=4096)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=4096)
     straight = GeminiTrainer(model=copy.deepcopy(base), args=_args(tmp_path / "straight"), train_dataset=_Tokens(),
                              gemini_config=cfg)
     straight.train()
@@ -119,20 +120,20 @@ def test_resume_from_checkpoint_restores_the_optimizer_exactly(tmp_path):
 
 def test_precision_comes_from_the_training_arguments(tmp_path):
     trainer = GeminiTrainer(model=_llama(), args=_args(tmp_path, bf16=True, max_steps=2), train_dataset=_Tokens(),
-                            gemini_config=gemini.GeminiConfig(device="cpu", placement="cpu"))
+                            gemini_config=gemini.GeminiConfig(device=DEVICE, placement="cpu"))
     assert trainer.gemini_config.precision == "bf16"
     assert not trainer.args.bf16  # Trainer's autocast is off: gemini computes in bf16 itself
     trainer.train()
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="precision"):
         GeminiTrainer(model=_llama(), args=_args(tmp_path, fp16=True),
-                      gemini_config=gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16"))
+                      gemini_config=gemini.GeminiConfig(device=DEVICE, placement="cpu", precision="bf16"))
 
 
 def test_fp16_overflow_skips_the_step_and_holds_the_scheduler(tmp_path):
     """fp16 goes through gemini's loss scaler: an overflowing step is skipped, Trainer is told
     (its scheduler does not advance), and the scale backs off until steps land."""
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", initial_scale=2.0**32, hysteresis=1,
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", initial_scale=2.0**32, hysteresis=1,
                               backoff_factor=2.0**-12)
     trainer = GeminiTrainer(model=_llama(), args=_args(tmp_path, fp16=True, warmup_steps=0, max_steps=4),
                             train_dataset=_Tokens(), gemini_config=cfg)
@@ -155,4 +156,4 @@ def test_zero_under_trainer_is_refused_loudly(tmp_path, monkeypatch):
     monkeypatch.setattr(gemini.hf, "resolve_group", lambda group: object())  # as with 2 ranks
     with pytest.raises(ValueError, match="one process"):
         GeminiTrainer(model=_llama(), args=_args(tmp_path), train_dataset=_Tokens(),
-                      gemini_config=gemini.GeminiConfig(device="cpu", placement="cpu"))
+                      gemini_config=gemini.GeminiConfig(device=DEVICE, placement="cpu"))

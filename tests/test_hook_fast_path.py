@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gemini
-from helpers import TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, roomy_budget, train_gemini, train_reference
 
 
 def _module_hooks(model: torch.nn.Module) -> int:
@@ -22,7 +22,7 @@ def test_cuda_placement_installs_no_module_hooks_and_equals_adamw(micro_batches)
     assert mine.lm_head.weight is mine.wte.weight  # tied
     data = batches(TINY, 6)
     want_losses, want, _ = train_reference(ref, data, micro_batches=micro_batches, lr=1e-2, weight_decay=0.1)
-    config = gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=2000)
+    config = gemini.GeminiConfig(device=DEVICE, placement="cuda", chunk_size=2000)
     losses, got, gmodel, opt = train_gemini(mine, data, config, micro_batches=micro_batches, lr=1e-2,
                                             weight_decay=0.1)
     assert _module_hooks(mine) == 0  # only the root module's own hooks
@@ -34,7 +34,7 @@ def test_cuda_placement_installs_no_module_hooks_and_equals_adamw(micro_batches)
 
 def test_placements_that_move_chunks_keep_their_module_hooks():
     _, mine = clone_pair()
-    model, opt = gemini.initialize(mine, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000))
+    model, opt = gemini.initialize(mine, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000))
     assert _module_hooks(mine) > 0
     opt.close()
 
@@ -43,9 +43,10 @@ def test_autograd_accumulates_into_the_gradient_chunk_itself():
     """Under placement cuda p.grad is the chunk's slot during backward: autograd adds into it in
     place (nothing copied), and a parameter the loss does not use keeps p.grad None, as in torch."""
     ref, mine = clone_pair()
+    ref.to(DEVICE)
     mine.spare = torch.nn.Linear(4, 4)  # never called by forward
     unused = set(mine.spare.parameters())
-    gmodel, opt = gemini.initialize(mine, gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=2000),
+    gmodel, opt = gemini.initialize(mine, gemini.GeminiConfig(device=DEVICE, placement="cuda", chunk_size=2000),
                                     lr=1e-2)
     rt = opt._rt
     calls = []
@@ -69,13 +70,14 @@ def test_autograd_accumulates_into_the_gradient_chunk_itself():
     for _ in range(2):
         GPT.loss(ref(x), y).backward()
     for (name, p), q in zip(mine.named_parameters(), ref.parameters()):  # ref has no spare: zip stops
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-6, atol=1e-7, msg=name)
     opt.close()
 
 
 def test_a_grad_replaced_between_passes_takes_the_copying_path():
     ref, mine = clone_pair()
-    gmodel, opt = gemini.initialize(mine, gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=2000),
+    ref.to(DEVICE)
+    gmodel, opt = gemini.initialize(mine, gemini.GeminiConfig(device=DEVICE, placement="cuda", chunk_size=2000),
                                     lr=1e-2)
     from gemini.tools.gpt import GPT
     data = batches(TINY, 2)
@@ -88,7 +90,7 @@ def test_a_grad_replaced_between_passes_takes_the_copying_path():
     opt.backward(GPT.loss(gmodel(x), y))
     GPT.loss(ref(x), y).backward()
     for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-6, atol=1e-7, msg=name)
     opt.close()
 
 
@@ -102,7 +104,7 @@ def test_auto_settled_on_the_device_drops_its_module_hooks_and_equals_adamw(micr
         model.blocks[0].mlp.fc.weight.requires_grad_(False)  # frozen
     data = batches(TINY, 4, seq=16) + batches(TINY, 4, seq=8)  # the shapes change at step 4
     want_losses, want, _ = train_reference(ref, data, micro_batches=micro_batches, lr=1e-2, weight_decay=0.1)
-    config = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=2000, device_memory="64MiB",
+    config = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=2000, device_memory=roomy_budget("64MiB"),
                                  gpu_margin_mem_ratio=1.0)
     gmodel, opt = gemini.initialize(mine, config, lr=1e-2, weight_decay=0.1)
     views = opt._rt.grad_views

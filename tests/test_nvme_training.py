@@ -16,14 +16,14 @@ import gemini
 from chunks import ChunkKind, ChunkState
 from gemini.tools.gpt import GPT
 from gemini.engine.transaction import UNDO_KIND
-from helpers import TINY, assert_params_close, batches, clone_pair, train_gemini, train_reference
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, roomy_budget, train_gemini, train_reference
 from offload import NvmeCorruptionError, NvmeStoreError, Tier
 
 STEPS = 6
 
 
 def _cfg(tmp_path, **kw) -> gemini.GeminiConfig:
-    base = dict(device="cpu", chunk_size=2000, nvme_dir=str(tmp_path), nvme_pipeline_depth=1)
+    base = dict(device=DEVICE, chunk_size=2000, nvme_dir=str(tmp_path), nvme_pipeline_depth=1)
     base.update(kw)
     return gemini.GeminiConfig(**base)
 
@@ -35,7 +35,7 @@ def test_states_on_nvme_train_like_adamw_and_are_reported(tmp_path, placement):
     want_losses, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
     # A host budget for about three groups' states: the pipeline's staging, nothing else.
     cfg = _cfg(tmp_path, placement=placement, cpu_memory=200_000,
-               device_memory="64MiB" if placement == "auto" else None)
+               device_memory=roomy_budget("64MiB") if placement == "auto" else None)
     got_losses, got, _, opt = train_gemini(base, data, cfg, lr=1e-2, weight_decay=0.1)
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, w, step=step)
@@ -108,7 +108,7 @@ def test_a_small_host_budget_gets_a_shallower_pipeline_and_keeps_to_it(tmp_path)
 def test_low_precision_with_masters_on_nvme_is_bit_identical_to_host_states(tmp_path, precision):
     data = batches(TINY, STEPS)
     base, _ = clone_pair()
-    host_cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision=precision, chunk_size=2000)
+    host_cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", precision=precision, chunk_size=2000)
     _, want, _, _ = train_gemini(base, data, host_cfg, lr=1e-2)
     base, _ = clone_pair()
     cfg = _cfg(tmp_path, placement="cpu", precision=precision, nvme_offload_fraction=1.0, nvme_pipeline_depth=2)
@@ -131,7 +131,7 @@ def test_checkpoint_with_states_on_nvme_resumes_exactly(tmp_path):
     (tmp_path / "b").mkdir()
     data = batches(TINY, 2 * STEPS)
     base, _ = clone_pair()
-    _, want, _, _ = train_gemini(base, data, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000), lr=1e-2)
+    _, want, _, _ = train_gemini(base, data, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000), lr=1e-2)
 
     base, fresh = clone_pair()
     _, _, model, opt = train_gemini(base, data[:STEPS], _cfg(tmp_path / "a", placement="cpu", nvme_offload_fraction=0.7),
@@ -141,7 +141,7 @@ def test_checkpoint_with_states_on_nvme_resumes_exactly(tmp_path):
     opt.close()
     # Resume into a fresh NVMe-backed run (different groups on NVMe) and into one without NVMe.
     for cfg in (_cfg(tmp_path / "b", placement="cpu", nvme_offload_fraction=0.3),
-                gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000)):
+                gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000)):
         m = clone_pair()[0]
         gm, o = gemini.initialize(m, cfg, lr=1e-2)
         gm.load_state_dict(model_sd)
@@ -184,7 +184,7 @@ def test_config_and_folder_errors_are_clear(tmp_path):
         gemini.GeminiConfig(placement="cpu", nvme_dir=str(tmp_path), nvme_pipeline_depth=0)
     base, _ = clone_pair()
     with pytest.raises(ValueError, match=r"cpu_memory=1000 .*nvme_dir is None"):
-        gemini.initialize(base, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, cpu_memory=1000))
+        gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000, cpu_memory=1000))
     base, _ = clone_pair()
     with pytest.raises(NvmeStoreError, match="does not exist"):
         gemini.initialize(base, _cfg(tmp_path / "missing", placement="cpu", nvme_offload_fraction=1.0))
@@ -209,21 +209,22 @@ _FSIZE_CHILD = textwrap.dedent(
     import torch, gemini
     from chunks import ChunkState
     from gemini.tools.gpt import GPT
-    from helpers import TINY, batches, clone_pair
+    from helpers import DEVICE, TINY, batches, clone_pair
     from offload import NvmeStoreError
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     data = batches(TINY, 3)
     model, ref = clone_pair()
+    ref.to(DEVICE)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
-    snapshots = []  # per step: parameters and Adam states of the reference
+    snapshots = []  # per step, on the CPU: parameters and Adam states of the reference
     for x, y in data:
         GPT.loss(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        snapshots.append({{n: (p.detach().clone(), ref_opt.state[p]["exp_avg"].clone(),
-                               ref_opt.state[p]["exp_avg_sq"].clone()) for n, p in ref.named_parameters()}})
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir={nvme_dir!r},
+        snapshots.append({{n: (p.detach().cpu().clone(), ref_opt.state[p]["exp_avg"].cpu().clone(),
+                               ref_opt.state[p]["exp_avg_sq"].cpu().clone()) for n, p in ref.named_parameters()}})
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000, nvme_dir={nvme_dir!r},
                               nvme_offload_fraction=1.0, nvme_pipeline_depth=1)
     gm, opt = gemini.initialize(model, cfg, lr=1e-2)
     for x, y in data[:2]:
@@ -300,7 +301,7 @@ def test_margin_takes_groups_back_from_nvme_and_training_stays_exact(tmp_path):
     base, ref = clone_pair()
     data = batches(TINY, STEPS)
     _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    cfg = _cfg(tmp_path, placement="auto", device_memory="256MiB", gpu_margin_mem_ratio=1.0,
+    cfg = _cfg(tmp_path, placement="auto", device_memory=roomy_budget("256MiB"), gpu_margin_mem_ratio=1.0,
                nvme_offload_fraction=1.0)
     _, got, _, opt = train_gemini(base, data, cfg, lr=1e-2, weight_decay=0.1)
     for step, (g, w) in enumerate(zip(got, want)):

@@ -9,7 +9,7 @@ import torch
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 from gemini.engine.memory import DeviceBudgetError
-from helpers import TINY, batches, make_gpt
+from helpers import DEVICE, TINY, batches, make_gpt
 
 
 def _model():
@@ -21,7 +21,7 @@ def _model():
 def _last_report(config: gemini.GeminiConfig) -> gemini.MemoryReport:
     """Two real steps of the same model under ``config``: the second step's report."""
     gmodel, opt = gemini.initialize(_model(), config, lr=1e-2)
-    for x, y in batches(TINY, 2):
+    for x, y in batches(TINY, 2, device=config.resolved_device()):
         opt.backward(GPT.loss(gmodel(x), y))
         opt.step()
         opt.zero_grad()
@@ -52,7 +52,7 @@ def _configs(tmp_path):
 def test_plan_agrees_with_what_a_real_run_measures(tmp_path, name):
     """The plan's figures (gemini/policies/footprint.py's pure function of the layout and the placement's
     choice) equal the ledger's count after a real step, tier by tier and kind by kind."""
-    config = gemini.GeminiConfig(device="cpu", chunk_size=2000, **_configs(tmp_path)[name])
+    config = gemini.GeminiConfig(device=DEVICE, chunk_size=2000, **_configs(tmp_path)[name])
     plan = gemini.plan_placement(_model(), config)
     r = _last_report(config)
     assert plan.fits, plan.problems

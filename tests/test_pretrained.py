@@ -23,6 +23,7 @@ import gemini
 from chunks import ChunkManager, ChunkState
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.pretrained import SafetensorsCheckpoint, WeightsError, load_pretrained_into
+from helpers import DEVICE
 
 hf_logging.disable_progress_bar()
 
@@ -62,24 +63,27 @@ def _reference(folder) -> LlamaForCausalLM:
 
 def _batches(n: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (2, 16), generator=g) for _ in range(n)]
+    return [torch.randint(0, 128, (2, 16), generator=g).to(DEVICE) for _ in range(n)]
 
 
 def _train(model, opt, data, *, gemini_opt: bool):
+    """Per step, the model's state_dict in fp32 on the CPU."""
     snapshots = []
     for x in data:
         loss = model(input_ids=x, labels=x).loss
         opt.backward(loss) if gemini_opt else loss.backward()
         opt.step()
         opt.zero_grad()
-        snapshots.append({k: v.detach().float().clone() for k, v in model.state_dict().items()})
+        snapshots.append({k: v.detach().to("cpu", torch.float32, copy=True) for k, v in model.state_dict().items()})
     return snapshots
 
 
 def _assert_state_equal(got: dict, want: dict, *, rtol=0.0, atol=0.0, what=""):
+    """Equal entries, compared on the CPU (gemini's state_dict is there; a reference may not be)."""
     assert got.keys() == want.keys(), f"{what}: keys differ: {set(got) ^ set(want)}"
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{what} {k}: {m}")
+        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} {k}: {m}")
 
 
 def _assert_params_in_chunks(gmodel):
@@ -108,12 +112,12 @@ def test_meta_model_loads_what_from_pretrained_loads(checkpoints, placement, tie
     ref = _reference(folder)
     model = _meta_llama(folder)
     assert all(p.is_meta for p in model.parameters())
-    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", chunk_size=CHUNK, **PLACEMENTS[placement]),
+    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, chunk_size=CHUNK, **PLACEMENTS[placement]),
                                     weights=folder)
     _assert_state_equal(gmodel.state_dict(), ref.state_dict(), what=placement)
     _assert_params_in_chunks(gmodel)
     # The non-persistent rotary buffer stayed as the constructor computed it.
-    torch.testing.assert_close(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq.cpu(), ref.model.rotary_emb.inv_freq, rtol=0, atol=0)
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     manager = gmodel._runtime.manager
     if tie:
@@ -123,7 +127,10 @@ def test_meta_model_loads_what_from_pretrained_loads(checkpoints, placement, tie
     opt.close()
 
 
-@pytest.mark.parametrize("case", ["cpu-tied", "cuda-untied", "auto-evicting-tied", "nvme-untied"])
+# auto-evicting's 600 KiB budget is sized for the CPU stand-in, which counts exactly the tensors
+# alive; on CUDA the allocator's segments and cuBLAS's workspace alone exceed it.
+@pytest.mark.parametrize("case", ["cpu-tied", "cuda-untied",
+                                  pytest.param("auto-evicting-tied", marks=pytest.mark.standin), "nvme-untied"])
 def test_trains_exactly_like_from_pretrained_with_adamw(checkpoints, tmp_path, case):
     tie = case.endswith("-tied")
     folder = checkpoints[tie, True]
@@ -134,10 +141,10 @@ def test_trains_exactly_like_from_pretrained_with_adamw(checkpoints, tmp_path, c
         "nvme": dict(placement="cpu", cpu_memory="600KiB", nvme_dir=tmp_path, nvme_offload_fraction=0.5),
     }[case.split("-")[0]]
     data = _batches(3)
-    ref = _reference(folder)
+    ref = _reference(folder).to(DEVICE)
     want = _train(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True), data, gemini_opt=False)
     model = _meta_llama(folder)
-    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", chunk_size=CHUNK, **extra),
+    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, chunk_size=CHUNK, **extra),
                                     weights=folder, lr=LR, weight_decay=WD)
     got = _train(gmodel, opt, data, gemini_opt=True)
     for step, (g, w) in enumerate(zip(got, want)):
@@ -161,7 +168,7 @@ def test_bf16_with_masters_on_nvme_equals_initialize_on_from_pretrained(checkpoi
 
     def cfg(sub):
         (tmp_path / sub).mkdir()
-        return gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16", chunk_size=CHUNK,
+        return gemini.GeminiConfig(device=DEVICE, placement="cpu", precision="bf16", chunk_size=CHUNK,
                                    cpu_memory="800KiB", nvme_dir=tmp_path / sub, nvme_offload_fraction=0.5)
 
     ref_model, ref_opt = gemini.initialize(_reference(folder), cfg("ref"), lr=LR, weight_decay=WD)
@@ -184,7 +191,7 @@ def test_weights_overwrite_a_real_model(checkpoints):
     folder = checkpoints[False, False]
     torch.manual_seed(123)
     model = LlamaForCausalLM(_llama_config(False))  # real, other values
-    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK),
+    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=CHUNK),
                                     weights=folder / "model.safetensors")
     _assert_state_equal(gmodel.state_dict(), _reference(folder).state_dict())
 
@@ -196,12 +203,12 @@ def test_frozen_parameters_load_into_their_chunks_too(tmp_path):
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     model[0].requires_grad_(False)
-    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16"),
+    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu", precision="bf16"),
                                     weights=tmp_path / "w.safetensors")
     assert not opt._rt.manager.groups[-1].trainable  # the frozen group: a param chunk and an fp32 copy
     _assert_state_equal(gmodel.state_dict(), real.state_dict())
     assert not model[0].weight.requires_grad and model[0].weight.dtype == torch.bfloat16
-    assert torch.equal(model[0].weight, real[0].weight.to(torch.bfloat16))
+    assert torch.equal(model[0].weight.cpu(), real[0].weight.to(torch.bfloat16))
 
 
 # ------------------------------------------------------------------------------------- errors
@@ -223,7 +230,7 @@ def test_missing_unexpected_and_mismatched_keys_are_all_named(checkpoints, tmp_p
                          reshape={"model.layers.1.mlp.up_proj.weight": (4, 4)})
     model = _meta_llama(folder)
     with pytest.raises(WeightsError) as err:
-        gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"), weights=bad)
+        gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu"), weights=bad)
     msg = str(err.value)
     assert "missing keys ['model.norm.weight', 'lm_head.weight']" in msg
     assert "unexpected keys ['model.extra.weight']" in msg
@@ -239,7 +246,7 @@ def test_a_tied_model_needs_one_of_the_tied_names_but_an_untied_one_needs_both(c
     with init_empty_weights():
         untied = LlamaForCausalLM(_llama_config(False))
     with pytest.raises(WeightsError, match=r"missing keys \['lm_head.weight'\]"):
-        gemini.initialize(untied, gemini.GeminiConfig(device="cpu", placement="cpu"), weights=tied_folder)
+        gemini.initialize(untied, gemini.GeminiConfig(device=DEVICE, placement="cpu"), weights=tied_folder)
 
 
 def test_meta_buffers_load_from_the_file_or_are_named(tmp_path):
@@ -257,21 +264,21 @@ def test_meta_buffers_load_from_the_file_or_are_named(tmp_path):
         model = Norm()
     save_file({"weight": torch.full((4,), 3.0), "scale": torch.full((4,), 5.0)}, tmp_path / "w.safetensors")
     with pytest.raises(WeightsError, match=r"non-persistent buffers on the meta device.*\['table'\]"):
-        gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"), weights=tmp_path / "w.safetensors")
+        gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu"), weights=tmp_path / "w.safetensors")
     model.table = torch.arange(4.0)  # real now, as init_empty_weights(include_buffers=False) leaves buffers
     save_file({"weight": torch.full((4,), 3.0)}, tmp_path / "no-scale.safetensors")
     with pytest.raises(WeightsError, match=r"missing keys \['scale'\]"):
-        gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"),
+        gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu"),
                           weights=tmp_path / "no-scale.safetensors")
-    gmodel, _ = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"),
+    gmodel, _ = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu"),
                                   weights=tmp_path / "w.safetensors")
-    assert torch.equal(model.scale, torch.full((4,), 5.0)) and not model.scale.is_meta
-    assert torch.equal(gmodel(torch.ones(4)), torch.full((4,), 15.0) + torch.arange(4.0))
+    assert torch.equal(model.scale.cpu(), torch.full((4,), 5.0)) and not model.scale.is_meta
+    assert torch.equal(gmodel(torch.ones(4, device=DEVICE)).cpu(), torch.full((4,), 15.0) + torch.arange(4.0))
 
 
 def test_unreadable_weights_are_named(tmp_path):
     model = nn.Linear(2, 2, device="meta")
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu")
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu")
     with pytest.raises(WeightsError, match="does not exist"):
         gemini.initialize(model, cfg, weights=tmp_path / "nope.safetensors")
     with pytest.raises(WeightsError, match="neither model.safetensors.index.json nor model.safetensors"):
@@ -293,7 +300,7 @@ def test_a_meta_module_without_reset_parameters_is_named():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(8, 8), Scale(), nn.Sequential(nn.Linear(8, 8), Scale()))
     with pytest.raises(ValueError) as err:
-        gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
+        gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu"))
     msg = str(err.value)
     assert "1 (Scale) has parameters on the meta device and no reset_parameters()" in msg
     assert "2.1 (Scale)" in msg and "(Linear)" not in msg
@@ -301,7 +308,7 @@ def test_a_meta_module_without_reset_parameters_is_named():
     with init_empty_weights():
         llama = LlamaForCausalLM(_llama_config(False))
     with pytest.raises(ValueError, match=r"model.norm \(LlamaRMSNorm\).*weights="):
-        gemini.initialize(llama, gemini.GeminiConfig(device="cpu", placement="cpu"))
+        gemini.initialize(llama, gemini.GeminiConfig(device=DEVICE, placement="cpu"))
 
 
 # ----------------------------------------------------------------------------- without weights
@@ -314,7 +321,7 @@ def test_meta_sequential_is_initialized_by_reset_parameters_like_a_real_one():
     torch.manual_seed(7)
     with torch.device("meta"):
         model = build()
-    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=1000),
+    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=1000),
                                     lr=LR, weight_decay=WD)
     assert len(opt._rt.manager.groups) > 3, "the modules were meant to span several chunk groups"
     _assert_params_in_chunks(gmodel)
@@ -322,8 +329,9 @@ def test_meta_sequential_is_initialized_by_reset_parameters_like_a_real_one():
     assert not any(v.isnan().any() for v in got.values())
     _assert_state_equal(got, real.state_dict(), what="reset_parameters")
     # and it trains like the real one
+    real.to(DEVICE)
     ref_opt = torch.optim.AdamW(real.parameters(), lr=LR, weight_decay=WD, fused=True)
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     for _ in range(2):
         real(x).square().mean().backward()
         ref_opt.step()
@@ -362,7 +370,7 @@ def test_weights_are_read_group_by_group_just_before_each_group_is_built(checkpo
     monkeypatch.setattr(NvmeTier, "admit", logged_admit)
     model = _meta_llama(folder)
     gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(
-        device="cpu", placement="cpu", precision="bf16", chunk_size=CHUNK, cpu_memory="800KiB",
+        device=DEVICE, placement="cpu", precision="bf16", chunk_size=CHUNK, cpu_memory="800KiB",
         nvme_dir=tmp_path, nvme_offload_fraction=1.0), weights=folder)
     groups = opt._rt.manager.groups
     assert len(groups) >= 8
@@ -425,7 +433,7 @@ def test_save_pretrained_streams_masters_from_nvme_into_shards_from_pretrained_l
     model = _meta_llama(folder)
     (tmp_path / "nvme").mkdir()
     gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(
-        device="cpu", placement="cpu", precision="bf16", chunk_size=CHUNK, cpu_memory="800KiB",
+        device=DEVICE, placement="cpu", precision="bf16", chunk_size=CHUNK, cpu_memory="800KiB",
         nvme_dir=tmp_path / "nvme", nvme_offload_fraction=0.5), weights=folder, lr=LR)
     _train(gmodel, opt, _batches(1), gemini_opt=True)
     masters = gmodel.state_dict()
@@ -461,7 +469,7 @@ def test_save_pretrained_streams_masters_from_nvme_into_shards_from_pretrained_l
     for k, v in on_disk.items():
         assert v.dtype == torch.bfloat16 and torch.equal(v, masters[k].to(torch.bfloat16)), k
     # ... and initialize reads it back into a fresh meta model.
-    again, opt2 = gemini.initialize(_meta_llama(out), gemini.GeminiConfig(device="cpu", placement="cpu"), weights=out)
+    again, opt2 = gemini.initialize(_meta_llama(out), gemini.GeminiConfig(device=DEVICE, placement="cpu"), weights=out)
     _assert_state_equal(again.state_dict(), {k: v.to(torch.bfloat16).float() for k, v in masters.items()})
     opt.close(), opt2.close()
 
@@ -473,7 +481,7 @@ def test_load_pretrained_into_an_initialized_model_trains_like_one_initialized_f
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
 
     def cfg(sub):
-        return gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16", chunk_size=CHUNK,
+        return gemini.GeminiConfig(device=DEVICE, placement="cpu", precision="bf16", chunk_size=CHUNK,
                                    cpu_memory="800KiB", nvme_dir=tmp_path / sub, nvme_offload_fraction=0.5)
 
     trained, opt = gemini.initialize(_meta_llama(folder), cfg("a"), weights=folder, lr=LR, weight_decay=WD)
@@ -512,7 +520,7 @@ def test_save_pretrained_of_a_plain_module_and_its_buffers(tmp_path):
     torch.manual_seed(0)
     net = Net()
     want = {k: v.clone() for k, v in net.state_dict().items()}
-    gmodel, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", placement="cuda"))
+    gmodel, opt = gemini.initialize(net, gemini.GeminiConfig(device=DEVICE, placement="cuda"))
     gemini.save_pretrained(gmodel, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no HF config to write
     on_disk = _read_folder(tmp_path)

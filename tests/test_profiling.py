@@ -10,8 +10,9 @@ from helpers import TINY, batches, make_gpt
 
 
 def _steps(n: int, config: gemini.GeminiConfig) -> None:
+    """``n`` steps on the CPU stand-in, under a budget sized for it that makes auto evict."""
     model, opt = gemini.initialize(make_gpt(), config, lr=1e-2)
-    for x, y in batches(TINY, n):
+    for x, y in batches(TINY, n, device=config.device):
         opt.backward(GPT.loss(model(x), y))
         opt.step()
         opt.zero_grad()

@@ -12,7 +12,7 @@ import pytest
 import gemini
 from chunks import ChunkKind, Tier
 from gemini.tools.gpt import GPT
-from helpers import TINY, batches, make_gpt
+from helpers import DEVICE, TINY, batches, make_gpt
 
 
 def _payload_bytes(group, kinds):
@@ -24,7 +24,7 @@ def test_cpu_placement_counts_every_byte(precision, tmp_path):
     model = make_gpt()
     model.blocks[1].mlp.fc.weight.requires_grad_(False)
     path = tmp_path / "r.jsonl"
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=3000, precision=precision, report_path=path)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=3000, precision=precision, report_path=path)
     gmodel, opt = gemini.initialize(model, cfg)
     mgr = opt._rt.manager
     elem = 4 if precision == "fp32" else 2
@@ -55,8 +55,12 @@ def test_cpu_placement_counts_every_byte(precision, tmp_path):
         # The ledger (counted as storage allocates and frees) agrees with the chunks' own states.
         assert r.model_bytes_by_tier["host"] == {
             k.value: sum(c.nbytes for c in mgr.chunks() if c.kind is k and c.is_on(Tier.HOST)) for k in ChunkKind}
-        # The device peak: at least the largest single working set, at most all params + grads.
-        assert 0 < r.device_peak_bytes <= param_bytes + grad_bytes
+        # The device peak: at least the largest single working set, at most all params + grads
+        # (the CPU stand-in without a budget counts chunks; CUDA's allocator counts every tensor
+        # on the device, cuBLAS's workspace among them).
+        assert 0 < r.device_peak_bytes
+        if DEVICE == "cpu":
+            assert r.device_peak_bytes <= param_bytes + grad_bytes
         assert r.step_seconds > 0 and r.transfer_seconds > 0 and r.optimizer_cpu_seconds > 0
         assert r.optimizer_device_seconds == 0
     header, *rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -66,7 +70,7 @@ def test_cpu_placement_counts_every_byte(precision, tmp_path):
 
 
 def test_cuda_placement_keeps_everything_on_device():
-    gmodel, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=3000))
+    gmodel, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device=DEVICE, placement="cuda", chunk_size=3000))
     x, y = batches(TINY, 1)[0]
     opt.backward(GPT.loss(gmodel(x), y))
     opt.step()
@@ -86,13 +90,16 @@ def test_cuda_placement_keeps_everything_on_device():
 
 # ----------------------------------------------------------------- reports of a real run
 AUTO_BUDGET = 2_200_000  # bytes: room for the warm-up, and a margin that holds some optimizer states
+# The tests of the run below are marked standin: its budget is sized for the CPU stand-in, which
+# counts exactly the tensors alive (on CUDA the allocator's segments and cuBLAS's workspace alone
+# exceed it), and without a GPU there is no NVML reading.
 
 
 @pytest.fixture(scope="module")
 def auto_run(tmp_path_factory):
     """Four steps of TINY under placement auto with a budget below its model data, reported to a file."""
     path = tmp_path_factory.mktemp("auto") / "reports.jsonl"
-    cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=3000, device_memory=AUTO_BUDGET,
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=3000, device_memory=AUTO_BUDGET,
                               gpu_margin_mem_ratio=0.5, report_path=path)
     gmodel, opt = gemini.initialize(make_gpt(), cfg, lr=1e-2)
     reports, losses = [], []
@@ -106,6 +113,7 @@ def auto_run(tmp_path_factory):
     return path, reports, losses, opt
 
 
+@pytest.mark.standin
 def test_jsonl_rows_equal_the_reports_with_breakdown_and_timeline(auto_run):
     path, reports, _, opt = auto_run
     _header, *rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -140,6 +148,7 @@ def test_read_reports_names_the_bad_line(tmp_path):
         gemini.read_reports(path)
 
 
+@pytest.mark.standin
 def test_summary_line_and_run_summary_of_a_real_run(auto_run):
     _, reports, losses, _ = auto_run
     r = reports[1]
@@ -209,6 +218,7 @@ def test_summary_line_counts_steps_from_one():
     assert gemini.summary_line(_report(9), total=10).startswith("step  10/10 | ")
 
 
+@pytest.mark.standin
 def test_plots_of_a_real_run_are_non_trivial_pngs(auto_run, tmp_path):
     mpl_image = pytest.importorskip("matplotlib.image")
     _, reports, _, _ = auto_run
@@ -221,6 +231,7 @@ def test_plots_of_a_real_run_are_non_trivial_pngs(auto_run, tmp_path):
         assert len(colours) > 20  # bars, lines and text, not a blank canvas
 
 
+@pytest.mark.standin
 def test_plots_without_matplotlib_say_how_to_install_it(auto_run, tmp_path, monkeypatch):
     _, reports, _, _ = auto_run
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
@@ -231,7 +242,7 @@ def test_plots_without_matplotlib_say_how_to_install_it(auto_run, tmp_path, monk
 
 # ------------------------------------------------------------- the file across runs and kills
 def _run(path, steps: int, **config) -> list[gemini.MemoryReport]:
-    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=3000, report_path=path, **config)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=3000, report_path=path, **config)
     gmodel, opt = gemini.initialize(make_gpt(), cfg)
     reports = []
     for x, y in batches(TINY, steps):

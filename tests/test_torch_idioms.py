@@ -15,7 +15,7 @@ from torch import nn
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
 from gemini.engine.grad_views import UnavailableGrad
-from helpers import assert_params_close, batches, clone_pair
+from helpers import DEVICE, assert_params_close, batches, clone_pair
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
 MODEL_DATA_BYTES = 16 * CFG.num_params()  # fp32 params, grads, m and v
@@ -30,7 +30,15 @@ CONFIGS = {
     "auto-evicting": dict(placement="auto", chunk_size=8192, device_memory=int(MODEL_DATA_BYTES / 2.5)),
     "auto-margin": dict(placement="auto", chunk_size=8192, gpu_margin_mem_ratio=0.5),
 }
+# auto-evicting's budget is sized in bytes for the CPU stand-in, which counts exactly the
+# tensors alive; on CUDA the allocator's segments and cuBLAS's workspace alone exceed it.
+STANDIN = {"auto-evicting"}
 STEPS = 4
+
+
+def _names(names):
+    """``names`` as parameters, those of STANDIN marked standin (skipped on CUDA)."""
+    return [pytest.param(n, marks=pytest.mark.standin) if n in STANDIN else n for n in names]
 
 
 def _loop(model, opt, data, *, clip=None, zero=None, micro_batches=1):
@@ -44,14 +52,15 @@ def _loop(model, opt, data, *, clip=None, zero=None, micro_batches=1):
             norms.append(clip(model).item())
         opt.step()
         zero(model, opt)
-        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        snapshots.append({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
     return norms, snapshots
 
 
 def _pair(name, **extra):
     base, ref = clone_pair(CFG)
+    ref.to(DEVICE)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device="cpu", **CONFIGS[name], **extra),
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, **CONFIGS[name], **extra),
                                     lr=1e-2, weight_decay=0.1)
     return (ref, ref_opt), (gmodel, opt)
 
@@ -61,7 +70,7 @@ def _assert_same_run(got, want):
         assert_params_close(g, w, step=step)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", _names(CONFIGS))
 def test_model_zero_grad_clears_gradients_like_torch(name):
     """The issue's loop: without a working model.zero_grad() gradients pile up across steps."""
     (ref, ref_opt), (gmodel, opt) = _pair(name)
@@ -73,7 +82,7 @@ def test_model_zero_grad_clears_gradients_like_torch(name):
     assert not any(any(g.grad_ready) for g in opt._rt.manager.trainable_groups)
 
 
-@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("name", _names(CONFIGS))
 def test_torch_clip_grad_norm_clips_like_torch(name):
     """torch.nn.utils.clip_grad_norm_ on model.parameters() sees the gradients (views of their
     chunk slots), returns the same norm and clips them, with gradient accumulation."""
@@ -87,7 +96,7 @@ def test_torch_clip_grad_norm_clips_like_torch(name):
     _assert_same_run(got, want)
 
 
-@pytest.mark.parametrize("name", ["cpu", "auto-evicting"])
+@pytest.mark.parametrize("name", _names(["cpu", "auto-evicting"]))
 def test_model_clip_grad_norm_equals_torch_clipping(name):
     (ref, ref_opt), (gmodel, opt) = _pair(name)
     data = batches(CFG, STEPS, batch=2, seq=16)
@@ -97,7 +106,7 @@ def test_model_clip_grad_norm_equals_torch_clipping(name):
     _assert_same_run(got, want)
 
 
-@pytest.mark.parametrize("name", ["cpu", "auto-evicting", "static", "cuda"])
+@pytest.mark.parametrize("name", _names(["cpu", "auto-evicting", "static", "cuda"]))
 def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
     """After backward p.grad equals torch's gradient, on the parameter's device; setting some to
     None (a torch optimizer's zero_grad, the inner module's zero_grad) skips them at the step,
@@ -124,7 +133,8 @@ def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
             for n, p in ref_params.items():
                 q = got_params[n]
                 assert q.grad is not None and q.grad.device == q.device, n
-                torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"step {step} {n}: {m}")
+                torch.testing.assert_close(q.grad.cpu(), p.grad.cpu(), rtol=0, atol=0,
+                                           msg=lambda m: f"step {step} {n}: {m}")
             if step != 2:  # step 2 touches no p.grad: the step keeps every view
                 edit(ref, ref_params)
         if step != 2:
@@ -138,7 +148,8 @@ def test_p_grad_is_the_gradient_and_edits_to_it_count(name):
                 q = got_params[n]
                 assert (q.grad is None) == (p.grad is None), n
                 if p.grad is not None:
-                    torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"step {step} {n}: {m}")
+                    torch.testing.assert_close(q.grad.cpu(), p.grad.cpu(), rtol=0, atol=0,
+                                               msg=lambda m: f"step {step} {n}: {m}")
         if name == "cuda":
             kept = [n for n, g in before.items() if g is not None and got_params[n].grad is g]
             edited = () if step == 2 else ("blocks.1.attn.qkv.weight", "blocks.2.mlp.fc.bias")
@@ -186,6 +197,7 @@ def test_model_clip_grad_norm_rejects_bad_values():
         gmodel.clip_grad_norm_(-1.0)
 
 
+@pytest.mark.standin  # auto-evicting: see STANDIN
 def test_gradient_views_are_withdrawn_before_the_next_pass():
     """Autograd never accumulates into a view: p.grad is None from the next forward on, and
     the accumulated gradient is still right after the second backward."""
@@ -199,7 +211,7 @@ def test_gradient_views_are_withdrawn_before_the_next_pass():
     assert all(p.grad is None for p in gmodel.parameters())
     GPT.loss(out, y).backward()
     for (n, p), q in zip(ref.named_parameters(), gmodel.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(q.grad.cpu(), p.grad.cpu(), rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
     # Parameters point back at their device copies once the views are withdrawn.
     gmodel(x)
     rt = opt._rt
@@ -225,17 +237,17 @@ class _Net(nn.Module):
 
 
 def test_wrapper_shows_the_wrapped_signature_class_and_attributes():
-    gmodel, _ = gemini.initialize(_Net(), gemini.GeminiConfig(device="cpu", placement="cpu"))
+    gmodel, _ = gemini.initialize(_Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu"))
     assert list(inspect.signature(gmodel.forward).parameters) == ["input_ids", "attention_mask", "labels"]
     assert type(gmodel).__name__ == "_Net" and isinstance(gmodel, gemini.GeminiModel)
     assert "labels" in inspect.signature(type(gmodel).forward).parameters  # what Trainer's find_labels reads
     assert gmodel.main_input_name == "input_ids" and gmodel.loss_type == "ForCausalLM"
     with pytest.raises(AttributeError):
         gmodel.no_such_attribute  # noqa: B018
-    ids = torch.randint(0, 16, (2, 5))
+    ids = torch.randint(0, 16, (2, 5)).to(DEVICE)
     assert gmodel(input_ids=ids, labels=ids).ndim == 0
     # Same device and precision: a no-op; anything else is refused before a byte moves.
-    assert gmodel.to("cpu") is gmodel and gmodel.cpu() is gmodel and gmodel.float() is gmodel
+    assert gmodel.to(DEVICE) is gmodel and getattr(gmodel, DEVICE)() is gmodel and gmodel.float() is gmodel
     with pytest.raises(RuntimeError, match="GeminiConfig"):
         gmodel.half()
     with pytest.raises(RuntimeError, match="GeminiConfig"):

@@ -21,7 +21,7 @@ def _config(**kw) -> gemini.GeminiConfig:
 
 
 def _loss_fn():
-    x, y = batches(TINY, 1)[0]
+    x, y = batches(TINY, 1, device="cpu")[0]  # the tuner's runs: on the CPU stand-in (BUDGET is sized for it)
     return lambda model: GPT.loss(model(x), y)
 
 
