@@ -77,6 +77,7 @@ class ChunkManager:
         self.world = world
         self.shard_params = shard_params and world > 1
         self.groups: list[ChunkGroup] = []
+        self._trainable: tuple[int, tuple[ChunkGroup, ...]] = (0, ())  # (len(groups) when cut, trainable ones)
         self._where: dict[nn.Parameter, tuple[ChunkGroup, TensorSlot]] = {}
 
     # ------------------------------------------------------------------------ registration
@@ -270,8 +271,11 @@ class ChunkManager:
         return list(seen.values())
 
     @property
-    def trainable_groups(self) -> list[ChunkGroup]:
-        return [g for g in self.groups if g.trainable]
+    def trainable_groups(self) -> tuple[ChunkGroup, ...]:
+        """Groups only ever join (at registration), and a group's parameter group is fixed then."""
+        if self._trainable[0] != len(self.groups):
+            self._trainable = (len(self.groups), tuple(g for g in self.groups if g.trainable))
+        return self._trainable[1]
 
     def chunks(self) -> Iterable[Chunk]:
         for g in self.groups:

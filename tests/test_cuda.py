@@ -175,3 +175,19 @@ def test_auto_under_budget_pressure_with_prefetch_equals_adamw_on_cuda():
     assert opt._rt.placement.track_periods and opt._rt.residency.evictions > 0
     assert waited[0] > 0, "no prefetch was waited for at its first use"
     assert opt.report.device_peak_bytes <= budget
+
+
+def test_a_budget_caps_the_allocator_until_the_engine_closes():
+    """The budget caps the process's CUDA allocator (a real OOM, not a silent overshoot); the
+    cap is process-wide, so closing the engine lifts it again."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    before = torch.cuda.get_per_process_memory_fraction(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    model, opt = gemini.initialize(GPT(TINY), gemini.GeminiConfig(device="cuda", placement="cuda",
+                                                                  device_memory=total // 2), lr=1e-2)
+    x, y = _cuda_batches(1)[0]
+    opt.backward(GPT.loss(model(x), y))
+    opt.step()
+    assert torch.cuda.get_per_process_memory_fraction(device) == pytest.approx(0.5, rel=1e-6)
+    opt.close()
+    assert torch.cuda.get_per_process_memory_fraction(device) == before

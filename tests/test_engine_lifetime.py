@@ -55,3 +55,54 @@ def test_an_engine_is_freed_with_its_model_and_optimizer(placement, close):
     runtime, manager = run()
     gc.collect()
     assert runtime() is None and manager() is None
+
+
+def test_the_budgets_allocator_cap_is_set_once_and_lifted_at_close(monkeypatch):
+    """On CUDA a budget below the card caps the process's allocator (process-wide): set when
+    measuring first starts, not again at each iteration's window (else the cap "before" it would
+    be its own), and lifted when the engine closes, unless something else changed it since.
+    The CUDA calls are stood in for: this is the bookkeeping, tests/test_cuda.py the real cap."""
+    import torch
+
+    from gemini.engine import memory
+
+    class Allocator:
+        fraction = 1.0
+        sets = 0
+
+    def set_fraction(fraction, device):
+        Allocator.fraction = fraction
+        Allocator.sets += 1
+
+    class Monitor:
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            pass
+
+        def reset_peak(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: Allocator.fraction)
+    monkeypatch.setattr(memory, "_device_total_bytes", lambda device: 80 * 2**30)
+    monkeypatch.setattr(memory, "CudaAllocatorMonitor", Monitor)
+    Allocator.fraction = 0.9  # a cap the user set before
+    budget = memory.DeviceMemory(torch.device("cuda"), 8 * 2**30, measure=True)
+    for _ in range(3):  # three iterations' windows
+        budget.start([])
+    assert Allocator.fraction == 0.1 and Allocator.sets == 1
+    budget.close()
+    assert Allocator.fraction == 0.9
+    budget.close()  # twice is harmless
+    assert Allocator.fraction == 0.9 and Allocator.sets == 2
+    other = memory.DeviceMemory(torch.device("cuda"), 8 * 2**30, measure=True)
+    other.start([])
+    set_fraction(0.5, None)  # changed since by someone else: theirs stays
+    other.close()
+    assert Allocator.fraction == 0.5
+    roomy = memory.DeviceMemory(torch.device("cuda"), 80 * 2**30, measure=True)
+    roomy.start([])
+    roomy.close()
+    assert Allocator.fraction == 0.5 and Allocator.sets == 4  # a budget of the whole card caps nothing

@@ -39,6 +39,8 @@ class DeviceMemory:
         self.budget_bytes = budget_bytes if budget_bytes is not None else self.total_bytes
         self.monitor: MemoryMonitor | None = None
         self._accounting: TensorAccountingMonitor | None = None
+        # (the process's allocator cap before ours, ours) while the budget caps it (CUDA)
+        self._capped: tuple[float, float] | None = None
         if device.type == "cuda":
             self.monitor = CudaAllocatorMonitor(device)
         elif measure:
@@ -53,9 +55,12 @@ class DeviceMemory:
 
     def start(self, tracked: list[torch.Tensor]) -> None:
         """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks)."""
-        # A device larger than the budget: the allocator is capped at the budget.
-        if self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
+        # A device larger than the budget: the allocator is capped at the budget (once: every
+        # iteration's window starts here).
+        if self._capped is None and self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
             fraction = self.budget_bytes / self.total_bytes
+            before = _allocator_fraction(self.device)
+            self._capped = (1.0 if before is None else before, fraction)
             torch.cuda.set_per_process_memory_fraction(fraction, self.device)
             logger.info("device budget %d bytes enforced as memory fraction %.4f", self.budget_bytes, fraction)
         if self.monitor is not None:
@@ -63,6 +68,18 @@ class DeviceMemory:
                 self._accounting.track(tracked)
             self.monitor.start()
             self.monitor.reset_peak()  # a new window's peak starts at what lives now
+
+    def close(self) -> None:
+        """Lift the allocator cap this budget set: it is process-wide and would outlive the
+        engine (a later one with a larger budget, or none, would stay capped). Left alone if
+        something else has changed it since."""
+        if self._capped is None:
+            return
+        before, ours = self._capped
+        self._capped = None
+        if _allocator_fraction(self.device) in (ours, None):
+            torch.cuda.set_per_process_memory_fraction(before, self.device)
+            logger.info("device budget released: allocator memory fraction back to %.4f", before)
 
     @property
     def measuring(self) -> bool:
@@ -122,6 +139,12 @@ def planned_reserve_bytes(max_non_model_bytes: int, device: torch.device) -> int
     made before any run keeps free (see [Note: the safety reserve])."""
     variation = math.ceil(0.05 * max_non_model_bytes) if device.type == "cuda" else 0
     return variation + _STEP_TEMPORARIES_BYTES
+
+
+def _allocator_fraction(device: torch.device) -> float | None:
+    """The CUDA allocator's per-process cap; None where this torch cannot say."""
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return getter(device) if getter is not None else None
 
 
 def _device_total_bytes(device: torch.device) -> int:

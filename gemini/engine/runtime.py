@@ -268,6 +268,7 @@ class GeminiRuntime:
         if self.nvme is not None:
             self.nvme.close()
         self.system.close()
+        self.memory.close()
 
     # ----------------------------------------------------------------------- measurement
     @property
