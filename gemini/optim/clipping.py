@@ -24,8 +24,8 @@ CLIP_EPS = 1e-6
 
 def grad_norm(groups: Sequence[ChunkGroup], tiers: dict[int, Tier], param_order: dict[int, int], *,
               zero: Collectives | None = None, norm_type: float = 2.0) -> torch.Tensor:
-    """The ``norm_type`` norm (fp32, on the CPU) of every gradient that arrived since zero_grad,
-    as stored (loss-scaled under fp16: divide by the scale).
+    """The ``norm_type`` norm (fp32, on the first gradient's device) of every gradient that
+    arrived since zero_grad, as stored (loss-scaled under fp16: divide by the scale).
 
     [Note: clipping like torch]
     torch.nn.utils.clip_grad_norm_ takes one norm per parameter, in the model's parameter
@@ -50,7 +50,9 @@ def grad_norm(groups: Sequence[ChunkGroup], tiers: dict[int, Tier], param_order:
         return torch.zeros((), dtype=torch.float32)
     views.sort(key=lambda t: t[0])
     norms = torch._foreach_norm([v for _, v in views], norm_type, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]), norm_type)
+    # Summed where the first gradient lies, as torch does: on CUDA a CPU sum differs in the last bit.
+    first = views[0][1].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
