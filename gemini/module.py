@@ -116,7 +116,8 @@ class GeminiModel(nn.Module):
         if self._compute_dtype != torch.float32:
             cast = lambda t: t.to(self._compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, (args, kwargs))
-        return self.module(*args, **kwargs)
+        with self._runtime.budget_errors("the forward pass"):
+            return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
         out = OrderedDict() if destination is None else destination

@@ -355,3 +355,57 @@ def test_steady_state_traffic_is_the_fewest_fetches_the_traced_order_allows():
         assert r.h2d_bytes == fewest * GROUP_BYTES, (r.step, r.h2d_bytes // GROUP_BYTES, fewest)
         # Each gradient chunk leaves once; an evicted parameter chunk has its host copy (no copy back).
         assert r.d2h_bytes == len(groups) * GROUP_BYTES
+
+
+_OOM = "CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+@pytest.mark.parametrize("budgeted", [True, False])
+def test_out_of_memory_in_forward_or_backward_is_the_budgets_error(budgeted):
+    """On CUDA the budget caps the allocator, so a forward or backward that needs more than it
+    fails inside an operator: that error comes out as DeviceBudgetError with the missing bytes
+    (the operator's request counted), nothing updated, and the engine trains on as if the
+    failed pass had not been. Without a budget torch's own error passes through. The
+    allocator's refusal is stood in for by a hook raising torch's error."""
+    from helpers import TINY, roomy_budget, train_reference
+
+    base, ref = clone_pair()
+    data = batches(TINY, 4)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=2000,
+                              device_memory=roomy_budget("64MiB") if budgeted else None)
+    model, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1)
+    linear = next(m for m in model.module.modules() if isinstance(m, nn.Linear))
+    refuse = {"forward": False, "backward": False}
+
+    def refuse_forward(module, args):
+        if refuse["forward"]:
+            raise torch.OutOfMemoryError(_OOM)
+
+    def refuse_backward(module, grad_output):
+        if refuse["backward"]:
+            raise torch.OutOfMemoryError(_OOM)
+
+    linear.register_forward_pre_hook(refuse_forward)
+    linear.register_full_backward_pre_hook(refuse_backward)
+    expected = DeviceBudgetError if budgeted else torch.OutOfMemoryError
+    for step, (x, y) in enumerate(data):
+        if step in (1, 2):
+            phase = "forward" if step == 1 else "backward"
+            refuse[phase] = True
+            with pytest.raises(expected) as caught:
+                opt.backward(GPT.loss(model(x), y))
+            refuse[phase] = False
+            if budgeted:
+                assert f"the {phase} pass ran out of the device budget" in str(caught.value)
+                assert "asked for 2097152 bytes" in str(caught.value)
+                assert caught.value.missing_bytes >= 1
+                assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+            else:
+                assert str(caught.value) == _OOM
+            assert opt.reports_made == step  # nothing stepped
+            opt.zero_grad()  # a backward that failed part-way leaves some gradients, as in plain PyTorch
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(model.state_dict(), want[step], step=step)

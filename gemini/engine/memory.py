@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Iterator
 
 import psutil
@@ -20,6 +21,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["DeviceBudgetError", "DeviceMemory", "planned_reserve_bytes"]
 
 _STEP_TEMPORARIES_BYTES = 64 * 1024  # see [Note: the safety reserve]
+# The request in torch's out-of-memory message ("Tried to allocate 20.00 MiB").
+_TRIED = re.compile(r"Tried to allocate ([0-9.]+) (bytes|B|KiB|MiB|GiB|TiB)")
+_UNIT_BYTES = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 class DeviceMemory:
@@ -37,6 +41,7 @@ class DeviceMemory:
         self.device = device
         self.total_bytes = _device_total_bytes(device)
         self.budget_bytes = budget_bytes if budget_bytes is not None else self.total_bytes
+        self.budgeted = budget_bytes is not None
         self.monitor: MemoryMonitor | None = None
         self._accounting: TensorAccountingMonitor | None = None
         # (the process's allocator cap before ours, ours) while the budget caps it (CUDA)
@@ -102,6 +107,29 @@ class DeviceMemory:
         """Restart the peak (a stopped monitor restarts it when its next window begins)."""
         if self.monitor is not None and self.monitor.running:
             self.monitor.reset_peak()
+
+    def budget_error(self, error: torch.OutOfMemoryError, *, what: str, chunk_bytes: int,
+                     advice: str) -> DeviceBudgetError | None:
+        """``error``, raised inside ``what`` (the forward pass, ...), as the budget's own error
+        where a budget is set: on CUDA the budget caps the allocator, so an operator's
+        allocation beyond it fails there, and the user is owed the missing bytes in the
+        budget's terms. None without a budget (the card's own limit: torch's error says it)."""
+        if not self.budgeted:
+            return None
+        if self.device.type == "cuda":
+            allocated = torch.cuda.memory_allocated(self.device)
+        elif self.monitor is not None and self.monitor.running:
+            allocated = self.monitor.current_bytes()
+        else:
+            allocated = chunk_bytes
+        found = _TRIED.search(str(error))
+        requested = int(float(found[1]) * _UNIT_BYTES[found[2]]) if found else 0
+        missing = max(1, allocated + requested - self.budget_bytes)
+        return DeviceBudgetError(
+            f"{what} ran out of the device budget: an operator asked for {requested} bytes with {allocated} allocated "
+            f"(chunks {chunk_bytes}; the rest is activations, workspaces and buffers) but GeminiConfig.device_memory "
+            f"is {self.budget_bytes}: about {missing} bytes are missing. Nothing was updated. Raise device_memory, "
+            f"or {advice}.", missing_bytes=missing)
 
     def allocator_slack_bytes(self) -> int:
         """Bytes the CUDA caching allocator holds beyond live tensors (blocks, fragmentation)."""

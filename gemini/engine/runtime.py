@@ -6,7 +6,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -315,6 +315,19 @@ class GeminiRuntime:
         kind_bytes = self.storage.ledger.kind_bytes
         return {tier_name: {kind_name: kind_bytes(tier, kind) for kind, kind_name in _KIND_NAMES}
                 for tier, tier_name in _TIER_NAMES}
+
+    @contextlib.contextmanager
+    def budget_errors(self, what: str) -> Iterator[None]:
+        """An out-of-memory error inside (``what``: "the forward pass", ...) raised as the
+        budget's ``DeviceBudgetError``, where a budget is set (see ``DeviceMemory.budget_error``)."""
+        try:
+            yield
+        except torch.OutOfMemoryError as e:
+            budget = self.memory.budget_error(e, what=what, chunk_bytes=self.storage.ledger.bytes_on(Tier.DEVICE),
+                                              advice=self.placement.budget_advice)
+            if budget is None:
+                raise
+            raise budget from e
 
     def check_step_peak(self) -> None:
         """The budget promise on every step: the measured peak of this iteration's forward and

@@ -82,8 +82,10 @@ class HybridAdam(torch.optim.Optimizer):
         return plan.timeline() if plan is not None else None
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, with the loss scaled under fp16."""
-        self._scaled_backwards.scale(loss).backward()
+        """``loss.backward()``, with the loss scaled under fp16; out of the device budget, a
+        ``DeviceBudgetError`` saying what is missing (as the model's forward does)."""
+        with self._rt.budget_errors("the backward pass"):
+            self._scaled_backwards.scale(loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (the gradient chunks' storage is kept for reuse);
