@@ -7,6 +7,7 @@ import gc
 import weakref
 
 import pytest
+import torch
 
 import gemini
 from gemini.tools.gpt import GPT
@@ -106,3 +107,42 @@ def test_the_budgets_allocator_cap_is_set_once_and_lifted_at_close(monkeypatch):
     roomy.start([])
     roomy.close()
     assert Allocator.fraction == 0.5 and Allocator.sets == 4  # a budget of the whole card caps nothing
+
+
+class _UserError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("placement,budget", [
+    ("cuda", None), ("cpu", None), ("static", None), ("auto", None),
+    pytest.param("auto", "1200KiB", marks=pytest.mark.standin),  # evicting: a budget sized for the stand-in
+])
+def test_a_forward_that_raises_leaves_the_engine_as_before(placement, budget):
+    """A forward that raises part-way (a user's error inside some module; in the warm-up too)
+    leaves no chunk referenced and no state behind: the next iterations equal plain AdamW."""
+    from helpers import assert_params_close, clone_pair, train_reference
+
+    base, ref = clone_pair()
+    data = batches(TINY, 4)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=2000,
+                                                             device_memory=budget), lr=1e-2, weight_decay=0.1)
+    armed = [False]
+
+    def fail(module, args):
+        if armed[0]:
+            raise _UserError("a shape mismatch, say")
+
+    linears = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear)]
+    linears[len(linears) // 2].register_forward_pre_hook(fail)  # mid-model: some modules ran
+    for step, (x, y) in enumerate(data):
+        if step in (0, 2):
+            armed[0] = True
+            with pytest.raises(_UserError):
+                model(x)
+            armed[0] = False
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(model.state_dict(), want[step], step=step)
+    assert not any(opt._rt.residency._compute_refs.values())
