@@ -137,9 +137,12 @@ def interleave(contenders: dict, rounds: int, warmup: int, device: str) -> dict[
         for fn in contenders.values():
             fn()
     times = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            times[name].append(timed(fn, device))
+    names = list(contenders)
+    for r in range(rounds):
+        # Each round starts with another contender: whoever runs right after another's
+        # optimizer step finds the caches cold, and a fixed order charged that to the same one.
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(timed(contenders[name], device))
     return times
 
 

@@ -71,3 +71,17 @@ def test_peers_contenders_start_alike_and_gemini_trains_like_plain_adamw():
         assert got["ok"] and got["n_params"] == plain["n_params"]
         assert got["losses"] == plain["losses"], name
     assert len(set(plain["losses"])) == len(plain["losses"])  # it trains: the loss moves
+
+
+def test_interleaved_rounds_rotate_who_goes_first():
+    """bench_step's rounds: every contender timed once a round, and each round starts with the
+    next one, so running right after another's optimizer step (cold caches) is shared out."""
+    import bench_step
+
+    calls = []
+    contenders = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = bench_step.interleave(contenders, rounds=6, warmup=1, device="cpu")
+    assert {name: len(ts) for name, ts in times.items()} == {"a": 6, "b": 6, "c": 6}
+    timed = calls[3:]  # after the warm-up round
+    assert [timed[3 * r] for r in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    assert all(sorted(timed[3 * r : 3 * r + 3]) == ["a", "b", "c"] for r in range(6))
