@@ -246,9 +246,6 @@ class NvmeStore:
         """The file holding a completed write of ``key`` (for diagnostics and tests)."""
         return self._files.entry(key).path
 
-    def nbytes_of(self, key: Hashable) -> int:
-        return self._files.entry(key).nbytes
-
     def write(self, key: Hashable, tensor: torch.Tensor) -> "concurrent.futures.Future[None]":
         """Store ``tensor``'s bytes under ``key`` (replacing an earlier value once complete)."""
         self._check_open()

@@ -100,11 +100,6 @@ class TensorAccountingMonitor(MemoryMonitor):
     def __repr__(self) -> str:
         return f"TensorAccountingMonitor(device={self.device}, baseline_bytes={self.baseline_bytes})"
 
-    @property
-    def tracked_storages(self) -> int:
-        """Number of live storages counted right now."""
-        return len(self._ledger)
-
     def track(self, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
         """Count these tensors' storages (those on the watched device) from now on."""
         for t in _tensor_list(tensors, "tensors"):
