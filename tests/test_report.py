@@ -375,3 +375,22 @@ def test_host_readings_follow_fork_and_close_their_files():
     del dropped
     gc.collect()
     assert open_fds() == before
+
+
+def test_a_hybrid_step_times_both_halves():
+    """Optimizer states split between the tiers: each half's Adam time is reported, and the
+    device half runs first (see [Note: both halves of a hybrid step at once])."""
+    from chunks import Tier
+    from gemini.optim.adam_batches import AdamBatch, device_first
+
+    host, dev = AdamBatch(tier=Tier.HOST, members=[]), AdamBatch(tier=Tier.DEVICE, members=[])
+    assert device_first([host, dev, host]) == [dev, host, host]
+    model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(
+        device=DEVICE, placement="static", chunk_size=2000, static_optimizer_offload_fraction=0.5), lr=1e-2)
+    for x, y in batches(TINY, 2):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    r = opt.report
+    assert 0 < r.os_chunks_on_device < r.os_chunks_total
+    assert r.optimizer_cpu_seconds > 0 and r.optimizer_device_seconds > 0

@@ -19,7 +19,7 @@ from offload.profiling import trace_range
 if TYPE_CHECKING:
     from gemini.engine.runtime import GeminiRuntime
 
-__all__ = ["AdamBatch", "prepare_batches", "run_batch"]
+__all__ = ["AdamBatch", "AdamClock", "device_first", "prepare_batches", "run_batch"]
 
 
 @dataclass
@@ -102,9 +102,42 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
     return batches
 
 
-def run_batch(rt: GeminiRuntime, batch: AdamBatch) -> float:
-    """One prepared Adam call (allocates nothing); returns its seconds."""
+class AdamClock:
+    """Seconds in the Adam kernels, per tier of the update.
+
+    [Note: both halves of a hybrid step at once]
+    On CUDA the device's fused Adam is launched, not waited for: the step runs the device
+    batches first (``device_first``), and the host's kernels then run on the CPU while the
+    GPU is still busy with them, so a hybrid step costs about the longer half, not the sum.
+    The device half is timed by CUDA events, read once at the end of the step (:meth:`seconds`);
+    the host half, and every batch on the CPU stand-in, by the clock around the call.
+    """
+
+    def __init__(self) -> None:
+        self._seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def seconds(self) -> dict[Tier, float]:
+        """Per tier; waits for the device's kernels to end."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._seconds[Tier.DEVICE] += sum(a.elapsed_time(b) for a, b in self._events) / 1000  # events say ms
+            self._events.clear()
+        return dict(self._seconds)
+
+
+def device_first(batches: list[AdamBatch]) -> list[AdamBatch]:
+    """The order to run ``batches`` in (see [Note: both halves of a hybrid step at once])."""
+    return sorted(batches, key=lambda b: b.tier is not Tier.DEVICE)
+
+
+def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
+    """One prepared Adam call (allocates nothing), timed on ``clock``."""
     tier, device = batch.tier, rt.storage.tier_device(batch.tier)
+    events = None
+    if device.type == "cuda":
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
     start = time.perf_counter()
     with trace_range(f"gemini::adam_{tier.value}"), _quiet(rt, tier):
         if batch.scratch is None:
@@ -118,9 +151,11 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch) -> float:
             if batch.coef is not None:
                 torch._foreach_mul_(c_grads, batch.coef)
             adam_update(c_params, c_grads, c_m, c_v, c_steps, grad_scale=batch.grad_scale, **batch.kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    if events is not None:
+        events[1].record()
+        clock._events.append(events)
+    else:
+        clock._seconds[tier] += time.perf_counter() - start
     if batch.tails:
         # The kernel added 1 to each whole group's first count; the others were equal to it.
         torch._foreach_add_(batch.tails, 1.0)
@@ -130,4 +165,3 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch) -> float:
     for g in batch.members:
         if g not in whole:  # a group stepped in parts may have become uniform
             g.steps_uniform = bool((g.steps == g.steps[0]).all())
-    return seconds

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chunks import Chunk, ChunkGroup, Tier
+from chunks import Chunk, ChunkGroup
 from gemini.engine.step_report import StepOutcome
 from gemini.engine.transaction import StepTransaction
 from gemini.optim import state_dict as formats
-from gemini.optim.adam_batches import prepare_batches, run_batch
+from gemini.optim.adam_batches import AdamClock, device_first, prepare_batches, run_batch
 from gemini.optim.clipping import clip_coefficient, grad_norm
 from gemini.optim.loss_scaler import ScaledBackwards, loss_scaler_for, update_scale
 from gemini.parallel.zero import agree_grad_ready
@@ -151,13 +151,13 @@ class HybridAdam(torch.optim.Optimizer):
             with trace_range("gemini::grad_norm"):
                 norm = grad_norm(groups, tiers, rt.param_order, zero=zero) / scale
         overflow = update_scale(self.scaler, norm, tx)
-        seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
+        clock = AdamClock()
         norm_value = None if norm is None else norm.item()
         if overflow:
             logger.info("fp16 overflow at step %d: step skipped, loss scale now %s", self.reports_made, self.loss_scale)
             if streamed:
                 nvme.settle(streamed)  # the prefetched states are unchanged: their files stay current
-            return StepOutcome(skipped=True, grad_norm=norm_value, adam_seconds=seconds, loss_scale=scale)
+            return StepOutcome(skipped=True, grad_norm=norm_value, adam_seconds=clock.seconds(), loss_scale=scale)
         clip = rt.config.clip_grad_norm
         # torch.nn.utils.clip_grad_norm_'s arithmetic, in fp32, so results match it.
         clip_coef = clip_coefficient(norm, clip) if clip > 0 else None
@@ -169,23 +169,23 @@ class HybridAdam(torch.optim.Optimizer):
                                    loss_scale=scale, clip_coef=clip_coef, keep_grads=keep_grads)
 
         # Every temporary of the in-memory update, before anything changes (phase 1).
-        batches = prepare(resident, keep_grads=False)
+        batches = device_first(prepare(resident, keep_grads=False))
         if streamed:
             stream = nvme.stream(streamed)
             try:
                 for g in stream:
                     tx.save_values(g, *self._changed_in_memory(g))
                     for batch in prepare([g], keep_grads=True):
-                        seconds[batch.tier] += run_batch(rt, batch)
+                        run_batch(rt, batch, clock)
                     rt.residency.after_step(g)
             finally:
                 stream.close()  # every write confirmed, or (after an error) every request ended
         for batch in batches:
-            seconds[batch.tier] += run_batch(rt, batch)
+            run_batch(rt, batch, clock)
         with trace_range("gemini::params_from_masters"):
             for g in resident:
                 rt.residency.after_step(g)
-        return StepOutcome(skipped=False, grad_norm=norm_value, adam_seconds=seconds, loss_scale=scale)
+        return StepOutcome(skipped=False, grad_norm=norm_value, adam_seconds=clock.seconds(), loss_scale=scale)
 
     @staticmethod
     def _changed_in_memory(g: ChunkGroup) -> tuple[Chunk, int, int]:
