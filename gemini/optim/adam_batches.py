@@ -117,6 +117,13 @@ class AdamClock:
         self._seconds = {Tier.HOST: 0.0, Tier.DEVICE: 0.0}
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    def add(self, tier: Tier, seconds: float) -> None:
+        self._seconds[tier] += seconds
+
+    def add_events(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """A device call between two recorded events, read at :meth:`seconds`."""
+        self._events.append((start, end))
+
     def seconds(self) -> dict[Tier, float]:
         """Per tier; waits for the device's kernels to end."""
         if self._events:
@@ -153,9 +160,9 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
             adam_update(c_params, c_grads, c_m, c_v, c_steps, grad_scale=batch.grad_scale, **batch.kwargs)
     if events is not None:
         events[1].record()
-        clock._events.append(events)
+        clock.add_events(*events)
     else:
-        clock._seconds[tier] += time.perf_counter() - start
+        clock.add(tier, time.perf_counter() - start)
     if batch.tails:
         # The kernel added 1 to each whole group's first count; the others were equal to it.
         torch._foreach_add_(batch.tails, 1.0)
