@@ -8,7 +8,7 @@ from chunks.ledger import MemoryLedger, fits, missing_bytes
 from chunks.manager import ChunkManager, ValueSource, values_of_params
 from chunks.shard import Shard
 from chunks.search import ChunkSizeSearch, default_search_range, search_chunk_size, waste_for
-from chunks.storage import ChunkStorage, StorageObserver, Tier
+from chunks.storage import ChunkStorage, StorageObserver, Tier, compute_device
 from offload import round_up
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Tier",
     "ValueSource",
     "chunk_capacity",
+    "compute_device",
     "default_search_range",
     "fits",
     "missing_bytes",

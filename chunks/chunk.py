@@ -159,6 +159,13 @@ class Chunk:
             self._device_event.wait(torch.cuda.current_stream(self._storage.device))
             self._device_event = None
 
+    def host_copy_pending(self, event: torch.cuda.Event | None) -> None:
+        """A copy to or from the host copy was issued outside the chunk's own moves (``event``:
+        None for a synchronous one): the host copy is waited for before it is next touched, as
+        after the chunk's own asynchronous moves ([Note: asynchronous copies on CUDA] in storage.py)."""
+        if event is not None:
+            self._host_event = event
+
     def _wait_host(self) -> None:
         if self._host_event is not None:
             self._host_event.synchronize()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Tier", "ChunkStorage", "StorageObserver"]
+__all__ = ["Tier", "ChunkStorage", "StorageObserver", "compute_device"]
 
 
 @dataclass
@@ -81,7 +81,7 @@ class ChunkStorage:
         return self._move_watcher() if self._move_watcher is not None else contextlib.nullcontext()
 
     def __post_init__(self) -> None:
-        self.device = torch.device(self.device)
+        self.device = compute_device(self.device)
         # [Note: host copies on CUDA]
         # Host payloads are page-locked on CUDA so that copies are true DMA and can run on a
         # side stream. A CPU-only torch build cannot pin (pin_memory=True raises there), and
@@ -265,6 +265,16 @@ class ChunkStorage:
             for kind, nbytes in self._nvme_files.values():
                 self.ledger.sub(Tier.NVME, kind, nbytes)
             self._nvme_files.clear()
+
+
+def compute_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index where CUDA is meant: a CUDA tensor's device always has one
+    (``cuda:0``), and ``torch.device("cuda") != torch.device("cuda", 0)``, so a comparison
+    with an unindexed device fails for every tensor."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _log_failed_delete(future: concurrent.futures.Future) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from chunks import compute_device
 from offload import parse_size
 
 __all__ = ["GeminiConfig", "PLACEMENTS", "PRECISIONS"]
@@ -249,9 +250,9 @@ class GeminiConfig:
         return PRECISIONS[self.precision]
 
     def resolved_device(self) -> torch.device:
-        if self.device is not None:
-            return torch.device(self.device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        """The compute device, indexed where it is CUDA (see ``chunks.compute_device``)."""
+        return compute_device(self.device if self.device is not None else
+                              "cuda" if torch.cuda.is_available() else "cpu")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

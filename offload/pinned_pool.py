@@ -229,9 +229,19 @@ class PinnedHostPool:
         self._bytes_reserved -= freed
         if self._on_reserve is not None and freed:
             self._on_reserve(-freed)
+        if self._pin_memory and freed:
+            _empty_pinned_cache()
         return freed
 
     def __repr__(self) -> str:
         return (f"PinnedHostPool(pinned={self._pin_memory}, reserved={format_size(self._bytes_reserved)},"
                 f" in_use={format_size(self._bytes_in_use)})")
 
+
+def _empty_pinned_cache() -> None:
+    """torch keeps freed pinned blocks in its own cache, still page-locked: give them back to
+    the system too, or a trimmed pool's memory stays pinned."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()

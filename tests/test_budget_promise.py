@@ -409,3 +409,50 @@ def test_out_of_memory_in_forward_or_backward_is_the_budgets_error(budgeted):
         opt.step()
         opt.zero_grad()
         assert_params_close(model.state_dict(), want[step], step=step)
+
+
+def test_the_allocators_slack_is_its_reserved_peak_less_the_warmups_peak(monkeypatch):
+    """[Note: the safety reserve] counts the CUDA allocator's slack at the warm-up's peak. torch
+    resets the reserved peak with the allocated one, and each period's cut resets them: read
+    at the end, reserved less allocated was the cache of everything the backward freed (about
+    the activations), which counted the non-model memory twice. The monitor keeps the
+    reserved peak across resets. The allocator is stood in for (tests/test_cuda.py has it real)."""
+    from gemini.engine import memory
+    from tracer import CudaAllocatorMonitor
+
+    MiB = 2**20
+    alloc = {"allocated": 0, "reserved": 0, "allocated_peak": 0, "reserved_peak": 0}
+
+    def use(allocated, reserved):
+        alloc.update(allocated=allocated, reserved=reserved)
+        alloc["allocated_peak"] = max(alloc["allocated_peak"], allocated)
+        alloc["reserved_peak"] = max(alloc["reserved_peak"], reserved)
+
+    def reset(device=None):
+        alloc.update(allocated_peak=alloc["allocated"], reserved_peak=alloc["reserved"])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: alloc["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: alloc["allocated_peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: alloc["reserved_peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(memory, "_device_total_bytes", lambda device: 80 * 2**30)
+    budget = memory.DeviceMemory(torch.device("cuda", 0), None, measure=True)
+    assert isinstance(budget.monitor, CudaAllocatorMonitor)
+    use(10 * MiB, 12 * MiB)  # the model's chunks, before the warm-up
+    budget.restart_slack()
+    budget.monitor.start()
+    use(80 * MiB, 100 * MiB)  # the forward's peak: 20 MiB of rounding and fragmentation
+    budget.monitor.reset_peak()  # a period's cut
+    use(20 * MiB, 100 * MiB)  # the backward freed the activations; the allocator caches them
+    budget.monitor.reset_peak()
+    assert budget.allocator_slack_bytes(80 * MiB) == 20 * MiB
+    assert budget.reserve_bytes(60 * MiB, 80 * MiB) == 20 * MiB + memory.planned_reserve_bytes(60 * MiB, budget.device)
+    use(20 * MiB, 30 * MiB)  # the cache given back (empty_cache): the peak before it still counts
+    budget.monitor.reset_peak()
+    assert budget.allocator_slack_bytes(80 * MiB) == 20 * MiB
+    budget.restart_slack()  # a later warm-up (new shapes) counts from its own start
+    budget.monitor.reset_peak()
+    use(30 * MiB, 40 * MiB)
+    assert budget.allocator_slack_bytes(30 * MiB) == 10 * MiB

@@ -169,3 +169,26 @@ def test_move_to_device_from_both_copies_leaves_no_stale_host_copy():
     c.move_to(Tier.HOST)
     assert storage.ledger.transfers.d2h_bytes == d2h + c.nbytes  # really copied back
     assert torch.equal(c.payload(Tier.HOST)[:10], torch.arange(10.0) + 100.0)
+
+
+def test_a_host_copy_pending_is_waited_for_before_the_host_copy_is_touched():
+    """``Chunk.host_copy_pending``: a copy into (or out of) the host copy issued outside the
+    chunk's own moves (ZeRO's reduced gradient shard, a low-precision cast of the masters) is
+    waited for at the next use of the host copy, once; a synchronous copy (None) waits for nothing."""
+    chunk = _chunk(ChunkStorage(torch.device("cpu")))
+    chunk.allocate(Tier.HOST, zero=True)
+
+    class Event:
+        waits = 0
+
+        def synchronize(self):
+            Event.waits += 1
+
+    chunk.host_copy_pending(None)
+    chunk.payload(Tier.HOST)
+    assert Event.waits == 0
+    chunk.host_copy_pending(Event())
+    assert Event.waits == 0  # not at once
+    chunk.payload(Tier.HOST)
+    chunk.payload(Tier.HOST)
+    assert Event.waits == 1

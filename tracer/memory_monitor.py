@@ -151,9 +151,20 @@ class CudaAllocatorMonitor(MemoryMonitor):
         if not torch.cuda.is_available():
             raise RuntimeError("CudaAllocatorMonitor: CUDA is not available in this process")
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        # torch resets the reserved peak with the allocated one: what it was before each reset
+        self._reserved_peak_bytes = 0
 
     def __repr__(self) -> str:
         return f"CudaAllocatorMonitor(device={self.device})"
+
+    def reserved_peak_bytes(self) -> int:
+        """The allocator's peak of reserved memory (blocks held, in use or cached) since
+        :meth:`restart_reserved_peak`, across the peak resets in between."""
+        return max(self._reserved_peak_bytes, torch.cuda.max_memory_reserved(self.device))
+
+    def restart_reserved_peak(self) -> None:
+        """Count the reserved peak from the next peak reset on."""
+        self._reserved_peak_bytes = 0
 
     def _start(self) -> None:
         pass
@@ -170,4 +181,5 @@ class CudaAllocatorMonitor(MemoryMonitor):
         return torch.cuda.max_memory_allocated(self.device)
 
     def _reset_peak(self) -> None:
+        self._reserved_peak_bytes = self.reserved_peak_bytes()
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections import deque
 
 import torch
 from torch import nn
@@ -74,6 +75,7 @@ class ActivationOffload:
         self.ledger = storage.ledger  # counts what is offloaded, held and copied (see chunks/ledger.py)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._releasing: deque[tuple[torch.cuda.Event, torch.Tensor, int]] = deque()  # see _release
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._depth = 0  # root forwards entered and not left
         self._iteration_over = True  # a backward ended since the last forward began
@@ -141,6 +143,7 @@ class ActivationOffload:
 
     def end_backward(self) -> None:
         self._iteration_over = True
+        self._reap()
         self._seen = {}
 
     # ------------------------------------------------------------------------- hooks
@@ -179,6 +182,7 @@ class ActivationOffload:
         # transposed), so backward runs the very kernels it would have run: bit-identical results.
         # empty_like keeps the strides of a dense tensor and makes others (gaps, overlaps) contiguous.
         stride = torch.empty_like(t, device="meta").stride()
+        self._reap()  # buffers whose copies are done can serve again
         with observer.quiet() if observer is not None else contextlib.nullcontext():
             buffer = storage.pool.acquire(t.numel(), t.dtype)
             host = buffer.as_strided(t.shape, stride)
@@ -198,8 +202,25 @@ class ActivationOffload:
         return packed
 
     def _release(self, buffer: torch.Tensor, nbytes: int) -> None:
-        # Copies out of and into a buffer all run on the one side stream, so a recycled buffer
-        # is never overwritten before an earlier copy from it is done.
+        # The pool hands buffers to host code too (chunk payloads, NVMe reads), which would
+        # write one a copy on the side stream still reads or writes: on CUDA a buffer goes
+        # back only once the side stream has passed this point.
+        if self._stream is None:
+            self._give_back(buffer, nbytes)
+            return
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        self._releasing.append((event, buffer, nbytes))
+        self._reap()
+
+    def _reap(self, *, wait: bool = False) -> None:
+        """Give back the released buffers whose copies are done (``wait``: all of them)."""
+        while self._releasing and (wait or self._releasing[0][0].query()):
+            event, buffer, nbytes = self._releasing.popleft()
+            event.synchronize()
+            self._give_back(buffer, nbytes)
+
+    def _give_back(self, buffer: torch.Tensor, nbytes: int) -> None:
         self.storage.pool.release(buffer)
         self.ledger.activations.sub(nbytes)
 
@@ -234,6 +255,7 @@ class ActivationOffload:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # ``out`` is free to write
             with torch.cuda.stream(self._stream):
                 out.copy_(host, non_blocking=True)
+            out.record_stream(self._stream)  # freed unused (a prefetch never unpacked): not reused mid-copy
             packed.event = torch.cuda.Event()
             packed.event.record(self._stream)
         else:
@@ -252,6 +274,7 @@ class ActivationOffload:
             nxt.device_copy = self._start_copy_in(nxt)
 
     def close(self) -> None:
+        self._reap(wait=True)
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)

@@ -65,8 +65,10 @@ class DeviceMemory:
         if self._capped is None and self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
             fraction = self.budget_bytes / self.total_bytes
             before = _allocator_fraction(self.device)
-            self._capped = (1.0 if before is None else before, fraction)
             torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            # Read back: the allocator keeps whole bytes, and reports the cap from them.
+            now = _allocator_fraction(self.device)
+            self._capped = (1.0 if before is None else before, fraction if now is None else now)
             logger.info("device budget %d bytes enforced as memory fraction %.4f", self.budget_bytes, fraction)
         if self.monitor is not None:
             if tracked and self._accounting is not None:
@@ -131,14 +133,24 @@ class DeviceMemory:
             f"is {self.budget_bytes}: about {missing} bytes are missing. Nothing was updated. Raise device_memory, "
             f"or {advice}.", missing_bytes=missing)
 
-    def allocator_slack_bytes(self) -> int:
-        """Bytes the CUDA caching allocator holds beyond live tensors (blocks, fragmentation)."""
-        if self.device.type != "cuda":
-            return 0
-        return max(0, torch.cuda.max_memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device))
+    def restart_slack(self) -> None:
+        """A warm-up begins: :meth:`allocator_slack_bytes` counts from here."""
+        if isinstance(self.monitor, CudaAllocatorMonitor):
+            self.monitor.restart_reserved_peak()
 
-    def reserve_bytes(self, max_non_model_bytes: int) -> int:
-        """The safety reserve kept free under the budget.
+    def allocator_slack_bytes(self, peak_bytes: int) -> int:
+        """Bytes the CUDA caching allocator held beyond live tensors (rounded blocks,
+        fragmentation) at the warm-up's peak of ``peak_bytes`` allocated: its reserved peak
+        since :meth:`restart_slack` less that. The reserved and allocated figures torch keeps
+        cannot be read together at the end: each period's peak reset clears both, and
+        afterwards reserved less allocated is the cache of everything the backward freed."""
+        if not isinstance(self.monitor, CudaAllocatorMonitor):
+            return 0
+        return max(0, self.monitor.reserved_peak_bytes() - peak_bytes)
+
+    def reserve_bytes(self, max_non_model_bytes: int, peak_bytes: int) -> int:
+        """The safety reserve kept free under the budget, after a warm-up whose device peak was
+        ``peak_bytes`` (allocated) and largest non-model peak ``max_non_model_bytes``.
 
         [Note: the safety reserve]
         The plan rests on warm-up measurements, so the reserve covers what they do not see:
@@ -159,7 +171,7 @@ class DeviceMemory:
         Peers used fixed shares (Colossal-AI: 20% in warm-up, 90% after) that were at once too
         large for big devices and too small where fragmentation bit (see ANCHORS.md).
         """
-        return self.allocator_slack_bytes() + planned_reserve_bytes(max_non_model_bytes, self.device)
+        return self.allocator_slack_bytes(peak_bytes) + planned_reserve_bytes(max_non_model_bytes, self.device)
 
 
 def planned_reserve_bytes(max_non_model_bytes: int, device: torch.device) -> int:

@@ -329,14 +329,15 @@ class Residency:
             primary = param.primary_tier
             if group.master is not None:
                 start, end = group.shard.start, group.shard.end
-                self._cast_master(group.master, group.shard.numel, param.payload(primary)[start:end], primary)
+                param.host_copy_pending(self._cast_master(group.master, group.shard.numel,
+                                                       param.payload(primary)[start:end], primary))
             return
         if group.master is None:
             return  # fp32: the param chunk (or shard) is the master and was updated in place
         param = group.param_shard if group.param_shard is not None else group.param
         n = group.os_numel if group.shard is not None else param.used_numel
         for tier in param.tiers:
-            self._cast_master(group.master, n, param.payload(tier)[:n], tier)
+            param.host_copy_pending(self._cast_master(group.master, n, param.payload(tier)[:n], tier))
 
     def after_commit(self, group: ChunkGroup) -> None:
         """The step has landed (every group updated): parameters the policy keeps on the device
@@ -351,16 +352,15 @@ class Residency:
                 # next forward fetches the parameters (or says what is missing).
                 logger.warning("parameters of chunk group %d stay in host memory after the step: %s", group.index, e)
 
-    def _cast_master(self, master, numel: int, out: torch.Tensor, tier: Tier) -> None:
-        """``out`` (on ``tier``) = the first ``numel`` master elements in ``out``'s dtype."""
+    def _cast_master(self, master, numel: int, out: torch.Tensor, tier: Tier) -> torch.cuda.Event | None:
+        """``out`` (on ``tier``) = the first ``numel`` master elements, cast; an async copy's event."""
         if master.is_on(tier):
             out.copy_(master.payload(tier)[:numel])
-            return
-        # Cast where the master lies, then move the half-size result.
-        src = master.tiers[0]
+            return None
+        src = master.tiers[0]  # cast where the master lies, then move the half-size result
         with self.quiet() if src is Tier.HOST else nullcontext():
             low = master.payload(src)[:numel].to(out.dtype)
-        self.manager.storage.copy_(out, low, src=src, dst=tier)
+        return self.manager.storage.copy_(out, low, src=src, dst=tier)
 
     # ---------------------------------------------------------------------------- helpers
     def _keep_host(self, g: ChunkGroup) -> bool:

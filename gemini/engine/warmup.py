@@ -50,6 +50,7 @@ class Warmup:
 
     def begin(self) -> None:
         assert self._trace is None, "warm-up already tracing"
+        self.memory.restart_slack()
         self._trace = self.tracer.trace(own_hooks=False)  # the engine's hooks announce boundaries
         self._trace.__enter__()
         self.storage.watch_moves(self.tracer.model_data_move)
@@ -70,7 +71,7 @@ class Warmup:
                 warmup_peak_bytes=warmup_peak,
                 warmup_model_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE),
                 fixed_bytes=self.fixed_bytes,
-                reserve_bytes=self.memory.reserve_bytes(max(p.non_model_peak_bytes for p in periods)),
+                reserve_bytes=self.memory.reserve_bytes(max(p.non_model_peak_bytes for p in periods), warmup_peak),
                 budget_bytes=self.memory.budget_bytes,
             )
         logger.info(

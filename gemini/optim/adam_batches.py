@@ -19,7 +19,7 @@ from offload.profiling import trace_range
 if TYPE_CHECKING:
     from gemini.engine.runtime import GeminiRuntime
 
-__all__ = ["AdamBatch", "AdamClock", "device_first", "prepare_batches", "run_batch"]
+__all__ = ["AdamBatch", "AdamClock", "device_first", "prepare_batches", "recheck_uniform", "run_batch"]
 
 
 @dataclass
@@ -168,7 +168,12 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
         torch._foreach_add_(batch.tails, 1.0)
     for g, i in batch.bump:
         g.steps[i] += 1
+
+
+def recheck_uniform(batch: AdamBatch) -> None:
+    """A group stepped in parts may have become uniform. Reading that waits for the kernel: on
+    CUDA, done once every batch is launched (see [Note: both halves of a hybrid step at once])."""
     whole = set(batch.whole)
     for g in batch.members:
-        if g not in whole:  # a group stepped in parts may have become uniform
+        if g not in whole:
             g.steps_uniform = bool((g.steps == g.steps[0]).all())

@@ -20,7 +20,7 @@ from chunks import Chunk, ChunkGroup
 from gemini.engine.step_report import StepOutcome
 from gemini.engine.transaction import StepTransaction
 from gemini.optim import state_dict as formats
-from gemini.optim.adam_batches import AdamClock, device_first, prepare_batches, run_batch
+from gemini.optim.adam_batches import AdamClock, device_first, prepare_batches, recheck_uniform, run_batch
 from gemini.optim.clipping import clip_coefficient, grad_norm
 from gemini.optim.loss_scaler import ScaledBackwards, loss_scaler_for, update_scale
 from gemini.parallel.zero import agree_grad_ready
@@ -177,11 +177,14 @@ class HybridAdam(torch.optim.Optimizer):
                     tx.save_values(g, *self._changed_in_memory(g))
                     for batch in prepare([g], keep_grads=True):
                         run_batch(rt, batch, clock)
+                        recheck_uniform(batch)
                     rt.residency.after_step(g)
             finally:
                 stream.close()  # every write confirmed, or (after an error) every request ended
         for batch in batches:
             run_batch(rt, batch, clock)
+        for batch in batches:
+            recheck_uniform(batch)
         with trace_range("gemini::params_from_masters"):
             for g in resident:
                 rt.residency.after_step(g)

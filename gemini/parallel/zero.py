@@ -123,7 +123,7 @@ class GradReducer:
                     shard.allocate(tier, zero=False)
                 else:
                     shard.move_to(tier)
-                storage.copy_(shard.payload(tier), out, src=Tier.DEVICE, dst=tier)
+                shard.host_copy_pending(storage.copy_(shard.payload(tier), out, src=Tier.DEVICE, dst=tier))
                 g.grad_shard_filled = True
             else:
                 shard.move_to(tier)
@@ -257,7 +257,8 @@ def gather_params(comm: Collectives, groups: Sequence[ChunkGroup], storage, *, m
         pending.wait()
         for tier in g.param.tiers:
             if tier is not primary:
-                storage.copy_(g.param.payload(tier), g.param.payload(primary), src=primary, dst=tier)
+                g.param.host_copy_pending(storage.copy_(g.param.payload(tier), g.param.payload(primary), src=primary,
+                                                     dst=tier))
 
     with trace_range("gemini::all_gather_params"):
         for g in groups:
