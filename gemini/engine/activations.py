@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections import deque
 
@@ -76,6 +77,7 @@ class ActivationOffload:
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._releasing: deque[tuple[torch.cuda.Event, torch.Tensor, int]] = deque()  # see _release
+        self._releasing_lock = threading.Lock()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._depth = 0  # root forwards entered and not left
         self._iteration_over = True  # a backward ended since the last forward began
@@ -210,15 +212,17 @@ class ActivationOffload:
             return
         event = torch.cuda.Event()
         event.record(self._stream)
-        self._releasing.append((event, buffer, nbytes))
+        with self._releasing_lock:  # a finalizer: it may run on whichever thread the GC ran on
+            self._releasing.append((event, buffer, nbytes))
         self._reap()
 
     def _reap(self, *, wait: bool = False) -> None:
         """Give back the released buffers whose copies are done (``wait``: all of them)."""
-        while self._releasing and (wait or self._releasing[0][0].query()):
-            event, buffer, nbytes = self._releasing.popleft()
-            event.synchronize()
-            self._give_back(buffer, nbytes)
+        with self._releasing_lock:
+            while self._releasing and (wait or self._releasing[0][0].query()):
+                event, buffer, nbytes = self._releasing.popleft()
+                event.synchronize()
+                self._give_back(buffer, nbytes)
 
     def _give_back(self, buffer: torch.Tensor, nbytes: int) -> None:
         self.storage.pool.release(buffer)
