@@ -9,7 +9,8 @@ Each round copies one buffer of --size host-to-device and device-to-host, for ev
 host memory, interleaved in a rotating order; timed with CUDA events around a non_blocking
 copy; the table gives medians. The pool's buffers should equal a plain pinned tensor (both
 are page-locked; the pool only recycles them), and both should beat pageable memory, which
-CUDA stages through a bounce buffer.
+CUDA stages through a bounce buffer. It also reports the pinned memory torch's allocator holds
+for one pool buffer of three sizes (its cache may round blocks up to a power of two).
 
 Results go to benchmarks/results/pinned_copies.json and .md.
 """
@@ -40,6 +41,24 @@ def timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+def pinned_footprint(nbytes: int) -> dict:
+    """What torch's pinned-memory allocator holds for one pool buffer of ``nbytes`` (its
+    ``host_memory_stats`` before and after): its cache may round a block up to a power of
+    two, which the pool's 1 MiB size classes would not see."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return {"note": "torch.cuda.host_memory_stats is not in this torch"}
+    pool = PinnedHostPool(pin_memory=True)
+    before = stats()
+    buffer = pool.acquire(nbytes)
+    after = stats()
+    held = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
+    del buffer
+    pool.close()
+    reserved = next((v for k, v in held.items() if k.startswith("reserved_bytes") and k.endswith("current")), None)
+    return {"requested_bytes": nbytes, "reserved_bytes": reserved, "stats_delta": held}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="256MiB")
@@ -66,7 +85,9 @@ def main() -> None:
             times[name]["h2d"].append(timed_copy(device, hosts[name]))
             times[name]["d2h"].append(timed_copy(hosts[name], device))
     rows = {name: {d: nbytes / statistics.median(t[d]) / 1e9 for d in t} for name, t in times.items()}
-    result = dict(machine=machine_info("cuda"), size_bytes=nbytes, rounds=args.rounds, gbps=rows, seconds=times)
+    footprints = [pinned_footprint(n) for n in (nbytes, parse_size("148MiB"), parse_size("300MiB"))]
+    result = dict(machine=machine_info("cuda"), size_bytes=nbytes, rounds=args.rounds, gbps=rows, seconds=times,
+                  pinned_footprints=footprints)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pinned_copies.json").write_text(json.dumps(result, indent=2))
     lines = ["# Host<->GPU copies by kind of host memory", "",
@@ -74,6 +95,12 @@ def main() -> None:
              f"{result['machine'].get('gpu')}; {args.size} per copy, {args.rounds} interleaved rounds, medians.", "",
              "| host memory | H2D GB/s | D2H GB/s |", "|---|---:|---:|"]
     lines += [f"| {name} | {r['h2d']:.1f} | {r['d2h']:.1f} |" for name, r in rows.items()]
+    lines += ["", "Pinned memory torch holds for one pool buffer (`torch.cuda.host_memory_stats`, reserved bytes):", "",
+              "| requested | held | held / requested |", "|---:|---:|---:|"]
+    lines += [f"| {f['requested_bytes']} | {f['reserved_bytes']} | "
+              f"{f['reserved_bytes'] / f['requested_bytes']:.2f} |" if f.get("reserved_bytes") else
+              f"| {f.get('requested_bytes', '-')} | - | {f.get('note', 'no reserved_bytes key: see the JSON')} |"
+              for f in footprints]
     (RESULTS / "pinned_copies.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
