@@ -79,6 +79,8 @@ class MemoryReport:
     chunks_on_device: int  # chunk payloads (any kind) with a device copy
     os_chunks_on_device: int  # chunk groups whose optimizer states are on the device
     step_seconds: float  # end of the previous step() to the end of this one
+    # Host time in host <-> device copies. On CUDA a copy from or to pinned memory runs on a
+    # side stream beside compute, and only its launch counts here (the host's cost of it).
     transfer_seconds: float
     optimizer_cpu_seconds: float
     optimizer_device_seconds: float
