@@ -102,10 +102,7 @@ class Chunk:
         self._device_event: torch.cuda.Event | None = None
 
     def __repr__(self) -> str:
-        return (
-            f"Chunk({self.kind.value}#{self.index}, {self.used_numel}/{self.capacity} "
-            f"{self.dtype}, {self.state.value})"
-        )
+        return f"Chunk({self.kind.value}#{self.index}, {self.used_numel}/{self.capacity} {self.dtype}, {self.state.value})"
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -160,11 +157,9 @@ class Chunk:
             self._device_event = None
 
     def host_copy_pending(self, event: torch.cuda.Event | None) -> None:
-        """A copy to or from the host copy was issued outside the chunk's own moves (``event``:
-        None for a synchronous one): the host copy is waited for before it is next touched, as
-        after the chunk's own asynchronous moves ([Note: asynchronous copies on CUDA] in storage.py)."""
-        if event is not None:
-            self._host_event = event
+        """A copy to or from the host copy made outside the chunk's moves (None: synchronous) is
+        waited for before the host copy is next touched, as theirs are."""
+        self._host_event = event if event is not None else self._host_event
 
     def _wait_host(self) -> None:
         if self._host_event is not None:
@@ -193,8 +188,9 @@ class Chunk:
             payload[offset : offset + values.numel()].copy_(values)
 
     # ------------------------------------------------------------------------------ moves
-    def _expect(self, *allowed: ChunkState) -> None:
-        self._wait_host()
+    def _expect(self, *allowed: ChunkState, wait_host: bool = True) -> None:
+        if wait_host:
+            self._wait_host()
         self.ready_on_device()
         if self.state not in allowed:
             raise RuntimeError(
@@ -358,8 +354,8 @@ class Chunk:
 
     @_move
     def drop_device_copy(self) -> None:
-        """HOST_AND_DEVICE -> HOST: the host copy is about to be written, or the device needs room."""
-        self._expect(ChunkState.HOST_AND_DEVICE)
+        """HOST_AND_DEVICE -> HOST, waiting for nothing on the host ([Note: dropping a device copy])."""
+        self._expect(ChunkState.HOST_AND_DEVICE, wait_host=False)
         self._drop(Tier.DEVICE)
         self._set_state()
 
