@@ -188,9 +188,8 @@ class Chunk:
             payload[offset : offset + values.numel()].copy_(values)
 
     # ------------------------------------------------------------------------------ moves
-    def _expect(self, *allowed: ChunkState, wait_host: bool = True) -> None:
-        if wait_host:
-            self._wait_host()
+    def _expect(self, *allowed: ChunkState) -> None:
+        self._wait_host()
         self.ready_on_device()
         if self.state not in allowed:
             raise RuntimeError(
@@ -354,8 +353,8 @@ class Chunk:
 
     @_move
     def drop_device_copy(self) -> None:
-        """HOST_AND_DEVICE -> HOST, waiting for nothing on the host ([Note: dropping a device copy])."""
-        self._expect(ChunkState.HOST_AND_DEVICE, wait_host=False)
+        """HOST_AND_DEVICE -> HOST: the host copy is about to be written, or the device needs room."""
+        self._expect(ChunkState.HOST_AND_DEVICE)
         self._drop(Tier.DEVICE)
         self._set_state()
 

@@ -187,15 +187,6 @@ class ChunkStorage:
         other read or move of it). The copy stream is recorded on the new device copy, so that
         a copy evicted before its use is not handed out again while the copy still writes it.
         """
-        # [Note: dropping a device copy]
-        # The host copy may still be the source of the copy that made a device copy (the
-        # chunk's ``_host_event``). Dropping the device copy does not touch the host copy, so
-        # it does not wait for that (``Chunk.drop_device_copy``): the wait comes where the host
-        # copy is next read, written or freed (every such path goes through ``Chunk.payload``,
-        # ``_expect`` or ``_drop``), and the streams recorded on the device copy keep its memory
-        # from reuse. Waiting there made the host wait, after each module that dropped its
-        # parameters, for the GPU to finish everything launched before their fetch: the host
-        # ran at most about one module ahead of the GPU.
         nbytes = payload.numel() * payload.element_size()
         start = time.perf_counter()
         event = None

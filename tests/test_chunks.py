@@ -192,24 +192,3 @@ def test_a_host_copy_pending_is_waited_for_before_the_host_copy_is_touched():
     chunk.payload(Tier.HOST)
     chunk.payload(Tier.HOST)
     assert Event.waits == 1
-
-
-def test_dropping_a_device_copy_leaves_the_host_copys_wait_to_its_next_use():
-    """[Note: dropping a device copy]: a parameter chunk's device copy is dropped after compute
-    without waiting for the copy that made it (the host would otherwise stall behind the GPU
-    at every module); the wait comes at the host copy's next use."""
-    chunk = _chunk(ChunkStorage(torch.device("cpu")))
-    chunk.allocate(Tier.HOST, zero=True)
-    chunk.fetch(keep_host=True)
-
-    class Event:
-        waits = 0
-
-        def synchronize(self):
-            Event.waits += 1
-
-    chunk.host_copy_pending(Event())  # as the fetch's copy on CUDA leaves it
-    chunk.drop_device_copy()
-    assert chunk.state is ChunkState.HOST and Event.waits == 0
-    chunk.payload(Tier.HOST)
-    assert Event.waits == 1
