@@ -46,7 +46,7 @@ def plan_layout(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
         if n > chunk_size:
             chunks.append([i])
             fill = chunk_size  # the oversized chunk is closed
-        elif fill + n > chunk_size:
+        elif fill + n > chunk_size or not chunks:  # not chunks: an empty tensor first
             chunks.append([i])
             fill = n
         else:
@@ -69,5 +69,6 @@ CAPACITY_ALIGN_ELEMENTS = 1024
 def chunk_capacity(used_numel: int, chunk_size: int, *, world: int = 1) -> int:
     """Elements allocated for a chunk holding ``used_numel`` (see [Note: chunks sized to their
     content]); a multiple of ``world``, so that every rank's shard is equal."""
-    capacity = min(max(chunk_size, used_numel), round_up(used_numel, CAPACITY_ALIGN_ELEMENTS))
+    # max(.., 1): a chunk of zero-element tensors only (an empty bias) still has a buffer to view.
+    capacity = min(max(chunk_size, used_numel), round_up(max(used_numel, 1), CAPACITY_ALIGN_ELEMENTS))
     return round_up(capacity, world)

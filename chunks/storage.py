@@ -23,6 +23,7 @@ import torch
 
 from chunks.ledger import MemoryLedger
 from offload import NvmeStore, PinnedHostPool, Tier
+from offload.aligned import outside_inference_mode
 from offload.profiling import trace_range
 
 if TYPE_CHECKING:
@@ -125,7 +126,8 @@ class ChunkStorage:
         else:
             assert tier is Tier.DEVICE, f"no payloads in memory on {tier}"
             make = torch.zeros if zero else torch.empty
-            payload = make(numel, dtype=dtype, device=self.device)
+            with outside_inference_mode():  # see [Note: buffers made under inference mode] in offload/aligned.py
+                payload = make(numel, dtype=dtype, device=self.device)
         self.ledger.add(tier, kind, nbytes)
         return payload
 
@@ -278,5 +280,12 @@ def compute_device(device: torch.device | str) -> torch.device:
 
 
 def _log_failed_delete(future: concurrent.futures.Future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        logger.warning("could not delete an NVMe file no longer needed: %s", future.exception())
+    if future.cancelled() or future.exception() is None:
+        return
+    error = future.exception()
+    if isinstance(error, RuntimeError) and "cannot schedule new futures" in str(error):
+        # The interpreter is exiting (its thread pools refuse work from then on) with this
+        # delete still queued: the store's exit finalizer removes the whole folder instead.
+        logger.debug("NVMe file delete left to the store's exit cleanup: %s", error)
+        return
+    logger.warning("could not delete an NVMe file no longer needed: %s", error)

@@ -270,7 +270,9 @@ def split_param_groups(model: nn.Module, param_groups):
     name_of = {p: n for n, p in named}
     for n, p in named:
         if not p.is_floating_point():
-            raise TypeError(f"parameter {n} has dtype {p.dtype}: only floating-point parameters can be trained")
+            raise TypeError(f"parameter {n} has dtype {p.dtype}: gemini packs parameters into floating-point "
+                            f"chunks{'' if p.requires_grad else '; register a frozen integer tensor as a buffer'}")
+    _warn_mixed_dtypes(named)
     if param_groups is None:
         specs: list[dict[str, Any]] = [{"params": [p for _, p in named]}]
     else:
@@ -316,6 +318,22 @@ def _validate_group_specs(param_groups, order, name_of) -> list[dict[str, Any]]:
         )
         specs.append({"params": params, **hyper})
     return specs
+
+
+def _warn_mixed_dtypes(named: list[tuple[str, nn.Parameter]]) -> None:
+    """Chunks hold one dtype (GeminiConfig.precision's): a model whose parameters have several
+    (an fp16 part in an fp32 model) gets them all in that one, and a forward that relied on the
+    others may then fail with torch's dtype mismatch; say where it comes from."""
+    first: dict[torch.dtype, tuple[str, int]] = {}
+    for n, p in named:
+        name, count = first.get(p.dtype, (n, 0))
+        first[p.dtype] = (name, count + 1)
+    if len(first) > 1:
+        logger.warning(
+            "the model's parameters have several dtypes (%s); gemini keeps every parameter in the dtype "
+            "GeminiConfig.precision sets, so all of them change to it (convert the model to one dtype first "
+            "to choose yourself)",
+            ", ".join(f"{dtype}: {count} like {name!r}" for dtype, (name, count) in first.items()))
 
 
 def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:

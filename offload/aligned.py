@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 
 import torch
 
-__all__ = ["ALIGNMENT_BYTES", "HUGE_PAGE_BYTES", "round_up", "aligned_empty", "byte_view", "tensor_nbytes"]
+__all__ = ["ALIGNMENT_BYTES", "HUGE_PAGE_BYTES", "round_up", "aligned_empty", "byte_view", "tensor_nbytes",
+           "outside_inference_mode"]
 
 # [Note: 4 KiB alignment]
 # O_DIRECT requires the buffer address, the length and the file offset to be multiples of
@@ -53,6 +55,19 @@ def _huge_page_empty(nbytes: int) -> torch.Tensor | None:
     return whole[offset:offset + nbytes]
 
 
+# [Note: buffers made under inference mode]
+# A tensor allocated inside ``torch.inference_mode()`` is an inference tensor for good: no
+# in-place update is allowed on it outside inference mode. Buffers that outlive the call that
+# made them (chunk payloads, pool buffers) are made outside it, so that an evaluation pass under
+# ``inference_mode`` (whose hooks fetch chunks) leaves buffers that training can still write.
+# Leaving inference mode turns grad mode on, which allocation does not care about.
+
+
+def outside_inference_mode() -> contextlib.AbstractContextManager:
+    """A context in which new tensors are normal ones (see [Note: buffers made under inference mode])."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
 def aligned_empty(nbytes: int, *, pin_memory: bool = False, huge_pages: bool | None = None) -> torch.Tensor:
     """An uninitialised 1-D uint8 tensor of ``nbytes`` whose data starts on a 4 KiB boundary.
 
@@ -62,15 +77,16 @@ def aligned_empty(nbytes: int, *, pin_memory: bool = False, huge_pages: bool | N
     """
     if huge_pages is None:
         huge_pages = not pin_memory and nbytes >= HUGE_PAGE_BYTES
-    if huge_pages and not pin_memory:
-        buffer = _huge_page_empty(nbytes)
-        if buffer is not None:
-            return buffer
-    # torch's CPU allocator only promises 64-byte alignment: allocate one alignment unit
-    # more and slice; the returned view keeps the whole allocation alive.
-    raw = torch.empty(nbytes + ALIGNMENT_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
-    offset = (-raw.data_ptr()) % ALIGNMENT_BYTES
-    return raw[offset:offset + nbytes]
+    with outside_inference_mode():
+        if huge_pages and not pin_memory:
+            buffer = _huge_page_empty(nbytes)
+            if buffer is not None:
+                return buffer
+        # torch's CPU allocator only promises 64-byte alignment: allocate one alignment unit
+        # more and slice; the returned view keeps the whole allocation alive.
+        raw = torch.empty(nbytes + ALIGNMENT_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+        offset = (-raw.data_ptr()) % ALIGNMENT_BYTES
+        return raw[offset:offset + nbytes]
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

@@ -89,6 +89,7 @@ def test_plan_layout_next_fit_and_oversized():
     assert plan_layout([3, 3, 3, 10, 2, 5], 6) == [[0, 1], [2], [3], [4], [5]]
     assert plan_layout([6, 6], 6) == [[0], [1]]
     assert plan_layout([1, 2, 3], 6) == [[0, 1, 2]]
+    assert plan_layout([0, 2, 0, 6], 6) == [[0, 1, 2], [3]]  # an empty tensor first: no chunk before it
     with pytest.raises(ValueError, match="chunk_size"):
         plan_layout([1], 0)
 

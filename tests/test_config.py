@@ -112,6 +112,27 @@ def test_param_in_two_groups_is_refused():
                           param_groups=[{"params": [p]}, {"params": [p]}])
 
 
+def test_integer_parameters_are_refused_naming_them():
+    model = torch.nn.Linear(4, 4)
+    model.counter = torch.nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
+    with pytest.raises(TypeError, match="parameter counter has dtype torch.int64.*register a frozen integer"):
+        gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
+
+
+def test_parameters_of_several_dtypes_are_warned_about(caplog):
+    """Chunks hold one dtype: an fp16 part of an fp32 model becomes fp32, which its forward may
+    not expect; the warning names a parameter of each dtype."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).half())
+    with caplog.at_level("WARNING", logger="gemini.initialize"):
+        wrapped, _ = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
+    assert "torch.float32: 2 like '0.weight', torch.float16: 2 like '1.weight'" in caplog.text
+    assert wrapped.module[1].weight.dtype == torch.float32
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gemini.initialize"):
+        gemini.initialize(torch.nn.Linear(4, 4).double(), gemini.GeminiConfig(device="cpu", placement="cpu"))
+    assert "several dtypes" not in caplog.text  # one dtype: the precision's, as asked
+
+
 def test_device_budget_too_small_for_cuda_placement_says_how_much_is_missing():
     model = GPT(TINY)
     before = {k: v.clone() for k, v in model.state_dict().items()}

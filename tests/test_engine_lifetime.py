@@ -113,6 +113,10 @@ class _UserError(Exception):
     pass
 
 
+def _hook_grad(out: torch.Tensor, hook) -> None:
+    out.register_hook(hook)  # a forward hook returning None keeps the module's output
+
+
 @pytest.mark.parametrize("placement,budget", [
     ("cuda", None), ("cpu", None), ("static", None), ("auto", None),
     pytest.param("auto", "1200KiB", marks=pytest.mark.standin),  # evicting: a budget sized for the stand-in
@@ -146,3 +150,68 @@ def test_a_forward_that_raises_leaves_the_engine_as_before(placement, budget):
         opt.zero_grad()
         assert_params_close(model.state_dict(), want[step], step=step)
     assert not any(opt._rt.residency._compute_refs.values())
+
+
+@pytest.mark.parametrize("placement,budget", [
+    ("cuda", None), ("cpu", None), ("static", None), ("auto", None),
+    pytest.param("auto", "1200KiB", marks=pytest.mark.standin),  # evicting: a budget sized for the stand-in
+])
+def test_a_backward_that_raises_is_recovered_from_as_in_torch(placement, budget):
+    """A backward that raises part-way (a user's autograd Function, an anomaly check; in the
+    warm-up too), then zero_grad() and the next batch, as torch users recover: the iterations
+    equal plain AdamW, p.grad is the gradient again and no chunk stays referenced (see [Note:
+    a backward pass that raised])."""
+    from helpers import assert_params_close, clone_pair, train_reference
+
+    base, ref = clone_pair()
+    data = batches(TINY, 4)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=2000,
+                                                             device_memory=budget), lr=1e-2, weight_decay=0.1)
+    armed = [False]
+
+    def fail(grad):
+        if armed[0]:
+            raise _UserError("a NaN in the gradient, say")
+
+    linears = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear)]
+    linears[len(linears) // 2].register_forward_hook(lambda m, args, out: _hook_grad(out, fail))
+    for step, (x, y) in enumerate(data):
+        if step in (0, 2):
+            armed[0] = True
+            with pytest.raises(_UserError):
+                opt.backward(GPT.loss(model(x), y))
+            armed[0] = False
+            opt.zero_grad()
+        opt.backward(GPT.loss(model(x), y))
+        assert all(p.grad is not None for p in model.parameters())  # torch's clip_grad_norm_ sees them
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(model.state_dict(), want[step], step=step)
+    assert not any(opt._rt.residency._compute_refs.values())
+    assert opt._rt.hooks.backward_passes == len(data) + 2  # the broken passes counted once each
+
+
+def test_a_backward_that_raises_under_fp16_leaves_the_scaled_count_right():
+    """fp16 checks each pass went through optimizer.backward: a pass that raised there was
+    scaled, and must count as a pass, or every later step refused to run."""
+    model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000,
+                                                                   precision="fp16"), lr=1e-2)
+    armed = [True]
+
+    def fail(grad):
+        if armed[0]:
+            raise _UserError("a NaN in the gradient, say")
+
+    linears = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear)]
+    linears[len(linears) // 2].register_forward_hook(lambda m, args, out: _hook_grad(out, fail))
+    (x, y), = batches(TINY, 1)
+    with pytest.raises(_UserError):
+        opt.backward(GPT.loss(model(x), y))
+    armed[0] = False
+    opt.zero_grad()
+    for _ in range(2):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    assert opt.reports_made == 2

@@ -111,6 +111,40 @@ def test_unused_parameters_are_skipped_like_torch(placement):
     assert len(opt._rt.manager.groups) == 1
 
 
+class _WithEmpty(nn.Module):
+    """Zero-element parameters (an empty bias, a 0-width adapter), first in the layout too."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty_first = nn.Parameter(torch.zeros(0))
+        self.gpt = GPT(TINY)
+        self.empty_adapter = nn.Parameter(torch.zeros(0, 32))
+
+    def forward(self, x):
+        return self.gpt(x) + self.empty_first.sum() + self.empty_adapter.sum()
+
+
+@pytest.mark.parametrize("placement", ["cuda", "cpu", "auto"])
+def test_zero_element_parameters_train_like_torch(placement):
+    torch.manual_seed(0)
+    base = _WithEmpty()
+    ref = copy.deepcopy(base).to(DEVICE)
+    data = batches(TINY, 3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=2000),
+                                    lr=1e-2, weight_decay=0.1)
+    for x, y in data:
+        for model, o in ((ref, opt_ref), (gmodel, opt)):
+            GPT.loss(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+        assert_params_close(gmodel.state_dict(), ref.state_dict())
+    assert gmodel.state_dict()["empty_adapter"].shape == (0, 32)
+    restored = copy.deepcopy(ref)
+    restored.load_state_dict(gmodel.state_dict())
+    assert set(opt.state_dict()["state"]) == set(opt_ref.state_dict()["state"])
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_low_precision_tracks_fp32_loss(precision, placement):

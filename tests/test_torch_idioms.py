@@ -15,6 +15,7 @@ from torch import nn
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
 from gemini.engine.grad_views import UnavailableGrad
+from tracer import Phase
 from helpers import DEVICE, assert_params_close, batches, clone_pair
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
@@ -173,6 +174,52 @@ def test_zero_grad_set_to_none_false_keeps_zeros_like_torch(name):
     _assert_same_run(got, want)
     for p in gmodel.parameters():
         assert p.grad is not None and not p.grad.any()
+
+
+@pytest.mark.parametrize("evaluation", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("name", _names(["cpu", "auto-evicting", "static"]))
+def test_evaluation_passes_before_and_between_steps_like_torch(name, evaluation):
+    """An evaluation pass before every step, the first one before any training.
+
+    Under inference_mode, buffers the pass made for chunks were inference tensors that
+    training could not write; under auto, the first pass (no grad, no backward) began the
+    warm-up's trace, and the training iteration after it broke the plan."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+    evaluate = getattr(torch, evaluation)
+    losses = {}
+    for model, o in ((ref, ref_opt), (gmodel, opt)):
+        losses[model is ref] = []
+        for x, y in data:
+            with evaluate():
+                losses[model is ref].append(GPT.loss(model(x), y).item())
+            GPT.loss(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+        if model is gmodel:
+            moved = o.report.h2d_bytes
+    assert_params_close({k: v.detach() for k, v in gmodel.state_dict().items()}, ref.state_dict())
+    assert losses[False] == pytest.approx(losses[True], rel=1e-6)
+    if name == "auto-evicting":
+        assert moved > 0  # chunks still move in the steady state after the evaluation passes
+        plan = opt._rt.plan  # the warm-up traced the training iteration, not the evaluation
+        assert plan is not None and sum(k[0] is Phase.BACKWARD for k in plan.keys) > 0
+
+
+@pytest.mark.parametrize("name", _names(CONFIGS))
+def test_step_before_any_forward_is_a_no_op_like_torch(name):
+    """torch's AdamW steps nothing without gradients; with a budget, the step's check read a
+    memory monitor that had measured nothing yet and raised."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    before = {k: v.detach().to("cpu", copy=True) for k, v in gmodel.state_dict().items()}
+    opt.step()
+    opt.zero_grad()
+    assert_params_close({k: v.detach() for k, v in gmodel.state_dict().items()}, before, rtol=0, atol=0)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+    ref_opt.step()
+    _, want = _loop(ref, ref_opt, data)
+    _, got = _loop(gmodel, opt, data)
+    _assert_same_run(got, want)
 
 
 def test_fp16_gradients_are_refused_loudly_and_model_clip_works():

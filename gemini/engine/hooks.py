@@ -123,7 +123,8 @@ class ModuleHooks:
         self._accumulated_in_place = accumulated_in_place
         self._handles: list = []
         self._open_uses: dict[nn.Module, list[_BackwardUse | None]] = {}
-        self._backward_queued = False
+        # The autograd graph task whose end-of-backward callback is queued (None: none is).
+        self._backward_task: int | None = None
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
         # Registered first, so the root's pre-hook runs before (and its post-hook before)
@@ -310,10 +311,25 @@ class ModuleHooks:
 
     # -------------------------------------------------------------------------- backward
     def _begin_backward_pass(self) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
+        if self._backward_task is None:
+            self._backward_task = torch._C._current_graph_task_id()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._on_backward_begin()
+
+    # [Note: a backward pass that raised]
+    # Autograd runs a queued callback only when its graph task completes: when the backward
+    # raises (a user's autograd Function, an anomaly check, an out-of-memory), the end of the
+    # backward never comes. Left so, no later pass queued its own end (p.grad stayed None and
+    # torch's clip_grad_norm_ clipped nothing, fp16 and auto's warm-up counted no more passes)
+    # and the groups fetched for that backward stayed held. torch recovers with zero_grad() and
+    # the next batch, so the engine ends the broken pass at the first call that can only come
+    # after it: the next forward, zero_grad() or step(), outside any backward. The pass counts
+    # as one: under fp16 it went through optimizer.backward, which counted it as scaled.
+    def end_aborted_backward(self) -> None:
+        """End a backward pass that raised (see [Note: a backward pass that raised])."""
+        if self._backward_task is not None and torch._C._current_graph_task_id() == -1:
+            logger.info("a backward pass raised before it ended: closing it")
+            self._end_of_backward()
 
     def _pre_backward(self, groups: list[ChunkGroup], use: _BackwardUse | None, grad) -> None:
         with self._phase("gemini::pre_backward"):
@@ -356,7 +372,7 @@ class ModuleHooks:
     def _end_of_backward(self) -> None:
         """Close chunk groups whose parameters got no gradient (unused or frozen)."""
         with trace_range("gemini::end_of_backward"):
-            self._backward_queued = False
+            self._backward_task = None
             self.backward_passes += 1
             for group in self.residency.groups_fetched_for_backward():
                 group.grads_this_backward = 0

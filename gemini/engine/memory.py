@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from chunks import StorageObserver, fits
 from gemini.errors import DeviceBudgetError  # here too, where it was first defined
-from tracer import CudaAllocatorMonitor, MemoryMonitor, TensorAccountingMonitor
+from tracer import CudaAllocatorMonitor, MemoryMonitor, MonitorState, TensorAccountingMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,11 @@ class DeviceMemory:
 
     # ---------------------------------------------------------------------------- readings
     def peak_bytes(self) -> int | None:
-        return self.monitor.peak_bytes() if self.monitor is not None else None
+        """The measured peak; None when nothing measures, or nothing was measured yet (a step
+        before any forward: torch's AdamW takes it as a no-op, and so does the report)."""
+        if self.monitor is None or self.monitor.state is MonitorState.NEW:
+            return None
+        return self.monitor.peak_bytes()
 
     def reset_peak(self) -> None:
         """Restart the peak (a stopped monitor restarts it when its next window begins)."""

@@ -121,6 +121,7 @@ class GeminiRuntime:
     def zero_grad(self, *, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (``set_to_none=False``: keep them as zeros, as torch
         does, so exposed ``p.grad`` views read zeros; the chunks' storage is kept for reuse)."""
+        self.hooks.end_aborted_backward()
         if not set_to_none:
             self.grad_views.hide()
             with torch.no_grad():
@@ -141,6 +142,7 @@ class GeminiRuntime:
         """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless
         no chunk can move under them and no rank can mark more ready (see [Note: a step that
         moves no chunk])."""
+        self.hooks.end_aborted_backward()
         if self.placement.follows_modules or self.zero is not None:
             self.grad_views.hide()
         else:
@@ -149,11 +151,14 @@ class GeminiRuntime:
     # -------------------------------------------------------------------- iteration events
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
         """The root module's forward begins (its first forward pre-hook)."""
+        self.hooks.end_aborted_backward()
         self.grad_views.hide()
         self._evaluation_window = not torch.is_grad_enabled() and not self.window_open
         self.begin_window()
         state = self.state
-        if state is IterationState.UNTRACED:
+        if state is IterationState.UNTRACED and torch.is_grad_enabled():
+            # The warm-up traces a training iteration: an evaluation forward before the first
+            # one (no grad, no backward to follow) runs unplanned and leaves the trace to it.
             self._begin_warmup(args, kwargs)
         elif state is IterationState.TRACING and self.hooks.backward_passes > self._backward_passes_at_trace:
             # Gradient accumulation: the traced iteration is the first forward + backward.
@@ -334,11 +339,14 @@ class GeminiRuntime:
         backward stays under ``device_memory``, checked before the step changes anything (a
         tensor the caller keeps alive counts too). The warm-up step is checked, with its safety
         reserve, where the trace ends."""
+        peak_bytes = self.memory.peak_bytes()
+        if peak_bytes is None:  # a step before any forward: nothing ran, nothing to check
+            return
         first, self._first_step_checked = not self._first_step_checked, True
         if self.config.device_memory is None or not self.memory.measuring or self._unreported_plan is not None:
             return
         try:
-            check_peak(self.memory.peak_bytes(), self.memory.budget_bytes,
+            check_peak(peak_bytes, self.memory.budget_bytes,
                        what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
                        chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
         except Exception:
