@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ from gemini.optim import state_dict as formats
 from gemini.optim.adam_batches import AdamClock, device_first, prepare_batches, recheck_uniform, run_batch
 from gemini.optim.clipping import clip_coefficient, grad_norm
 from gemini.optim.loss_scaler import ScaledBackwards, loss_scaler_for, update_scale
+from gemini.optim.param_groups import GroupLayout, check_flags
 from gemini.parallel.zero import agree_grad_ready
 from gemini.report import MemoryReport, WarmupTimeline
 from offload.profiling import trace_range
@@ -56,7 +58,8 @@ class HybridAdam(torch.optim.Optimizer):
         adamw_mode: bool,
     ) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(param_groups, defaults)
+        super().__init__(param_groups, defaults)  # adds each group through add_param_group
+        self._layout = GroupLayout(self.param_groups)  # from here on add_param_group refuses
         self._rt = runtime
         self.adamw_mode = adamw_mode
         self.scaler = loss_scaler_for(runtime.config)
@@ -87,6 +90,18 @@ class HybridAdam(torch.optim.Optimizer):
         with self._rt.budget_errors("the backward pass"):
             self._scaled_backwards.scale(loss).backward()
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only ``torch.optim.Optimizer.__init__`` adds groups (those ``gemini.initialize`` made);
+        later a ``ValueError``: see [Note: param groups are fixed at initialize]."""
+        if "_layout" not in self.__dict__:
+            super().add_param_group(param_group)
+            return
+        raise ValueError(
+            f"optimizer.add_param_group({_describe_group(param_group)}) is not supported: the parameters the "
+            f"optimizer trains are fixed at gemini.initialize, which lays them out in chunks by param group. "
+            f"Give every parameter to gemini.initialize(model, ..., param_groups=[...]) instead: make one kept "
+            f"outside the model part of it (e.g. an nn.Parameter attribute of a submodule), then initialize again")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (the gradient chunks' storage is kept for reuse);
         ``model.zero_grad()`` does the same."""
@@ -98,6 +113,7 @@ class HybridAdam(torch.optim.Optimizer):
         is all or nothing] in gemini/engine/transaction.py). If it raises, parameters, m, v, step counts
         and the loss scale are as before the call, and calling it again once the cause is fixed
         gives the uninterrupted result."""
+        self._check_param_groups()  # before the closure: a refused step does no work
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -131,6 +147,13 @@ class HybridAdam(torch.optim.Optimizer):
         self._finalizer()
 
     # ------------------------------------------------------------------------- internals
+    def _check_param_groups(self) -> None:
+        """O(param groups), at every step: the groups hold the parameters ``initialize`` gave them
+        and ask for no math the update lacks (see [Note: param groups are fixed at initialize])."""
+        self._layout.check(self.param_groups)
+        check_flags(self.param_groups, where="optimizer.param_groups",
+                    advice="set it back to False or delete it (the step was not taken)")
+
     def _step(self, tx: StepTransaction) -> StepOutcome:
         """The step's phases 1-3 of [Note: a step is all or nothing]."""
         rt = self._rt
@@ -207,6 +230,13 @@ class HybridAdam(torch.optim.Optimizer):
         return formats.hyper_state(self.param_groups, precision=self._rt.config.precision,
                                    adamw_mode=self.adamw_mode, scaler=self.scaler)
 
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """What both loads check before changing anything (all or nothing)."""
+        self._layout.check(self.param_groups)
+        check_flags(state_dict["param_groups"], where="the optimizer state's param_groups",
+                    advice="nothing was loaded. Resume that run with the torch optimizer that saved it; gemini "
+                           "can only go on from it as plain Adam/AdamW, with the key set to False in the state")
+
     def _load_hyper_state(self, state_dict: dict[str, Any]) -> None:
         formats.load_hyper_state(self.param_groups, self.scaler, state_dict["param_groups"],
                                  state_dict.get("gemini", {}))
@@ -217,9 +247,13 @@ class HybridAdam(torch.optim.Optimizer):
         Under ZeRO this is the consolidated state (every rank's shards gathered): call it on
         every rank. It loads into any number of ranks, or into a plain ``torch.optim.AdamW``.
         """
+        self._layout.check(self.param_groups)
         return formats.full_state_dict(self._rt, self.param_groups, self._hyper_state())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s format, or a ``torch.optim.AdamW`` / ``Adam`` state whose flags
+        this update implements (``ValueError`` for amsgrad, maximize, ... set, before any change)."""
+        self._check_loadable(state_dict)
         formats.load_full_state_dict(self._rt, self.param_groups, state_dict)
         self._load_hyper_state(state_dict)
 
@@ -233,5 +267,15 @@ class HybridAdam(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``sharded_state_dict`` saved on this rank: masters (so the parameters too),
         m, v and step counts. A collective under ZeRO-1/2 (the parameters are all-gathered)."""
+        self._check_loadable(state_dict)
         formats.load_sharded_state_dict(self._rt, state_dict)
         self._load_hyper_state(state_dict)
+
+
+def _describe_group(param_group: Any) -> str:
+    """``add_param_group``'s argument in a message: how many parameters, of which shapes."""
+    params = param_group.get("params") if isinstance(param_group, dict) else None
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    shapes = [tuple(p.shape) for p in params if isinstance(p, torch.Tensor)] if isinstance(params, Iterable) else []
+    return f"a group of {len(shapes)} parameter{'' if len(shapes) == 1 else 's'} of shapes {shapes[:4]}"

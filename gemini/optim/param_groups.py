@@ -1,0 +1,96 @@
+"""What ``HybridAdam.param_groups`` may and may not become after ``gemini.initialize``.
+
+[Note: param groups are fixed at initialize]
+``initialize`` lays the parameters out in chunk groups by param group (each chunk group records
+the index of its param group), so which parameters a group holds, and how many groups there are,
+cannot change afterwards: a parameter added later has no chunk to be updated in, and one removed
+would still be updated by its chunk group. The hyperparameters can change at any time (learning
+rate schedulers edit ``lr`` and ``betas``), since every step reads them afresh. Neither can the
+flags of ``torch.optim.Adam`` / ``AdamW`` that ask for math the fused update (adam.py) does not
+do: a step honouring none of them would train differently from torch without a word.
+
+The checks here run at every step, so they cost O(number of param groups): the parameter lists
+are compared element by element only when a list is not the one ``initialize`` gave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["UNSUPPORTED_FLAGS", "GroupLayout", "check_flags"]
+
+# torch.optim.Adam / AdamW options adam.py's update has no counterpart for (it passes them as
+# False): truthy, each would change the result (capturable and differentiable the graph or device
+# placement it is computed under). False or None, as torch writes them by default, are harmless.
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+_FIXED = ("the parameters of each param group are fixed at gemini.initialize (their chunks are laid out by "
+          "group); only hyperparameters (lr, betas, eps, weight_decay) may change afterwards")
+
+
+def check_flags(groups: Sequence[dict[str, Any]], *, where: str, advice: str) -> None:
+    """Raise ``ValueError`` naming the first group of ``groups`` that sets an unsupported flag
+    truthy; ``where`` names the groups in the message (``"optimizer.param_groups"``)."""
+    for i, group in enumerate(groups):
+        for key in UNSUPPORTED_FLAGS:
+            value = group.get(key)
+            if value:
+                raise ValueError(
+                    f"{where}[{i}][{key!r}] = {value!r} is not supported: gemini's Adam/AdamW implements none "
+                    f"of {', '.join(UNSUPPORTED_FLAGS)} (accepted: False, None or absent); {advice}")
+
+
+class GroupLayout:
+    """The parameters of each param group as ``initialize`` gave them, to tell cheaply that
+    ``optimizer.param_groups`` still holds exactly those (see [Note: param groups are fixed at
+    initialize])."""
+
+    def __init__(self, param_groups: Sequence[dict[str, Any]]) -> None:
+        self._params = [tuple(hp["params"]) for hp in param_groups]
+        # The list objects themselves: a group still holding its list at its length has had nothing
+        # removed or appended (an element replaced in place, which the step doesn't compare, aside).
+        self._lists = [hp["params"] for hp in param_groups]
+
+    def check(self, param_groups: Sequence[dict[str, Any]]) -> None:
+        """Raise ``ValueError`` naming the group if the groups' parameters changed."""
+        if len(param_groups) != len(self._params):
+            changed = next((i for i in range(min(len(param_groups), len(self._params)))
+                            if not self._same(i, param_groups[i])), None)
+            which = "" if changed is None else f" (param_groups[{changed}] no longer holds the parameters it was given)"
+            raise ValueError(f"optimizer.param_groups has {len(param_groups)} groups, gemini.initialize made "
+                             f"{len(self._params)}{which}: groups can't be added or removed after initialize; "
+                             f"{_FIXED}. Call gemini.initialize again with the param_groups you want")
+        for i, hp in enumerate(param_groups):
+            params = hp.get("params") if isinstance(hp, dict) else None
+            if params is self._lists[i] and len(params) == len(self._params[i]):
+                continue
+            if not self._same(i, hp):
+                raise ValueError(self._changed_message(i, params))
+            self._lists[i] = params  # an equal list put in its place: the cheap test holds from now on
+
+    def _same(self, i: int, hp: Any) -> bool:
+        params = hp.get("params") if isinstance(hp, dict) else None
+        want = self._params[i]
+        return (isinstance(params, (list, tuple)) and len(params) == len(want)
+                and all(a is b for a, b in zip(params, want)))
+
+    def _changed_message(self, i: int, params: Any) -> str:
+        if not isinstance(params, (list, tuple)):
+            what = f"is now {type(params).__name__}, not the list of {len(self._params[i])} parameters it was given"
+        else:
+            now = {id(p) for p in params}
+            before = {id(p) for p in self._params[i]}
+            removed = [tuple(p.shape) for p in self._params[i] if id(p) not in now]
+            added = [tuple(getattr(p, "shape", ())) for p in params if id(p) not in before]
+            edits = [f"{_count(shapes)} {verb}, of shapes {shapes[:4]}"
+                     for shapes, verb in ((removed, "removed"), (added, "added")) if shapes]
+            what = (f"was changed after initialize ({'; '.join(edits)})" if edits
+                    else "was reordered or holds a parameter twice")
+        return (f"optimizer.param_groups[{i}]['params'] {what}: {_FIXED}. To stop training a parameter, "
+                f"call p.requires_grad_(False); to train a different set, call gemini.initialize again "
+                f"with the param_groups you want")
+
+
+def _count(items: Sequence[Any]) -> str:
+    return f"{len(items)} parameter" + ("" if len(items) == 1 else "s")

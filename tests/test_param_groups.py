@@ -1,0 +1,204 @@
+"""optimizer.param_groups after initialize: hyperparameters change as in torch (schedulers
+included); the parameters of each group, and flags asking for math gemini's Adam lacks, are
+refused with a clear error before anything changes (see [Note: param groups are fixed at
+initialize] in gemini/optim/param_groups.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gemini
+from gemini.optim.param_groups import UNSUPPORTED_FLAGS
+from gemini.tools.gpt import GPT
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair
+
+
+def _groups(model: nn.Module):
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "lr": 3e-3}]
+
+
+def _gemini(model: nn.Module, placement: str = "cpu"):
+    cfg = gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=3000)
+    return gemini.initialize(model, cfg, lr=1e-2, param_groups=_groups(model))
+
+
+def _step(model, opt, batch):
+    x, y = batch
+    GPT.loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _snapshot(gmodel, opt):
+    """The parameters and the optimizer state (hyperparameters included), on the CPU."""
+    sd = opt.state_dict()
+    return gmodel.state_dict(), sd["state"], [{k: v for k, v in g.items()} for g in sd["param_groups"]]
+
+
+def _assert_unchanged(gmodel, opt, before):
+    params, state, groups = _snapshot(gmodel, opt)
+    assert_params_close(params, before[0], rtol=0, atol=0)
+    assert state.keys() == before[1].keys()
+    for i in state:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[i][name], before[1][i][name]), (i, name)
+    assert groups == before[2]
+
+
+@pytest.mark.parametrize("placement", ["cuda", "cpu"])
+def test_schedulers_and_resume_drive_hyperparameters_like_torch(placement):
+    """OneCycleLR edits lr and betas every step; the groups then carry its keys (initial_lr,
+    max_lr, ...), which load_state_dict takes back: both as torch.optim.AdamW does."""
+    data = batches(TINY, 6)
+    base, ref = clone_pair()
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, weight_decay=0.0, fused=True)
+    gmodel, opt = _gemini(base, placement)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[2e-2, 5e-3], total_steps=len(data))
+              for o in (ref_opt, opt)]
+    for step, batch in enumerate(data):
+        for model, o, sched in ((ref, ref_opt, scheds[0]), (gmodel, opt, scheds[1])):
+            _step(model, o, batch)
+            sched.step()
+        assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
+        if step == 2:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the scheduler's keys load back
+    assert len(opt.param_groups) == 2 and "max_lr" in opt.param_groups[0]
+
+
+def test_add_param_group_is_refused():
+    gmodel, opt = _gemini(clone_pair()[0])
+    data = batches(TINY, 2)
+    _step(gmodel, opt, data[0])
+    before = _snapshot(gmodel, opt)
+    outside = nn.Parameter(torch.ones(4, device=DEVICE))  # e.g. a temperature kept outside the model
+    with pytest.raises(ValueError, match=r"add_param_group\(a group of 1 parameter of shapes \[\(4,\)\]\) is not "
+                                         r"supported.*gemini.initialize\(model, \.\.\., param_groups="):
+        opt.add_param_group({"params": [outside], "lr": 0.1})
+    assert len(opt.param_groups) == 2
+    _assert_unchanged(gmodel, opt, before)
+    _step(gmodel, opt, data[1])  # training goes on
+
+
+def _remove_first(opt):
+    opt.param_groups[0]["params"] = opt.param_groups[0]["params"][1:]
+
+
+def _append_outside(opt):
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.ones(3, device=DEVICE)))
+
+
+def _reverse(opt):
+    opt.param_groups[0]["params"] = opt.param_groups[0]["params"][::-1]
+
+
+EDITS = {
+    "removed (new list)": (_remove_first, r"param_groups\[0\]\['params'\] was changed.*1 parameter removed"),
+    "popped (same list)": (lambda o: o.param_groups[1]["params"].pop(), r"param_groups\[1\]\['params'\] was changed"),
+    "appended": (_append_outside, r"param_groups\[0\]\['params'\] was changed.*1 parameter added, of shapes \[\(3,\)\]"),
+    "reordered": (_reverse, r"param_groups\[0\]\['params'\] was reordered"),
+    "group deleted": (lambda o: o.param_groups.pop(0), r"has 1 groups, gemini.initialize made 2 \(param_groups\[0\] no"),
+    "group added": (lambda o: o.param_groups.append({"params": [], "lr": 1.0}), r"has 3 groups, gemini.initialize made 2"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_changing_a_groups_parameters_is_refused_before_anything_changes(edit):
+    do, message = EDITS[edit]
+    gmodel, opt = _gemini(clone_pair()[0])
+    data = batches(TINY, 3)
+    _step(gmodel, opt, data[0])
+    saved = [list(g["params"]) for g in opt.param_groups], list(opt.param_groups)
+    before = _snapshot(gmodel, opt)
+    x, y = data[1]
+    GPT.loss(gmodel(x), y).backward()
+    do(opt)
+    with pytest.raises(ValueError, match=message + r".*only hyperparameters \(lr, betas, eps, weight_decay\)"):
+        opt.step()
+    opt.param_groups[:] = saved[1]
+    for g, params in zip(opt.param_groups, saved[0]):
+        g["params"][:] = params
+    _assert_unchanged(gmodel, opt, before)
+    opt.step()  # put back, the same step goes on
+    assert float(opt.state_dict()["state"][0]["step"]) == 2
+
+
+def test_equal_groups_put_in_place_and_hyperparameter_edits_train_like_torch():
+    data = batches(TINY, 3)
+    base, ref = clone_pair()
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=1e-2, weight_decay=0.0, fused=True)
+    gmodel, opt = _gemini(base)
+    for step, batch in enumerate(data):
+        for model, o in ((ref, ref_opt), (gmodel, opt)):
+            _step(model, o, batch)
+            o.param_groups[0] = {**o.param_groups[0], "params": list(o.param_groups[0]["params"])}
+            o.param_groups[1].update(lr=1e-3 * (step + 1), betas=(0.8, 0.99), eps=1e-6, weight_decay=0.01)
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
+
+
+@pytest.mark.parametrize("key", UNSUPPORTED_FLAGS)
+def test_step_refuses_unsupported_flags_set_by_hand(key):
+    gmodel, opt = _gemini(clone_pair()[0])
+    data = batches(TINY, 2)
+    _step(gmodel, opt, data[0])
+    before = _snapshot(gmodel, opt)
+    x, y = data[1]
+    GPT.loss(gmodel(x), y).backward()
+    opt.param_groups[1][key] = True
+    with pytest.raises(ValueError, match=rf"optimizer.param_groups\[1\]\['{key}'\] = True is not supported.*"
+                                         r"set it back to False"):
+        opt.step()
+    del opt.param_groups[1][key]
+    _assert_unchanged(gmodel, opt, before)
+    opt.step()
+
+
+def _torch_state(**flags):
+    """torch.optim.AdamW's state_dict after 2 steps with ``flags``."""
+    model = clone_pair()[1].to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **flags)
+    for batch in batches(TINY, 2):
+        _step(model, opt, batch)
+    return model.state_dict(), opt.state_dict()
+
+
+@pytest.mark.parametrize("key", ["amsgrad", "maximize"])
+def test_loading_a_torch_state_with_unsupported_flags_is_refused(key):
+    _, saved = _torch_state(**{key: True})
+    gmodel, opt = gemini.initialize(clone_pair()[0], gemini.GeminiConfig(device=DEVICE, placement="cpu"), lr=1e-3)
+    _step(gmodel, opt, batches(TINY, 1, seed=5)[0])
+    before = _snapshot(gmodel, opt)
+    with pytest.raises(ValueError, match=rf"the optimizer state's param_groups\[0\]\['{key}'\] = True is not "
+                                         r"supported.*nothing was loaded"):
+        opt.load_state_dict(saved)
+    _assert_unchanged(gmodel, opt, before)
+    sharded = opt.sharded_state_dict()
+    sharded["param_groups"][0][key] = True
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]\['{key}'\] = True"):
+        opt.load_sharded_state_dict(sharded)
+    _assert_unchanged(gmodel, opt, before)
+
+
+def test_a_torch_fused_state_with_its_false_flags_resumes_exactly():
+    """torch writes amsgrad/maximize/capturable/differentiable False and fused True: all loadable."""
+    model_state, saved = _torch_state(fused=True, weight_decay=0.1)
+    assert saved["param_groups"][0]["fused"] is True and saved["param_groups"][0]["amsgrad"] is False
+    ref = clone_pair()[1].to(DEVICE)
+    ref.load_state_dict(model_state)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ref_opt.load_state_dict(saved)
+    base = clone_pair()[0]
+    base.load_state_dict({k: v.cpu() for k, v in model_state.items()})
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="cpu"), lr=1e-3)
+    opt.load_state_dict(saved)
+    for step, batch in enumerate(batches(TINY, 2, seed=7)):
+        _step(ref, ref_opt, batch)
+        _step(gmodel, opt, batch)
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), rtol=0, atol=0, step=step)
