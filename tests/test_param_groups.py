@@ -169,6 +169,59 @@ def _torch_state(**flags):
     return model.state_dict(), opt.state_dict()
 
 
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0])
+def test_a_torch_adam_state_resumes_only_under_its_weight_decay(weight_decay):
+    """torch.optim.Adam's groups say decoupled_weight_decay=False (L2): refused by AdamW where
+    that changes the math, resumed exactly with adamw_mode=False."""
+    model = clone_pair()[1].to(DEVICE)
+    ref_opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=weight_decay, fused=True)
+    data = batches(TINY, 4)
+    for batch in data[:2]:
+        _step(model, ref_opt, batch)
+    saved = copy.deepcopy(ref_opt.state_dict())
+
+    def resumed(adamw_mode: bool):
+        base = clone_pair()[0]
+        base.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        return gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="cpu"), adamw_mode=adamw_mode)
+
+    gmodel, opt = resumed(adamw_mode=True)
+    if weight_decay:
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['decoupled_weight_decay'\] = False with weight_"
+                                             r"decay 0.1 asks for Adam's L2.*initialize with adamw_mode=False"):
+            opt.load_state_dict(saved)
+        assert opt.state_dict()["state"] == {}
+        gmodel, opt = resumed(adamw_mode=False)
+    opt.load_state_dict(saved)
+    for step, batch in enumerate(data[2:]):
+        _step(model, ref_opt, batch)
+        _step(gmodel, opt, batch)
+        assert_params_close(gmodel.state_dict(), model.state_dict(), step=step)
+
+
+def test_weight_decay_of_the_other_kind_is_refused_by_step_and_load():
+    gmodel, opt = _gemini(clone_pair()[0])
+    data = batches(TINY, 2)
+    _step(gmodel, opt, data[0])
+    adam = gemini.initialize(clone_pair()[0], gemini.GeminiConfig(device=DEVICE, placement="cpu"),
+                             weight_decay=0.1, adamw_mode=False)[1]
+    with pytest.raises(ValueError, match=r"param_groups\[0\] \(saved with adamw_mode=True\) with weight_decay "
+                                         r"0.1 asks for AdamW's decoupled weight decay"):
+        adam.load_state_dict(opt.state_dict())
+    before = _snapshot(gmodel, opt)
+    x, y = data[1]
+    GPT.loss(gmodel(x), y).backward()
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    with pytest.raises(ValueError, match=r"optimizer.param_groups\[0\]\['decoupled_weight_decay'\] = False.*set "
+                                         r"it to True or delete it"):
+        opt.step()
+    del opt.param_groups[0]["decoupled_weight_decay"]
+    _assert_unchanged(gmodel, opt, before)
+    opt.param_groups[0]["decoupled_weight_decay"] = True  # as torch.optim.AdamW writes it
+    opt.param_groups[1]["decoupled_weight_decay"] = False  # no weight decay: the same math
+    opt.step()
+
+
 @pytest.mark.parametrize("key", ["amsgrad", "maximize"])
 def test_loading_a_torch_state_with_unsupported_flags_is_refused(key):
     _, saved = _torch_state(**{key: True})

@@ -24,7 +24,7 @@ from gemini.optim import state_dict as formats
 from gemini.optim.adam_batches import AdamClock, device_first, prepare_batches, recheck_uniform, run_batch
 from gemini.optim.clipping import clip_coefficient, grad_norm
 from gemini.optim.loss_scaler import ScaledBackwards, loss_scaler_for, update_scale
-from gemini.optim.param_groups import GroupLayout, check_flags
+from gemini.optim.param_groups import GroupLayout, check_flags, check_weight_decay_mode
 from gemini.parallel.zero import agree_grad_ready
 from gemini.report import MemoryReport, WarmupTimeline
 from offload.profiling import trace_range
@@ -153,6 +153,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._layout.check(self.param_groups)
         check_flags(self.param_groups, where="optimizer.param_groups",
                     advice="set it back to False or delete it (the step was not taken)")
+        check_weight_decay_mode(self.param_groups, adamw_mode=self.adamw_mode, where="optimizer.param_groups",
+                                advice=f"set it to {self.adamw_mode} or delete it (the step was not taken)")
 
     def _step(self, tx: StepTransaction) -> StepOutcome:
         """The step's phases 1-3 of [Note: a step is all or nothing]."""
@@ -236,6 +238,10 @@ class HybridAdam(torch.optim.Optimizer):
         check_flags(state_dict["param_groups"], where="the optimizer state's param_groups",
                     advice="nothing was loaded. Resume that run with the torch optimizer that saved it; gemini "
                            "can only go on from it as plain Adam/AdamW, with the key set to False in the state")
+        check_weight_decay_mode(state_dict["param_groups"], adamw_mode=self.adamw_mode,
+                                saved_mode=state_dict.get("gemini", {}).get("adamw_mode"),
+                                where="the optimizer state's param_groups",
+                                advice=f"nothing was loaded; to resume it, initialize with adamw_mode={not self.adamw_mode}")
 
     def _load_hyper_state(self, state_dict: dict[str, Any]) -> None:
         formats.load_hyper_state(self.param_groups, self.scaler, state_dict["param_groups"],

@@ -7,7 +7,8 @@ cannot change afterwards: a parameter added later has no chunk to be updated in,
 would still be updated by its chunk group. The hyperparameters can change at any time (learning
 rate schedulers edit ``lr`` and ``betas``), since every step reads them afresh. Neither can the
 flags of ``torch.optim.Adam`` / ``AdamW`` that ask for math the fused update (adam.py) does not
-do: a step honouring none of them would train differently from torch without a word.
+do, nor ``decoupled_weight_decay`` against ``adamw_mode`` (one kind of weight decay per optimizer):
+a step honouring none of them would train differently from torch without a word.
 
 The checks here run at every step, so they cost O(number of param groups): the parameter lists
 are compared element by element only when a list is not the one ``initialize`` gave.
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["UNSUPPORTED_FLAGS", "GroupLayout", "check_flags"]
+__all__ = ["UNSUPPORTED_FLAGS", "GroupLayout", "check_flags", "check_weight_decay_mode"]
 
 # torch.optim.Adam / AdamW options adam.py's update has no counterpart for (it passes them as
 # False): truthy, each would change the result (capturable and differentiable the graph or device
@@ -39,6 +40,27 @@ def check_flags(groups: Sequence[dict[str, Any]], *, where: str, advice: str) ->
                 raise ValueError(
                     f"{where}[{i}][{key!r}] = {value!r} is not supported: gemini's Adam/AdamW implements none "
                     f"of {', '.join(UNSUPPORTED_FLAGS)} (accepted: False, None or absent); {advice}")
+
+
+def check_weight_decay_mode(groups: Sequence[dict[str, Any]], *, adamw_mode: bool, where: str, advice: str,
+                            saved_mode: bool | None = None) -> None:
+    """Raise ``ValueError`` naming the first group that asks for the other weight decay than
+    ``adamw_mode``'s where that changes the math (its weight_decay is not 0). torch.optim.Adam's
+    groups say ``decoupled_weight_decay=False``, AdamW's True (torch follows a loaded group's
+    value); gemini's own states say ``adamw_mode`` once, ``saved_mode`` here."""
+    key = "decoupled_weight_decay"
+    for i, group in enumerate(groups):
+        mode = group.get(key, saved_mode)
+        if mode is None or bool(mode) == adamw_mode or not group.get("weight_decay", 0):
+            continue
+        source = f"{where}[{i}][{key!r}] = {mode!r}" if key in group else f"{where}[{i}] (saved with adamw_mode={mode!r})"
+        raise ValueError(
+            f"{source} with weight_decay {group['weight_decay']!r} asks for {_decay_kind(bool(mode))}, but this "
+            f"optimizer does {_decay_kind(adamw_mode)} (gemini.initialize(adamw_mode={adamw_mode})); {advice}")
+
+
+def _decay_kind(decoupled: bool) -> str:
+    return "AdamW's decoupled weight decay" if decoupled else "Adam's L2 weight decay (added to the gradient)"
 
 
 class GroupLayout:
