@@ -103,7 +103,7 @@ EDITS = {
     "popped (same list)": (lambda o: o.param_groups[1]["params"].pop(), r"param_groups\[1\]\['params'\] was changed"),
     "appended": (_append_outside, r"param_groups\[0\]\['params'\] was changed.*1 parameter added, of shapes \[\(3,\)\]"),
     "reordered": (_reverse, r"param_groups\[0\]\['params'\] was reordered"),
-    "group deleted": (lambda o: o.param_groups.pop(0), r"has 1 groups, gemini.initialize made 2 \(param_groups\[0\] no"),
+    "group deleted": (lambda o: o.param_groups.pop(0), r"has 1 group, gemini.initialize made 2 \(param_groups\[0\] no"),
     "group added": (lambda o: o.param_groups.append({"params": [], "lr": 1.0}), r"has 3 groups, gemini.initialize made 2"),
 }
 

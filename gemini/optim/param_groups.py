@@ -80,7 +80,7 @@ class GroupLayout:
             changed = next((i for i in range(min(len(param_groups), len(self._params)))
                             if not self._same(i, param_groups[i])), None)
             which = "" if changed is None else f" (param_groups[{changed}] no longer holds the parameters it was given)"
-            raise ValueError(f"optimizer.param_groups has {len(param_groups)} groups, gemini.initialize made "
+            raise ValueError(f"optimizer.param_groups has {_count(param_groups, 'group')}, gemini.initialize made "
                              f"{len(self._params)}{which}: groups can't be added or removed after initialize; "
                              f"{_FIXED}. Call gemini.initialize again with the param_groups you want")
         for i, hp in enumerate(param_groups):
@@ -114,5 +114,5 @@ class GroupLayout:
                 f"with the param_groups you want")
 
 
-def _count(items: Sequence[Any]) -> str:
-    return f"{len(items)} parameter" + ("" if len(items) == 1 else "s")
+def _count(items: Sequence[Any], noun: str = "parameter") -> str:
+    return f"{len(items)} {noun}" + ("" if len(items) == 1 else "s")
