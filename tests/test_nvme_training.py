@@ -310,3 +310,27 @@ def test_margin_takes_groups_back_from_nvme_and_training_stays_exact(tmp_path):
     assert opt._rt.nvme.groups == set() and opt.report.nvme_bytes == 0
     assert [f for f in os.listdir(opt._rt.storage.nvme.folder) if f.endswith(".bin")] == []
     opt.close()
+
+
+def test_exit_without_close_removes_the_files_quietly(tmp_path):
+    """Deletes still queued when the interpreter exits (its thread pools refuse work from then
+    on) are left to the store's exit cleanup, which removes the folder: no warning per file."""
+    script = textwrap.dedent(f"""
+        import torch, gemini
+        from torch import nn
+        m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+        config = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=4096, nvme_dir={str(tmp_path)!r},
+                                     nvme_offload_fraction=1.0)
+        model, opt = gemini.initialize(m, config, lr=1e-3)
+        for _ in range(2):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        print("trained")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
+    assert "could not delete" not in proc.stderr, proc.stderr[-3000:]
+    assert os.listdir(tmp_path) == []

@@ -222,6 +222,52 @@ def test_step_before_any_forward_is_a_no_op_like_torch(name):
     _assert_same_run(got, want)
 
 
+# Not auto-evicting: torch.autograd.grad holds every gradient at once, over its budget.
+@pytest.mark.parametrize("name", ["cuda", "cpu", "static", "auto-margin"])
+def test_gradients_assigned_without_backward_are_stepped_like_torch(name):
+    """``p.grad = g`` with gradients from torch.autograd.grad (no .backward()): torch's step
+    takes them; they were silently dropped where no gradient view was out."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+    for step, (x, y) in enumerate(data):
+        for model, o in ((ref, ref_opt), (gmodel, opt)):
+            params = [p for p in model.parameters() if p.requires_grad]
+            if step == 2:
+                params = params[::2]  # some parameters without a gradient: skipped, as torch skips them
+            grads = torch.autograd.grad(GPT.loss(model(x), y), params)
+            for p, g in zip(params, grads):
+                p.grad = g
+            o.step()
+            o.zero_grad()
+        assert_params_close({k: v.detach() for k, v in gmodel.state_dict().items()}, ref.state_dict(), step=step)
+
+
+def test_a_parameter_unfrozen_after_initialize_is_refused_before_the_step():
+    """A parameter frozen at initialize has no gradient or optimizer-state chunk: made trainable
+    afterwards, torch would train it and gemini could not, so the step refuses, changing nothing."""
+    base, ref = clone_pair(CFG)
+    for model in (base, ref):
+        model.lm_head.weight.requires_grad_(False)  # tied to the token embedding: frozen both
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, **CONFIGS["cpu"]), lr=1e-2,
+                                    weight_decay=0.1)
+    data = batches(CFG, 2, batch=2, seq=16)
+    frozen = gmodel.module.wte.weight
+    frozen.requires_grad_(True)
+    GPT.loss(gmodel(data[0][0]), data[0][1]).backward()
+    before = {k: v.detach().to("cpu", copy=True) for k, v in gmodel.state_dict().items()}
+    with pytest.raises(ValueError, match="wte.weight had requires_grad=False at gemini.initialize"):
+        opt.step()
+    assert_params_close({k: v.detach() for k, v in gmodel.state_dict().items()}, before, rtol=0, atol=0)
+    frozen.requires_grad_(False)  # set back: training goes on as if it never changed
+    frozen.grad = None
+    opt.zero_grad()
+    _, want = _loop(ref, ref_opt, data)
+    _, got = _loop(gmodel, opt, data)
+    _assert_same_run(got, want)
+
+
 def test_fp16_gradients_are_refused_loudly_and_model_clip_works():
     """Under fp16 the chunks hold loss-scaled gradients: torch's clip must fail loudly instead of
     clipping scaled values (or returning 0); model.clip_grad_norm_ returns the unscaled norm."""

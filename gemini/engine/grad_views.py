@@ -222,6 +222,24 @@ class GradViews:
             raise RuntimeError("gemini: tensors were assigned to p.grad where gemini's gradient cannot be replaced "
                                "(it was kept): " + "; ".join(refused))
 
+    def adopt_assigned(self, buffer) -> None:
+        """Before a step, after :meth:`hide` or :meth:`settle`: a tensor assigned to ``p.grad`` of a
+        parameter that had no view out (no backward ran, or its gradient came from
+        ``torch.autograd.grad``) is its gradient, as torch's step takes it; ``buffer(group)`` gives
+        the group's gradient chunk to write it into."""
+        for g in self.manager.trainable_groups:
+            for slot, p in zip(g.slots, g.params):
+                grad = p.grad
+                if grad is None or p in self._out:
+                    continue
+                if self._unavailable_reason is not None:
+                    raise RuntimeError("gemini: a tensor was assigned to p.grad where gemini's gradient cannot be "
+                                       "replaced: " + self._unavailable_reason.format(name=slot.name))
+                buffer(g).flat_view(slot).copy_(grad.reshape(-1))  # slots not ready are never read
+                g.grad_ready[slot.index] = True
+                p.grad = None
+                self._settled_whole = False  # expose() puts it back as the view, as after a backward
+
     @staticmethod
     def _forget(g: ChunkGroup, index: int) -> None:
         """``p.grad = None`` for one parameter: it has no gradient until the next backward."""
