@@ -316,6 +316,9 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     if sharded:
         if optimizer is None:
             raise ValueError("a sharded checkpoint holds the parameters in the optimizer's masters: pass the optimizer")
+        if path.is_file():
+            raise ValueError(f"load_checkpoint({str(path)!r}, sharded=True): that is a file; sharded=True reads the "
+                             f"folder save_checkpoint(..., sharded=True) wrote (load a file with sharded=False)")
         rank, world = optimizer._rt.manager.rank, optimizer._rt.manager.world
         file = _shard_file(path, rank, world)
         if not file.exists():
@@ -329,7 +332,12 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
                 own[key].copy_(value)
         optimizer.load_sharded_state_dict(state["optimizer"])
         return
+    if path.is_dir():
+        raise ValueError(f"load_checkpoint({str(path)!r}): that is a folder; a sharded checkpoint (the folder "
+                         f"save_checkpoint(..., sharded=True) wrote) loads with sharded=True")
     state = _load(path)
+    if optimizer is not None:
+        optimizer.check_state_dict(state["optimizer"])  # a state that does not fit leaves the model as it was
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

@@ -26,7 +26,7 @@ from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
-from gemini.policies import device_groups, make_placement, placement_type
+from gemini.policies import check_supported, device_groups, make_placement, placement_type
 from gemini.report import ReportWriter
 from gemini.engine.runtime import GeminiRuntime
 from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
@@ -75,7 +75,7 @@ def initialize(
         raise TypeError(f"config must be a gemini.GeminiConfig, got {type(config).__name__}")
     config.check_device_available()
     _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    _check_supported(config)
+    check_supported(config)  # combinations of fields that mean nothing fail loudly
     writer = _open_report(config)
     tie_meta_weights(model)
     # Checked against the model (and buffers loaded) before anything is allocated.
@@ -219,15 +219,6 @@ def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"eps={eps!r} is invalid: expected a finite number >= 0")
     if not isinstance(weight_decay, (int, float)) or not (0.0 <= weight_decay < math.inf):
         raise ValueError(f"weight_decay={weight_decay!r} is invalid: expected a finite number >= 0")
-
-
-def _check_supported(config: GeminiConfig) -> None:
-    """Combinations of fields that have no meaning fail loudly, never silently."""
-    if config.gpu_margin_mem_ratio != 0.0 and not placement_type(config.placement).has_margin:
-        raise ValueError(
-            f"GeminiConfig.gpu_margin_mem_ratio={config.gpu_margin_mem_ratio} needs placement='auto' "
-            f"(placement={config.placement!r} has no margin); use 0.0 or placement='auto'"
-        )
 
 
 def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout) -> NvmeTier | None:

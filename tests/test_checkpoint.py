@@ -376,3 +376,27 @@ def test_full_disk_is_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "--lazy", str(mnt)], check=False)  # a file still open: detach anyway
+
+
+def test_an_optimizer_state_that_does_not_fit_leaves_the_model_as_it_was(tmp_path):
+    """All or nothing: the optimizer state is checked before the model's weights are loaded."""
+    gmodel, opt = _trained(steps=1)
+    path = tmp_path / "ckpt.pt"
+    gemini.save_checkpoint(path, gmodel, opt)
+    model2 = make_gpt(seed=1)
+    model2, opt2 = gemini.initialize(model2, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000),
+                                     lr=1e-2, param_groups=[{"params": [model2.ln_f.weight], "lr": 1e-3}])
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(ValueError, match=r"optimizer state has 1 param group\(s\), this optimizer 2"):
+        gemini.load_checkpoint(path, model2, opt2)
+    assert_params_close(model2.state_dict(), before, rtol=0, atol=0)
+
+
+def test_a_file_loaded_as_sharded_and_a_folder_as_whole_are_named(tmp_path):
+    gmodel, opt = _trained(steps=1)
+    gemini.save_checkpoint(tmp_path / "whole.pt", gmodel, opt)
+    gemini.save_checkpoint(tmp_path / "shards", gmodel, opt, sharded=True)
+    with pytest.raises(ValueError, match="that is a file; sharded=True reads the folder"):
+        gemini.load_checkpoint(tmp_path / "whole.pt", gmodel, opt, sharded=True)
+    with pytest.raises(ValueError, match="that is a folder; a sharded checkpoint .* loads with sharded=True"):
+        gemini.load_checkpoint(tmp_path / "shards", gmodel, opt)

@@ -508,3 +508,25 @@ def test_plan_counts_activations_and_agrees_with_train(budget, fits, capsys):
         trained = e.code == 0
     capsys.readouterr()
     assert trained == fits
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_device_cuda_without_cuda_is_a_one_line_error(command, capsys):
+    """The batch was made on the device before initialize checked it: torch's AssertionError."""
+    argv = [command, "--device", "cuda", "--steps", "1"] + (SMALL_GPT if command == "train" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"gemini {command}: error: GeminiConfig.device='cuda' is invalid" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--placement", "cpu", "--gpu-margin-mem-ratio", "0.5"], "gpu_margin_mem_ratio=0.5 needs placement='auto'"),
+    (["--static-optimizer-offload-fraction", "0.5"], "static_optimizer_offload_fraction=0.5 needs placement='static'"),
+])
+def test_plan_refuses_what_train_refuses(argv, field, capsys):
+    """A plan said 'fits: yes' for a combination initialize refuses."""
+    assert main(["plan", "--device", "cpu", *SMALL_GPT, *argv]) == 2
+    assert field in capsys.readouterr().err
+    assert main(["train", "--device", "cpu", *SMALL_GPT, "--steps", "1", *argv]) == 2
+    assert field in capsys.readouterr().err

@@ -158,6 +158,26 @@ def _report_path_error(value) -> str:
     return message
 
 
+@pytest.mark.parametrize("placement,field,value", [
+    ("auto", "static_optimizer_offload_fraction", 0.5), ("cpu", "static_param_device_fraction", 0.3),
+    ("cuda", "static_optimizer_offload_fraction", 1.0),
+])
+def test_a_static_fraction_under_another_placement_is_refused(placement, field, value):
+    """Only placement='static' reads the fractions: set under another they were silently ignored."""
+    config = gemini.GeminiConfig(device="cpu", placement=placement, **{field: value})
+    with pytest.raises(ValueError, match=rf"{field}={value} needs placement='static' \(placement='{placement}' "
+                                         rf"ignores it\)"):
+        gemini.initialize(GPT(TINY), config)
+    with pytest.raises(ValueError, match=rf"{field}={value} needs placement='static'"):
+        gemini.plan_placement(GPT(TINY), config)
+
+
+def test_a_process_group_of_the_wrong_type_is_named():
+    """Before: 'torch.distributed is not initialized', which is not what is wrong."""
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup or None, got str 'WORLD'"):
+        gemini.initialize(GPT(TINY), gemini.GeminiConfig(device="cpu", placement="cpu", process_group="WORLD"))
+
+
 def test_report_path_problems_fail_when_the_config_is_made(tmp_path):
     (tmp_path / "afile").write_text("x")
     assert "not a folder" in _report_path_error(tmp_path)  # a folder, not a file

@@ -160,7 +160,8 @@ def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
 def test_process_group_without_distributed_is_a_clear_error():
     if torch.distributed.is_initialized():
         pytest.skip("a process group exists in this process")
-    with pytest.raises(ValueError, match="process_group"):
+    # Not a group at all: its type is named first (before: "torch.distributed is not initialized").
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed.ProcessGroup or None, got object"):
         gemini.initialize(zw.make_net(), gemini.GeminiConfig(device="cpu", process_group=object()))
 
 

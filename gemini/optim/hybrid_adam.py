@@ -260,8 +260,13 @@ class HybridAdam(torch.optim.Optimizer):
         """Load ``state_dict()``'s format, or a ``torch.optim.AdamW`` / ``Adam`` state whose flags
         this update implements (``ValueError`` for amsgrad, maximize, ... set, before any change)."""
         self._check_loadable(state_dict)
-        formats.load_full_state_dict(self._rt, self.param_groups, state_dict)
+        formats.load_full_state_dict(self._rt, self.param_groups, state_dict)  # checks all before writing
         self._load_hyper_state(state_dict)
+
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
+        self._check_loadable(state_dict)
+        formats.check_full_state_dict(self._rt, self.param_groups, state_dict)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the training state, with no communication: per chunk group this

@@ -97,9 +97,22 @@ def full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, hyper: HyperSt
 def load_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any]) -> None:
     """Write m, v and the step counts from ``full_state_dict``'s format (the hyper-state is the
     caller's, see ``load_hyper_state``). A parameter without saved state starts afresh."""
+    saved_index = check_full_state_dict(rt, param_groups, state_dict)
+    state = state_dict["state"]
+    with torch.no_grad():
+        for g in rt.manager.trainable_groups:
+            # Every element of m and v is written: their files (maybe corrupted) are not read.
+            with rt.resident(g, modify=True, chunks=(g.exp_avg, g.exp_avg_sq), overwrite=True):
+                _load_group_state(g, state, saved_index)
+
+
+def check_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any]) -> dict[int, int]:
+    """Every check of :func:`load_full_state_dict`, before any write (a checkpoint's model is
+    loaded only once its optimizer state is known to fit); returns where each parameter's state
+    is in it."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
-        raise ValueError(f"optimizer state has {len(saved_groups)} param groups, this optimizer {len(param_groups)}")
+        raise ValueError(f"optimizer state has {len(saved_groups)} param group(s), this optimizer {len(param_groups)}")
     for i, (saved, hp) in enumerate(zip(saved_groups, param_groups)):
         if len(saved["params"]) != len(hp["params"]):
             raise ValueError(
@@ -117,11 +130,7 @@ def load_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dic
                 if entry is not None and tuple(entry[key].shape) != tuple(slot.shape):
                     raise ValueError(f"state for {slot.name}: {key} shape {tuple(entry[key].shape)} != "
                                      f"parameter shape {tuple(slot.shape)}")
-    with torch.no_grad():
-        for g in rt.manager.trainable_groups:
-            # Every element of m and v is written: their files (maybe corrupted) are not read.
-            with rt.resident(g, modify=True, chunks=(g.exp_avg, g.exp_avg_sq), overwrite=True):
-                _load_group_state(g, state, saved_index)
+    return saved_index
 
 
 def _load_group_state(g: ChunkGroup, state: dict, saved_index: dict[int, int]) -> None:
@@ -179,7 +188,7 @@ def load_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> No
     saved, mine = state_dict["layout"], _layout_signature(rt)
     for key in ("world", "rank", "precision", "capacities"):
         if saved[key] != mine[key]:
-            shown = (lambda v: f"{len(v)} chunk groups of capacities {v[:4]}...") if key == "capacities" else repr
+            shown = (lambda v: f"{v[:4]}{'...' if len(v) > 4 else ''} ({len(v)} chunk group(s))") if key == "capacities" else repr
             raise ValueError(f"sharded optimizer state has {key} {shown(saved[key])}, this run "
                              f"{shown(mine[key])}: load the consolidated state_dict() instead")
     with torch.no_grad():

@@ -51,14 +51,14 @@ def resolve_group(process_group) -> Collectives | None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         process_group = dist.group.WORLD
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):  # the type first: "WORLD"
+        raise TypeError(f"GeminiConfig.process_group must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(process_group).__name__} {process_group!r}")
+    if not dist.is_initialized():
         raise ValueError(
             f"GeminiConfig.process_group={process_group!r} is set but torch.distributed is not initialized: "
             f"call torch.distributed.init_process_group first (torchrun sets the environment it reads)"
         )
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"GeminiConfig.process_group must be a torch.distributed.ProcessGroup or None, "
-                        f"got {type(process_group).__name__}")
     comm = Collectives(process_group)
     return comm if comm.world > 1 else None
 

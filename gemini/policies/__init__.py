@@ -16,6 +16,8 @@ keeps on the device. Policies import nothing of the engine (gemini/engine/), of 
 
 from __future__ import annotations
 
+import dataclasses
+
 from chunks import ChunkManager
 from gemini.config import GeminiConfig
 from gemini.policies.auto import AutoPlacement
@@ -23,8 +25,8 @@ from gemini.policies.base import PlacementPolicy
 from gemini.policies.fixed import CpuPlacement, CudaPlacement, StaticPlacement
 from gemini.policies.footprint import DeviceGroups, Layout
 
-__all__ = ["AutoPlacement", "CpuPlacement", "CudaPlacement", "PlacementPolicy", "StaticPlacement", "device_groups",
-           "make_placement", "placement_type"]
+__all__ = ["AutoPlacement", "CpuPlacement", "CudaPlacement", "PlacementPolicy", "StaticPlacement", "check_supported",
+           "device_groups", "make_placement", "placement_type"]
 
 # Every placement by its name: the name is looked up here, once; what differs is asked of the class.
 _TYPES: dict[str, type[PlacementPolicy]] = {
@@ -38,6 +40,22 @@ def placement_type(name: str) -> type[PlacementPolicy]:
         return _TYPES[name]
     except KeyError:
         raise ValueError(f"GeminiConfig.placement={name!r} has no policy; expected cuda, cpu, static or auto") from None
+
+
+def check_supported(config: GeminiConfig) -> None:
+    """A field only another placement reads, set, fails loudly rather than being ignored (the
+    planner and ``initialize`` both ask)."""
+    own = placement_type(config.placement)
+    for cls in _TYPES.values():
+        for name in cls.own_fields:
+            value, default = getattr(config, name), _DEFAULTS[name]
+            if cls is not own and name not in own.own_fields and value != default:
+                why = "has no margin" if name == "gpu_margin_mem_ratio" else "ignores it"
+                raise ValueError(f"GeminiConfig.{name}={value} needs placement={cls.name!r} "
+                                 f"(placement={config.placement!r} {why}); use {default} or placement={cls.name!r}")
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GeminiConfig)}
 
 
 def make_placement(config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,

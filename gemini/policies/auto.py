@@ -51,6 +51,7 @@ class AutoPlacement(PlacementPolicy):
     name = "auto"
     plans_from_measurement = True
     has_margin = True
+    own_fields = ("gpu_margin_mem_ratio",)
     evicts = True
     budget_advice = CpuPlacement.budget_advice  # its warm-up moves chunks as "cpu" does
 

@@ -40,6 +40,9 @@ class PlacementPolicy:
     plans_from_measurement = False
     # Whether it keeps optimizer states in the warm-up's margin (GeminiConfig.gpu_margin_mem_ratio).
     has_margin = False
+    # GeminiConfig fields only this policy reads: set away from their defaults under another
+    # placement they would be silently ignored, so ``check_supported`` refuses that.
+    own_fields: tuple[str, ...] = ()
     # Whether every chunk lives on the device from registration on, whatever the config says
     # (initialize then checks the budget before allocating anything).
     keeps_every_chunk_on_device = False

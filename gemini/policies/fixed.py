@@ -70,6 +70,7 @@ class StaticPlacement(PlacementPolicy):
     """
 
     name = "static"
+    own_fields = ("static_param_device_fraction", "static_optimizer_offload_fraction")
     budget_advice = ("lower static_param_device_fraction or raise static_optimizer_offload_fraction (fewer chunks "
                      "kept on the device), use placement='auto' (chunks evicted under pressure), or a smaller batch")
 

@@ -101,7 +101,7 @@ def choose_nvme_groups(
             )
         if depth < wanted and nvme_available:
             logger.warning(
-                "GeminiConfig.cpu_memory=%s holds %d chunk groups' states, not the %d of nvme_pipeline_depth=%d: "
+                "GeminiConfig.cpu_memory=%s holds the states of %d chunk group(s), not the %d of nvme_pipeline_depth=%d: "
                 "the NVMe pipeline runs at depth %d%s", format_size(cpu_memory), 2 * depth + 1, 2 * wanted + 1, wanted,
                 depth, " (no overlap of I/O and compute)" if depth == 0 else "",
             )

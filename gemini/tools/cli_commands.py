@@ -63,7 +63,8 @@ def _model_data_bytes(cfg: GPTConfig, args: argparse.Namespace) -> int:
     with torch.device("meta"):
         model = GPT(cfg)
     config = _gemini_config(args, device="cpu", placement="cpu", device_memory=None, cpu_memory=None,
-                            nvme_dir=None, nvme_offload_fraction=0.0, gpu_margin_mem_ratio=0.0, report_path=None)
+                            nvme_dir=None, nvme_offload_fraction=0.0, gpu_margin_mem_ratio=0.0, report_path=None,
+                            static_param_device_fraction=1.0, static_optimizer_offload_fraction=0.0)
     plan = plan_placement(model, config)
     return sum(plan.tier_bytes(t) for t in plan.model_bytes_by_tier)
 
@@ -91,6 +92,7 @@ def _timeline_line(t: WarmupTimeline, r: MemoryReport) -> str:
 
 
 def _train(args: argparse.Namespace, cfg: GPTConfig, config: GeminiConfig) -> list[StepResult]:
+    config.check_device_available()  # before the batch is made there: a one-line error, not torch's
     # One unit for the whole run, readable at its scale (MiB for a demo, GiB for a real model).
     unit = args.unit or readable_unit(config.device_memory or _model_data_bytes(cfg, args))[0]
     model = _seeded_gpt(cfg)

@@ -24,6 +24,7 @@ from torch import nn
 
 from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
+from gemini.policies import check_supported
 from gemini.policies.footprint import chunk_bytes, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
 from gemini.tools.forecast import PlacementForecast, forecast_for
@@ -143,6 +144,7 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
     output). Without them the verdict says that activations were not counted.
     """
+    check_supported(config)  # what initialize refuses, the plan does not call fitting
     _, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
     chunk_size = resolve_chunk_size(config, numels)
