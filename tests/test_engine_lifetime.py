@@ -11,13 +11,13 @@ import torch
 
 import gemini
 from gemini.tools.gpt import GPT
-from gemini.engine.hooks import _BackwardUse
+from gemini.engine.backward_uses import BackwardUse
 from helpers import DEVICE, TINY, batches, make_gpt, roomy_budget
 
 
 def _live_backward_uses() -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, _BackwardUse))
+    return sum(1 for o in gc.get_objects() if isinstance(o, BackwardUse))
 
 
 @pytest.mark.parametrize("placement", ["cpu", "auto"])

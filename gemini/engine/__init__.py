@@ -2,7 +2,9 @@
 
 - ``runtime``: GeminiRuntime, the iteration (warm-up, planned, steady)
 - ``hooks``: the one set of module and gradient hooks that drive it
+- ``backward_uses``: each module call followed through backward (begun, done), per graph task
 - ``residency``: every move of chunk groups around compute and the step, as the policy decides
+- ``step_moves``: the step's side of ``Residency`` (a base class of it)
 - ``warmup``: the warm-up iteration's measurements and the plan made from them
 - ``memory``: the device budget, measured (DeviceMemory)
 - ``grad_views``: parameters' .grad as views of gradient chunks
@@ -13,5 +15,5 @@
 - ``system_memory``: host memory, measured
 """
 
-__all__ = ["activations", "grad_views", "hooks", "memory", "nvme_tier", "residency", "runtime", "step_report", "system_memory",
-           "transaction", "warmup"]
+__all__ = ["activations", "backward_uses", "grad_views", "hooks", "memory", "nvme_tier", "residency", "runtime",
+           "step_moves", "step_report", "system_memory", "transaction", "warmup"]

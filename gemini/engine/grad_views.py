@@ -56,7 +56,19 @@ from torch.utils._pytree import tree_flatten
 
 from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
 
-__all__ = ["GradViews", "UnavailableGrad"]
+__all__ = ["GradViews", "UnavailableGrad", "why_no_grad_views"]
+
+
+def why_no_grad_views(*, zero_world: int | None, precision: str) -> str | None:
+    """Why ``p.grad`` cannot be an exact view (ZeRO over ``zero_world`` ranks, fp16), with a
+    {name} field; None where it can (see [Note: gradients exposed as p.grad])."""
+    fix = "clip with model.clip_grad_norm_(max_norm) or GeminiConfig(clip_grad_norm=...)"
+    if zero_world is not None:
+        return (f"gemini: under ZeRO each rank keeps 1/{zero_world} of the reduced gradient of {{name}}, "
+                f"so no whole p.grad exists; {fix}")
+    if precision == "fp16":
+        return f"gemini: under precision='fp16' the gradient of {{name}} is loss-scaled; {fix}"
+    return None
 
 
 class UnavailableGrad(torch.Tensor):

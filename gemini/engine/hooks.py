@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.autograd.graph import get_gradient_edge
 
 from chunks import ChunkGroup, ChunkManager
+from gemini.engine.backward_uses import BackwardUse, hook_all_grads_of, hook_nodes_of, needing_grad
 from gemini.engine.memory import DeviceBudgetError
 from gemini.engine.residency import Residency
 from offload.profiling import trace_range
@@ -29,25 +30,6 @@ from tracer import Boundary, PeriodHooks
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModuleHooks"]
-
-
-class _BackwardUse:
-    """One forward call of a module, seen from the backward pass: ``begun`` when its outputs'
-    gradients arrive (its backward starts), ``done`` when its inputs' gradients are computed."""
-
-    __slots__ = ("groups", "begun", "done", "via_inputs")
-
-    def __init__(self, groups: list[ChunkGroup]) -> None:
-        self.groups = groups
-        self.begun = False
-        self.done = False
-        self.via_inputs = False  # done is reported by its inputs' gradients (else by its nodes)
-
-
-# A call whose inputs need no gradient reports done through the autograd nodes of its graph;
-# beyond this many nodes, hooking them all costs more than holding its chunks until its
-# gradients are in.
-_MAX_NODES_FOLLOWED = 64
 
 
 def _weak_method(method: Callable) -> Callable:
@@ -60,41 +42,6 @@ def _weak_method(method: Callable) -> Callable:
             bound(*args)
 
     return call
-
-
-def _needing_grad(tree) -> list[torch.Tensor]:
-    if not torch.is_grad_enabled():
-        return []
-    tensors = {id(t): t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad}
-    return list(tensors.values())
-
-
-# [Note: a hook on all inputs' gradients without a cycle]
-# ``register_multi_grad_hook(mode="all")`` keeps the tensors' autograd nodes in the closure of
-# the hooks it puts on those very nodes: a cycle through C++ that the garbage collector cannot
-# see, so every module call leaked its input nodes — and through their edges the rest of its
-# graph, with the hooks of every call in it (about 30 closures an iteration on a 2-layer GPT,
-# for good). This hook counts instead: each input tensor's hook adds one, and ``hook`` runs when
-# all have fired, holding nothing of the graph. An input whose gradient this backward never
-# computes (a partial backward) leaves the count short: the call is then never reported done and
-# its groups are held until their gradients are in, the conservative path (see [Note: a group
-# between its uses in backward] in gemini/engine/residency.py).
-def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
-    """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed
-    (see [Note: a hook on all inputs' gradients without a cycle]); False if none needs one."""
-    tensors = _needing_grad(tree)
-    if not tensors:
-        return False
-    left = [len(tensors)]
-
-    def one(grad: torch.Tensor) -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            hook()
-
-    for t in tensors:
-        t.register_hook(one)
-    return True
 
 
 class ModuleHooks:
@@ -122,9 +69,13 @@ class ModuleHooks:
         self._on_root_forward_end = on_root_forward_end
         self._accumulated_in_place = accumulated_in_place
         self._handles: list = []
-        self._open_uses: dict[nn.Module, list[_BackwardUse | None]] = {}
-        # The autograd graph task whose end-of-backward callback is queued (None: none is).
+        self._open_uses: dict[nn.Module, list[BackwardUse | None]] = {}
+        # The autograd graph task whose end-of-backward callback is queued (None: none is), and
+        # whether it is the iteration's backward (see [Note: a graph task that accumulates no
+        # parameter gradient]).
         self._backward_task: int | None = None
+        self._iteration_pass = False
+        self._task_seen: int | None = None  # the graph task whose hooks ran last
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
         # Registered first, so the root's pre-hook runs before (and its post-hook before)
@@ -239,12 +190,11 @@ class ModuleHooks:
             # This call's backward is done once its inputs' gradients are (see [Note: a group
             # between its uses in backward]); a recompute's inputs never get gradients.
             if torch._C._current_graph_task_id() == -1 and self.residency.track_backward_uses(groups):
-                use = uses[-1] = _BackwardUse(groups)
+                use = uses[-1] = BackwardUse(groups)
                 use.via_inputs = hook_all_grads_of(args, functools.partial(self._backward_use_done, use))
 
-    def _backward_use_done(self, use: _BackwardUse, *grads) -> None:
-        if use.begun and not use.done:  # inputs that got gradients along another path: not this use's
-            use.done = True
+    def _backward_use_done(self, use: BackwardUse) -> None:
+        if use.finish():
             with self._phase("gemini::backward_use_done"):
                 self.residency.backward_use_done(use.groups)
 
@@ -257,38 +207,9 @@ class ModuleHooks:
             # parameters' AccumulateGrad (run after the call's own nodes) cannot take a
             # gradient into: such calls are held until their gradients are in.
             if use is not None and not use.via_inputs and self.residency.gatherer is None:
-                self._hook_nodes_of(output, use)
+                hook_nodes_of(output, functools.partial(self._backward_use_done, use))
             self._hook_grads_of(output, functools.partial(self._pre_backward, groups, use))
         return None
-
-    def _hook_nodes_of(self, output, use: _BackwardUse) -> None:
-        """A call whose inputs need no gradient (an embedding) is done once every autograd node
-        between its outputs and its parameters has run: then nothing of its backward is left
-        to read them. A call with a larger graph than this is worth is held until its groups'
-        gradients are in."""
-        nodes: list = []
-        seen: set = set()
-        stack = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a parameter
-                continue
-            seen.add(node)
-            nodes.append(node)
-            if len(nodes) > _MAX_NODES_FOLLOWED:
-                return
-            stack.extend(fn for fn, _ in node.next_functions)
-        if not nodes:
-            return
-        left = [len(nodes)]
-
-        def ran(grad_inputs, grad_outputs) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                self._backward_use_done(use, grad_inputs)
-
-        for node in nodes:
-            node.register_hook(ran)
 
     @torch._disable_dynamo
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
@@ -303,18 +224,53 @@ class ModuleHooks:
     def _hook_grads_of(tree, hook) -> bool:
         """``hook(grad)`` once, when the first gradient of the tensors in ``tree`` that need one
         arrives (``register_multi_grad_hook``'s mode "any"); False if none needs one."""
-        tensors = _needing_grad(tree)
+        tensors = needing_grad(tree)
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
             return True
         return False
 
     # -------------------------------------------------------------------------- backward
+    # [Note: a graph task that accumulates no parameter gradient]
+    # Not every autograd graph task through the model is the iteration's backward:
+    # ``torch.autograd.grad(out, x)`` (a saliency map; an input-gradient penalty with
+    # create_graph=True) and ``backward(inputs=[x])`` compute gradients of inputs and accumulate
+    # none into a parameter. Such a task reads the parameters all the same (the pre-backward
+    # hooks fetch them, its end releases them), but it is no backward pass: no p.grad is armed
+    # or exposed, no gradient moves, neither fp16's scaled count nor auto's warm-up counts it,
+    # and auto's iteration goes on. Taken for the pass, it armed p.grad for nothing, fp16 then
+    # refused the step (a second, unscaled pass), and the real backward after it was no longer
+    # the pass. (Under create_graph its groups are held past its end: [Note: parameters a
+    # create_graph pass saved] in residency.py.) Whether the running task will accumulate, torch
+    # says node by node: a parameter's AccumulateGrad node is asked at the first hook of each
+    # task, until one says yes (one question in an ordinary backward; the task's id spares its
+    # later hooks even that). A task nested in one that accumulates nothing (reentrant
+    # checkpointing runs a segment's backward inside the outer task) that does accumulate makes
+    # the outer pass the iteration's backward: its end callback is queued already.
     def _begin_backward_pass(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self._task_seen:
+            return
+        self._task_seen = task
         if self._backward_task is None:
-            self._backward_task = torch._C._current_graph_task_id()
+            self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._iteration_pass and self._accumulates_parameters():
+            self._iteration_pass = True
             self._on_backward_begin()
+
+    def _accumulates_parameters(self) -> bool:
+        """Whether the running graph task will accumulate a gradient into a trainable parameter."""
+        for group in self.manager.trainable_groups:
+            for p in group.params:
+                if not p.requires_grad:
+                    continue
+                try:
+                    if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
+                        return True
+                except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured, not accumulated
+                    pass
+        return False
 
     # [Note: a backward pass that raised]
     # Autograd runs a queued callback only when its graph task completes: when the backward
@@ -324,19 +280,24 @@ class ModuleHooks:
     # and the groups fetched for that backward stayed held. torch recovers with zero_grad() and
     # the next batch, so the engine ends the broken pass at the first call that can only come
     # after it: the next forward, zero_grad() or step(), outside any backward. The pass counts
-    # as one: under fp16 it went through optimizer.backward, which counted it as scaled.
+    # as one: under fp16 it went through optimizer.backward, which counted it as scaled. The
+    # iteration it belonged to is given up, and with it the graphs its create_graph passes made:
+    # the groups held for them go (see [Note: parameters a create_graph pass saved]).
     def end_aborted_backward(self) -> None:
         """End a backward pass that raised (see [Note: a backward pass that raised])."""
         if self._backward_task is not None and torch._C._current_graph_task_id() == -1:
             logger.info("a backward pass raised before it ended: closing it")
             self._end_of_backward()
+            self.residency.release_held()
 
-    def _pre_backward(self, groups: list[ChunkGroup], use: _BackwardUse | None, grad) -> None:
+    def _pre_backward(self, groups: list[ChunkGroup], use: BackwardUse | None, grad) -> None:
         with self._phase("gemini::pre_backward"):
             self._begin_backward_pass()
             if use is not None:
-                use.begun = True
+                use.begin()
             self.residency.before_backward(groups)
+            if torch.is_grad_enabled():  # create_graph=True: the graph it makes saves the parameters
+                self.residency.hold(groups)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
@@ -349,6 +310,14 @@ class ModuleHooks:
             return
         with self._phase("gemini::grad_to_chunk"):
             group, slot = self.manager.locate(param)
+            if param.grad.requires_grad:
+                param.grad = None  # not left for the next pass to accumulate onto
+                raise RuntimeError(
+                    f"gemini: backward(create_graph=True) made the gradient of {slot.name} part of an autograd "
+                    f"graph (a higher-order gradient through the parameters). Gradients live in gemini's chunks, "
+                    f"which hold values only: higher-order gradients through parameters are not supported. "
+                    f"Input-gradient penalties are (WGAN-GP, R1): compute them with torch.autograd.grad(outputs, "
+                    f"inputs=<the inputs>, create_graph=True) and backward the loss with the penalty added.")
             if group.grads_this_backward == 0:
                 self.residency.mark()  # the group's first gradient of this backward
             grad = self.residency.grad_buffer(group)
@@ -373,6 +342,10 @@ class ModuleHooks:
         """Close chunk groups whose parameters got no gradient (unused or frozen)."""
         with trace_range("gemini::end_of_backward"):
             self._backward_task = None
+            if not self._iteration_pass:  # see [Note: a graph task that accumulates no parameter gradient]
+                self.residency.end_backward(iteration=False)
+                return
+            self._iteration_pass = False
             self.backward_passes += 1
             for group in self.residency.groups_fetched_for_backward():
                 group.grads_this_backward = 0

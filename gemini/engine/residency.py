@@ -12,26 +12,21 @@ the NVMe tier of the optimizer states (``nvme``).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 
-import torch
-
 from chunks import ChunkGroup, ChunkManager, ChunkState, Tier
-from gemini.errors import DeviceBudgetError
 from gemini.engine.nvme_tier import NvmeTier
+from gemini.engine.step_moves import StepMoves
 from gemini.parallel.zero import GradReducer, ParamGatherer
 from gemini.policies.base import PlacementPolicy
 from tracer import Boundary
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["Residency"]
 
 
-class Residency:
-    """Where chunk groups are, moved as the iteration goes.
+class Residency(StepMoves):
+    """Where chunk groups are, moved as the iteration goes (around the step: :class:`StepMoves`).
 
     [Note: parameter chunks around compute]
     Before a module runs (forward, or backward via the pre-backward hook), the param chunks
@@ -60,6 +55,7 @@ class Residency:
         # Released in backward, dropped when the next module's compute begins without them.
         self._release_pending: set[int] = set()
         self._latest_backward_groups: list[ChunkGroup] = []  # of the call whose backward began last
+        self._held: set[int] = set()  # until the step: see [Note: parameters a create_graph pass saved]
         self._pinned: set[int] = set()  # groups kept whole on the device (the policy's choice, applied)
         self.evictions = 0
         # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
@@ -227,17 +223,56 @@ class Residency:
               and not self.policy.keep_grads_on_device(group)):
             group.grad.move_to(Tier.HOST)
 
-    def end_backward(self) -> None:
-        """The backward pass is over (after ``after_backward`` of every group it touched)."""
+    def end_backward(self, *, iteration: bool = True) -> None:
+        """The backward pass is over (after ``after_backward`` of every group it touched); with
+        ``iteration=False`` a graph task that accumulated no parameter gradient, whose groups are
+        released here (see [Note: a graph task that accumulates no parameter gradient] in
+        gemini/engine/hooks.py): no gradient to reduce, and the policy's iteration goes on."""
+        if not iteration:
+            fetched, self._fetched_for_backward = self._fetched_for_backward, set()
+            for i in sorted(fetched):
+                if self._compute_refs.get(i, 0) == 0:
+                    self._maybe_drop_params(self.manager.groups[i])
         self._backward_uses_open.clear()
         self._drop_released([])
         self._latest_backward_groups = []
-        if self.reducer is not None:
+        if iteration and self.reducer is not None:
             self.reducer.end_backward()
         if self.gatherer is not None:
             busy = {i for i, refs in self._compute_refs.items() if refs > 0} | self._fetched_for_backward
             self.gatherer.release_all(busy)
-        self.policy.end_backward()
+        if iteration:
+            self.policy.end_backward()
+
+    # [Note: parameters a create_graph pass saved]
+    # A backward with create_graph=True (``torch.autograd.grad(out, x, create_graph=True)`` for
+    # an input-gradient penalty) builds a new graph whose nodes save the parameters they read,
+    # as views of the param chunks' device copies. That graph runs later, in whichever backward
+    # goes through the penalty, and no module hook announces its nodes: dropped after the pass
+    # (storage freed in place, see [Note: device payloads are freed in place] in
+    # chunks/storage.py), the parameters failed there with "setStorage ... out of bounds for
+    # storage of size 0". So every group a module call's backward fetches in such a pass is
+    # held, as one more compute reference (never dropped, never evicted: under a budget that
+    # cannot hold them, the usual DeviceBudgetError), until the next step: it changes the
+    # parameters that graph saved, and plain torch refuses to run a graph whose saved tensors
+    # were modified in place, so no correct loop uses one after a step. Not until zero_grad:
+    # ``loss = ...; opt.zero_grad(); loss.backward()`` is a common order. A backward that
+    # raised ends the iteration too (see [Note: a backward pass that raised] in hooks.py).
+    def hold(self, groups: list[ChunkGroup]) -> None:
+        """Keep ``groups`` on the device until :meth:`release_held` (see [Note: parameters a
+        create_graph pass saved])."""
+        for g in groups:
+            if g.index not in self._held:
+                self._held.add(g.index)
+                self._compute_refs[g.index] = self._compute_refs.get(g.index, 0) + 1
+
+    def release_held(self) -> None:
+        """The step begins: the groups :meth:`hold` kept go as they would have after their use."""
+        held, self._held = self._held, set()
+        for i in sorted(held):
+            self._compute_refs[i] -= 1
+            if self._compute_refs[i] == 0 and i not in self._fetched_for_backward:
+                self._maybe_drop_params(self.manager.groups[i])
 
     # [Note: a group between its uses in backward]
     # A group fetched for backward is held until all its gradients are in (``after_backward``),
@@ -254,8 +289,8 @@ class Residency:
     # until a later call's backward begins and fetches it again; a call that has not begun
     # cannot read it (its backward has not started). A call whose inputs need no gradient (the
     # embedding) is done once every autograd node between its outputs and its parameters has
-    # run (see ``ModuleHooks._hook_nodes_of``); one that cannot report done holds its groups
-    # until their gradients are in. This assumes, like FSDP2, that a module's parameters are
+    # run (``hook_nodes_of`` in gemini/engine/backward_uses.py); one that cannot report done
+    # holds its groups until their gradients are in. This assumes, like FSDP2, that a module's parameters are
     # read by backward only on the way from its outputs to its inputs; a parameter saved by an
     # op off that path (``x + w * w``) could be read after the release: a loud error (its
     # storage is gone), never a wrong value.
@@ -302,65 +337,6 @@ class Residency:
 
     def groups_fetched_for_backward(self) -> list[ChunkGroup]:
         return [self.manager.groups[i] for i in sorted(self._fetched_for_backward)]
-
-    # ----------------------------------------------------------------------------- step
-    def before_step(self, group: ChunkGroup) -> Tier:
-        """Put the gradient and optimizer states of ``group`` together; return that tier."""
-        tier = self.policy.optimizer_tier(group)
-        for chunk in group.optimizer_chunks:
-            if chunk.in_file or chunk.io_pending:
-                # On NVMe: the NVMe tier streams it into host memory (see gemini/engine/nvme_tier.py).
-                assert tier is Tier.HOST, f"{chunk} is on NVMe but its group updates on {tier}"
-                continue
-            chunk.move_to(tier)
-        if group.step_grad.state is not ChunkState.RELEASED:
-            group.step_grad.move_to(tier)
-        return tier
-
-    def after_step(self, group: ChunkGroup) -> None:
-        """Bring the parameters up to date with the masters (low precision only).
-
-        Under ZeRO the masters are this rank's range: with parameter sharding they refresh the
-        param shard; without, this rank's range of the param chunk's primary copy (the others
-        arrive by ``gemini.parallel.zero.gather_params`` once every group is updated).
-        """
-        if group.shard is not None and group.param_shard is None:
-            param = group.param
-            primary = param.primary_tier
-            if group.master is not None:
-                start, end = group.shard.start, group.shard.end
-                param.host_copy_pending(self._cast_master(group.master, group.shard.numel,
-                                                       param.payload(primary)[start:end], primary))
-            return
-        if group.master is None:
-            return  # fp32: the param chunk (or shard) is the master and was updated in place
-        param = group.param_shard if group.param_shard is not None else group.param
-        n = group.os_numel if group.shard is not None else param.used_numel
-        for tier in param.tiers:
-            param.host_copy_pending(self._cast_master(group.master, n, param.payload(tier)[:n], tier))
-
-    def after_commit(self, group: ChunkGroup) -> None:
-        """The step has landed (every group updated): parameters the policy keeps on the device
-        that the step left on the host (fp32 groups updated there drop their stale device copy)
-        come back. Must not raise (see [Note: a step is all or nothing] in
-        gemini/engine/transaction.py)."""
-        if group.index in self.policy.resident_params() and group.param.state is ChunkState.HOST:
-            try:
-                group.param.fetch(keep_host=True)
-            except (torch.OutOfMemoryError, DeviceBudgetError) as e:
-                # The step has landed: raising would invite a retry that steps twice. The
-                # next forward fetches the parameters (or says what is missing).
-                logger.warning("parameters of chunk group %d stay in host memory after the step: %s", group.index, e)
-
-    def _cast_master(self, master, numel: int, out: torch.Tensor, tier: Tier) -> torch.cuda.Event | None:
-        """``out`` (on ``tier``) = the first ``numel`` master elements, cast; an async copy's event."""
-        if master.is_on(tier):
-            out.copy_(master.payload(tier)[:numel])
-            return None
-        src = master.tiers[0]  # cast where the master lies, then move the half-size result
-        with self.quiet() if src is Tier.HOST else nullcontext():
-            low = master.payload(src)[:numel].to(out.dtype)
-        return self.manager.storage.copy_(out, low, src=src, dst=tier)
 
     # ---------------------------------------------------------------------------- helpers
     def _keep_host(self, g: ChunkGroup) -> bool:

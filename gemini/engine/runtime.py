@@ -16,7 +16,7 @@ from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, ChunkStorage
 from gemini.engine.activations import ActivationOffload
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
-from gemini.engine.grad_views import GradViews
+from gemini.engine.grad_views import GradViews, why_no_grad_views
 from gemini.engine.hooks import ModuleHooks
 from gemini.engine.memory import DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
@@ -105,17 +105,9 @@ class GeminiRuntime:
         # Position of each parameter in the module (norms visit them in this order).
         self.param_order = {id(p): i for i, p in enumerate(self.module_params)}
         if self.grad_views is None:
-            self.grad_views = GradViews(self.manager, unavailable_reason=self._why_no_grad_views())
-
-    def _why_no_grad_views(self) -> str | None:
-        """Why ``p.grad`` cannot be an exact view (see [Note: gradients exposed as p.grad])."""
-        fix = "clip with model.clip_grad_norm_(max_norm) or GeminiConfig(clip_grad_norm=...)"
-        if self.zero is not None:
-            return (f"gemini: under ZeRO each rank keeps 1/{self.zero.world} of the reduced gradient of {{name}}, "
-                    f"so no whole p.grad exists; {fix}")
-        if self.config.precision == "fp16":
-            return f"gemini: under precision='fp16' the gradient of {{name}} is loss-scaled; {fix}"
-        return None
+            reason = why_no_grad_views(zero_world=self.zero.world if self.zero is not None else None,
+                                       precision=self.config.precision)
+            self.grad_views = GradViews(self.manager, unavailable_reason=reason)
 
     # ------------------------------------------------------------------------ gradients
     def zero_grad(self, *, set_to_none: bool = True) -> None:
@@ -202,8 +194,9 @@ class GeminiRuntime:
 
     def on_backward_begin(self) -> None:
         """A backward pass begins: no gradient view may move under autograd's feet; where no
-        chunk ever moves, autograd accumulates into the chunks themselves."""
-        if self.placement.follows_modules:
+        chunk ever moves, autograd accumulates into the chunks themselves (not under
+        create_graph=True: a graph-carrying gradient, which the gradient hook refuses)."""
+        if self.placement.follows_modules or torch.is_grad_enabled():
             self.grad_views.hide()
         else:
             self.grad_views.arm(self.residency.grad_buffer)
@@ -385,6 +378,7 @@ class GeminiRuntime:
     def begin_step(self) -> None:
         """The optimizer's step begins, before it changes any value: under auto the first step
         ends the warm-up (may raise DeviceBudgetError), then the iteration's peak is checked."""
+        self.residency.release_held()  # see [Note: parameters a create_graph pass saved]
         if self.tracing:
             if self.hooks.backward_passes == self._backward_passes_at_trace:
                 raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gemini.engine.hooks import hook_all_grads_of
+from gemini.engine.backward_uses import hook_all_grads_of
 from tracer.hooks import Boundary, PeriodHooks, Phase
 from tracer.monitors import TensorAccountingMonitor
 

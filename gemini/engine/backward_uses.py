@@ -1,0 +1,131 @@
+"""Following one forward call of a module through backward: its backward *begins* when its
+outputs' gradients arrive and is *done* when nothing of it is left to read its parameters (see
+[Note: a group between its uses in backward] in gemini/engine/residency.py). The module hooks
+(gemini/engine/hooks.py) and the planner's meta-device replay (gemini/tools/meta_run.py) use
+these hooks.
+
+[Note: several graph tasks through one forward]
+One forward's graph may be run by more than one autograd graph task: an input-gradient penalty
+(``torch.autograd.grad(out, x, create_graph=True)``, then the loss with the penalty backward), a
+saliency map (``torch.autograd.grad(loss, x, retain_graph=True)``, then ``loss.backward()``).
+Each task runs the backward of some module calls again, so a call begins and is done once per
+task, and every count below starts over when a new task reaches it. Counted across tasks, a
+call that was done in the first task was never reported done in the second (its groups were
+held to the end: more memory, same values); and one whose first task computed the gradients of
+only some of its inputs was reported done too early in the second, releasing a group that one
+of its nodes still read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from chunks import ChunkGroup
+
+__all__ = ["BackwardUse", "hook_all_grads_of", "hook_nodes_of"]
+
+# A call whose inputs need no gradient reports done through the autograd nodes of its graph;
+# beyond this many nodes, hooking them all costs more than holding its chunks until its
+# gradients are in.
+MAX_NODES_FOLLOWED = 64
+
+
+class BackwardUse:
+    """One forward call of a module, seen from the backward pass: begun in graph task ``task``
+    when its outputs' gradients arrive, ``done`` when its inputs' gradients are computed."""
+
+    __slots__ = ("groups", "task", "done", "via_inputs")
+
+    def __init__(self, groups: list[ChunkGroup]) -> None:
+        self.groups = groups
+        self.task: int | None = None  # the graph task its backward began in (None: not begun)
+        self.done = False
+        self.via_inputs = False  # done is reported by its inputs' gradients (else by its nodes)
+
+    def begin(self) -> None:
+        """Its backward begins in the running graph task (see [Note: several graph tasks through
+        one forward])."""
+        self.task = torch._C._current_graph_task_id()
+        self.done = False
+
+    def finish(self) -> bool:
+        """Whether this ends the backward that began in the running graph task (once per task;
+        gradients that reached its inputs along another path before it began are not its own)."""
+        if self.done or self.task != torch._C._current_graph_task_id():
+            return False
+        self.done = True
+        return True
+
+
+def needing_grad(tree) -> list[torch.Tensor]:
+    if not torch.is_grad_enabled():
+        return []
+    tensors = {id(t): t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad}
+    return list(tensors.values())
+
+
+def _countdown(n: int, hook: Callable[[], None]) -> Callable:
+    """A hook to fire ``n`` times per graph task; the last time in each task it calls ``hook()``
+    (see [Note: several graph tasks through one forward])."""
+    state = [n, None]  # hooks left to fire in the task below, that task's id
+
+    def one(*_) -> None:
+        task = torch._C._current_graph_task_id()
+        if state[1] != task:
+            state[0], state[1] = n, task
+        state[0] -= 1
+        if state[0] == 0:
+            hook()
+
+    return one
+
+
+# [Note: a hook on all inputs' gradients without a cycle]
+# ``register_multi_grad_hook(mode="all")`` keeps the tensors' autograd nodes in the closure of
+# the hooks it puts on those very nodes: a cycle through C++ that the garbage collector cannot
+# see, so every module call leaked its input nodes — and through their edges the rest of its
+# graph, with the hooks of every call in it (about 30 closures an iteration on a 2-layer GPT,
+# for good). This hook counts instead: each input tensor's hook adds one, and ``hook`` runs when
+# all have fired, holding nothing of the graph. An input whose gradient this backward never
+# computes (a partial backward) leaves the count short: the call is then never reported done and
+# its groups are held until their gradients are in, the conservative path (see [Note: a group
+# between its uses in backward] in gemini/engine/residency.py).
+def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
+    """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed,
+    in each graph task (see [Note: a hook on all inputs' gradients without a cycle]); False if
+    none needs one."""
+    tensors = needing_grad(tree)
+    if not tensors:
+        return False
+    one = _countdown(len(tensors), hook)
+    for t in tensors:
+        t.register_hook(one)
+    return True
+
+
+def hook_nodes_of(output, hook: Callable[[], None]) -> bool:
+    """``hook()`` once every autograd node between ``output`` and the parameters has run, in each
+    graph task: for a call whose inputs need no gradient (an embedding), after which nothing of
+    its backward is left to read them. False (nothing hooked) when the graph has no such node or
+    more than MAX_NODES_FOLLOWED: such a call is held until its groups' gradients are in."""
+    nodes: list = []
+    seen: set = set()
+    stack = [t.grad_fn for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a parameter
+            continue
+        seen.add(node)
+        nodes.append(node)
+        if len(nodes) > MAX_NODES_FOLLOWED:
+            return False
+        stack.extend(fn for fn, _ in node.next_functions)
+    if not nodes:
+        return False
+    one = _countdown(len(nodes), hook)
+    for node in nodes:
+        node.register_hook(one)
+    return True
