@@ -234,6 +234,7 @@ class GradViews:
             raise RuntimeError("gemini: tensors were assigned to p.grad where gemini's gradient cannot be replaced "
                                "(it was kept): " + "; ".join(refused))
 
+    @torch.no_grad()
     def adopt_assigned(self, buffer) -> None:
         """Before a step, after :meth:`hide` or :meth:`settle`: a tensor assigned to ``p.grad`` of a
         parameter that had no view out (no backward ran, or its gradient came from

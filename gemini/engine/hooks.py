@@ -234,8 +234,8 @@ class ModuleHooks:
     # [Note: a graph task that accumulates no parameter gradient]
     # Not every autograd graph task through the model is the iteration's backward:
     # ``torch.autograd.grad(out, x)`` (a saliency map; an input-gradient penalty with
-    # create_graph=True) and ``backward(inputs=[x])`` compute gradients of inputs and accumulate
-    # none into a parameter. Such a task reads the parameters all the same (the pre-backward
+    # create_graph=True) and ``backward(inputs=[x])`` compute gradients of inputs and none of a
+    # parameter (``torch.autograd.grad(loss, params)`` does: its gradients go to p.grad by hand). Such a task reads the parameters all the same (the pre-backward
     # hooks fetch them, its end releases them), but it is no backward pass: no p.grad is armed
     # or exposed, no gradient moves, neither fp16's scaled count nor auto's warm-up counts it,
     # and auto's iteration goes on. Taken for the pass, it armed p.grad for nothing, fp16 then
@@ -255,12 +255,12 @@ class ModuleHooks:
         if self._backward_task is None:
             self._backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self._iteration_pass and self._accumulates_parameters():
+        if not self._iteration_pass and self._computes_parameter_gradients():
             self._iteration_pass = True
             self._on_backward_begin()
 
-    def _accumulates_parameters(self) -> bool:
-        """Whether the running graph task will accumulate a gradient into a trainable parameter."""
+    def _computes_parameter_gradients(self) -> bool:
+        """Whether the running graph task will compute a gradient of a trainable parameter."""
         for group in self.manager.trainable_groups:
             for p in group.params:
                 if not p.requires_grad:
@@ -268,8 +268,8 @@ class ModuleHooks:
                 try:
                     if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
                         return True
-                except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured, not accumulated
-                    pass
+                except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured for the caller to
+                    return True  # assign to p.grad, the step's gradient all the same
         return False
 
     # [Note: a backward pass that raised]

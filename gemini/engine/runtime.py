@@ -135,26 +135,11 @@ class GeminiRuntime:
         no chunk can move under them and no rank can mark more ready (see [Note: a step that
         moves no chunk])."""
         self.hooks.end_aborted_backward()
-        self._check_frozen()
         if self.placement.follows_modules or self.zero is not None:
             self.grad_views.hide()
         else:
             self.grad_views.settle()
-        with torch.no_grad():
-            self.grad_views.adopt_assigned(self.residency.grad_buffer)
-
-    def _check_frozen(self) -> None:
-        """Parameters frozen at initialize have no gradient chunk nor optimizer states: one made
-        trainable since would be trained by torch and silently not by the step."""
-        for g in self.manager.groups:
-            if not g.trainable:
-                for slot, p in zip(g.slots, g.params):
-                    if p.requires_grad:
-                        raise ValueError(
-                            f"parameter {slot.name} had requires_grad=False at gemini.initialize and now requires "
-                            f"grad: gemini gives gradient and optimizer-state chunks only to parameters trainable at "
-                            f"initialize (nothing was stepped). Set requires_grad before gemini.initialize (freezing "
-                            f"afterwards works), or set it back to False")
+        self.grad_views.adopt_assigned(self.residency.grad_buffer)
 
     # -------------------------------------------------------------------- iteration events
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
@@ -165,8 +150,7 @@ class GeminiRuntime:
         self.begin_window()
         state = self.state
         if state is IterationState.UNTRACED and torch.is_grad_enabled():
-            # The warm-up traces a training iteration: an evaluation forward before the first
-            # one (no grad, no backward to follow) runs unplanned and leaves the trace to it.
+            # The warm-up traces a training iteration, not an evaluation forward before it.
             self._begin_warmup(args, kwargs)
         elif state is IterationState.TRACING and self.hooks.backward_passes > self._backward_passes_at_trace:
             # Gradient accumulation: the traced iteration is the first forward + backward.

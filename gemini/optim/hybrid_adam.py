@@ -24,7 +24,7 @@ from gemini.optim import state_dict as formats
 from gemini.optim.adam_batches import AdamClock, device_first, prepare_batches, recheck_uniform, run_batch
 from gemini.optim.clipping import clip_coefficient, grad_norm
 from gemini.optim.loss_scaler import ScaledBackwards, loss_scaler_for, update_scale
-from gemini.optim.param_groups import GroupLayout, check_flags, check_weight_decay_mode
+from gemini.optim.param_groups import GroupLayout, check_flags, check_frozen, check_weight_decay_mode
 from gemini.parallel.zero import agree_grad_ready
 from gemini.report import MemoryReport, WarmupTimeline
 from offload.profiling import trace_range
@@ -151,6 +151,7 @@ class HybridAdam(torch.optim.Optimizer):
         """O(param groups), at every step: the groups hold the parameters ``initialize`` gave them
         and ask for no math the update lacks (see [Note: param groups are fixed at initialize])."""
         self._layout.check(self.param_groups)
+        check_frozen(self._rt.manager.groups)
         check_flags(self.param_groups, where="optimizer.param_groups",
                     advice="set it back to False or delete it (the step was not taken)")
         check_weight_decay_mode(self.param_groups, adamw_mode=self.adamw_mode, where="optimizer.param_groups",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["UNSUPPORTED_FLAGS", "GroupLayout", "check_flags", "check_weight_decay_mode"]
+__all__ = ["UNSUPPORTED_FLAGS", "GroupLayout", "check_flags", "check_frozen", "check_weight_decay_mode"]
 
 # torch.optim.Adam / AdamW options adam.py's update has no counterpart for (it passes them as
 # False): truthy, each would change the result (capturable and differentiable the graph or device
@@ -57,6 +57,21 @@ def check_weight_decay_mode(groups: Sequence[dict[str, Any]], *, adamw_mode: boo
         raise ValueError(
             f"{source} with weight_decay {group['weight_decay']!r} asks for {_decay_kind(bool(mode))}, but this "
             f"optimizer does {_decay_kind(adamw_mode)} (gemini.initialize(adamw_mode={adamw_mode})); {advice}")
+
+
+def check_frozen(chunk_groups: Sequence[Any]) -> None:
+    """Parameters frozen at initialize have no gradient chunk nor optimizer states: one made
+    trainable since would be trained by torch and silently not by the step (``chunk_groups``:
+    the manager's, whose ``trainable`` is False for the frozen ones)."""
+    for g in chunk_groups:
+        if not g.trainable:
+            for slot, p in zip(g.slots, g.params):
+                if p.requires_grad:
+                    raise ValueError(
+                        f"parameter {slot.name} had requires_grad=False at gemini.initialize and now requires "
+                        f"grad: gemini gives gradient and optimizer-state chunks only to parameters trainable at "
+                        f"initialize (nothing was stepped). Set requires_grad before gemini.initialize (freezing "
+                        f"afterwards works), or set it back to False")
 
 
 def _decay_kind(decoupled: bool) -> str:
