@@ -109,11 +109,13 @@ def choose_victims(
     chunk_bytes: Mapping[int, int],
     *,
     rule: EvictionRule = EvictionRule.BELADY,
+    last: Sequence[int] = (),
 ) -> list[int]:
     """Resident chunks to evict, furthest next use first, until ``bytes_needed`` are freed.
 
     Under ``rule=EvictionRule.LRU`` the least recently used go first instead. Chunks in
-    ``needed_now`` are never chosen. Ties in next use go to the larger chunk
+    ``needed_now`` are never chosen; chunks in ``last`` (soonest needed first) only after
+    every other, the last of them first. Ties in next use go to the larger chunk
     (fewer evictions), then to the lower id (a deterministic plan). Returns ``[]`` when
     ``bytes_needed <= 0``. Raises :class:`EvictionError` when even evicting every allowed
     chunk frees too little.
@@ -124,6 +126,7 @@ def choose_victims(
         return []
     access = _as_access_order(order)
     needed = set(needed_now)
+    after_all = {cid: (1, -pos) for pos, cid in enumerate(last)}  # sorts after every (0, rank)
     candidates = []
     for cid in resident:
         if cid in needed:
@@ -133,7 +136,10 @@ def choose_victims(
         nbytes = chunk_bytes[cid]
         if nbytes < 0:
             raise ValueError(f"chunk_bytes[{cid!r}] must be >= 0, got {nbytes}")
-        rank = -access.next_use(cid, period) if rule is EvictionRule.BELADY else access.last_use(cid, period)
+        if cid in after_all:
+            rank = after_all[cid]
+        else:
+            rank = (0, -access.next_use(cid, period) if rule is EvictionRule.BELADY else access.last_use(cid, period))
         candidates.append((rank, -nbytes, cid))
     candidates.sort()
 

@@ -149,10 +149,10 @@ class Residency(StepMoves):
     def on_boundary(self, boundary: Boundary) -> None:
         """A period of a planned iteration begins: room for what it needs, then a prefetch of
         what the next one needs, both as the policy decides."""
-        needed = self.policy.on_boundary(boundary)
-        if needed is None:
+        wanted = self.policy.on_boundary(boundary)
+        if wanted is None:
             return
-        self.make_room(0, keep=needed)
+        self.make_room(0, keep=set(), wanted=wanted)  # see [Note: what a decision keeps] in gemini/policies/auto.py
         for i in self.policy.prefetch():  # see [Note: a prefetch overlaps compute] in chunks/storage.py
             g = self.manager.groups[i]
             if g.param.state is ChunkState.HOST:
@@ -163,11 +163,11 @@ class Residency(StepMoves):
         backward is done (see [Note: segments of a period] in tracer/runtime.py)."""
         self.policy.mark()
 
-    def make_room(self, nbytes: int, keep: set[int]) -> None:
-        """Before ``nbytes`` more land on the device: evict the groups the policy names."""
+    def make_room(self, nbytes: int, keep: set[int], wanted: set[int] = frozenset()) -> None:
+        """Before ``nbytes`` more land on the device: evict what the policy names (``wanted`` last)."""
         if not self.policy.evicts:  # every fetch of every module call passes here
             return
-        for i in self.policy.victims(nbytes, keep=keep, in_use=self._in_use):
+        for i in self.policy.victims(nbytes, keep=keep, in_use=self._in_use, wanted=wanted):
             self._evict(self.manager.groups[i])
 
     def _in_use(self) -> set[int]:
@@ -317,9 +317,8 @@ class Residency(StepMoves):
             # inputs are the final norm's outputs), what it does not use is dropped now.
             self._drop_released(self._latest_backward_groups)
             # The rest of the period may need what the released groups hold.
-            needed = self.policy.needed_now()
-            if needed is not None:
-                self.make_room(0, keep=needed)
+            if (wanted := self.policy.needed_now()) is not None:
+                self.make_room(0, keep=set(), wanted=wanted)
 
     def _drop_released(self, needed: list[ChunkGroup]) -> None:
         """Drop the groups released in backward that the compute beginning now does not use.

@@ -67,6 +67,7 @@ class AutoPlacement(PlacementPolicy):
         self._iteration_open = False  # a forward with grad ran and its backward has not
         self._trace: AccessTrace | None = None  # the warm-up's tracer, between begin_trace and end_trace
         self._segment = 0  # marks passed in the current period
+        self._used_in_period: set[int] = set()  # groups the current period has used so far
         # Belady over the plan's order; LRU only to measure what that order saves (bench_budget).
         self.eviction_rule = EvictionRule.BELADY
         self.track_periods = True  # decided by adopt()
@@ -180,6 +181,7 @@ class AutoPlacement(PlacementPolicy):
             return None
         self.period += 1
         self._segment = 0
+        self._used_in_period = set()
         if not self._diverged and (self.period >= len(plan.keys) or plan.keys[self.period] != (boundary.phase, boundary.module_name)):
             self._diverged = True
             logger.warning(
@@ -213,6 +215,8 @@ class AutoPlacement(PlacementPolicy):
         if self._trace is not None:
             for g in groups:
                 self._trace.record_access(g.index)
+        if self.plan is not None:
+            self._used_in_period.update(g.index for g in groups)
 
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
         # Released groups are dropped in the warm-up and evictable after it; with nothing ever
@@ -220,6 +224,27 @@ class AutoPlacement(PlacementPolicy):
         return self.plan is None or self.track_periods
 
     # ------------------------------------------------------------------------- eviction
+    # [Note: what a decision keeps]
+    # The plan charges each decision of a period (its boundary, each mark) the model data the
+    # warm-up held at that point plus the segment's non-model peak (planned_peak_bytes). The
+    # warm-up fetches a group at its first use and drops it after its last, so at a decision
+    # it held the groups in use and little else: a group the period uses only later (the next
+    # module's in a backward period, a recomputed block's under reentrant checkpointing, a
+    # weight used outside its module) came later, charged in a later segment. The policy kept
+    # every group of the period (plan.access[period]) at each of its decisions, more than the
+    # plan charged there: a budget the warm-up accepted raised DeviceBudgetError in the next
+    # iteration, and not monotonically in the budget (what is resident by then depends on
+    # the evictions before). Plan and policy can agree either way: the plan could charge each
+    # decision the whole period's groups, or the policy keep only the groups in use. The
+    # first raises the planned peak at every budget: budgets the warm-up itself ran refused,
+    # and a smaller margin, so fewer optimizer states on the device (whose traffic is paid
+    # every step), to hold groups not in use yet. The second costs nothing where the budget
+    # has room: the period's groups are ``wanted``, evicted only when every other group is
+    # not enough (which the old policy answered with DeviceBudgetError), those the period is
+    # done with first, then those it has yet to use, the last used first; one evicted is
+    # fetched again at its use, as in the warm-up. So a decision keeps the groups in use
+    # (the warm-up held them too) and the margin's, and evicts exactly what the old policy
+    # did wherever that made room.
     def _missing_bytes(self, nbytes: int, non_model: int) -> int:
         """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the
         buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve
@@ -229,12 +254,14 @@ class AutoPlacement(PlacementPolicy):
                              self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
                              self.prefetch_reserve_bytes)
 
-    def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]]) -> list[int]:
+    def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]],
+                wanted: set[int] = frozenset()) -> list[int]:
         over = self._missing_bytes(nbytes, self._non_model_now())
         if not over:
             return []
         # Groups in use were kept by the warm-up too, so the plan has room for them; the
-        # margin's groups live on the device for good.
+        # margin's groups live on the device for good. ``wanted`` ones may go, last (see
+        # [Note: what a decision keeps]).
         busy = keep | in_use() | self.os_on_device
         candidates = {g.index: self._evictable_bytes(g) for g in self.manager.groups if g.index not in busy}
         candidates = {i: b for i, b in candidates.items() if b > 0}
@@ -242,10 +269,10 @@ class AutoPlacement(PlacementPolicy):
             if self.plan is not None and not self._diverged:
                 victims = choose_victims(
                     set(candidates), keep, self.plan.order, max(self.period, 0), over, candidates,
-                    rule=self.eviction_rule,
+                    rule=self.eviction_rule, last=self._soonest_first(wanted & set(candidates)),
                 )
             else:
-                victims = self._any_victims(candidates, over)
+                victims = self._any_victims(candidates, over, wanted)
         except EvictionError as e:
             short = over - sum(candidates.values())
             # Raised in forward or backward, before the step: parameters, optimizer states and
@@ -259,10 +286,19 @@ class AutoPlacement(PlacementPolicy):
             ) from None
         return victims
 
+    def _soonest_first(self, wanted: set[int]) -> list[int]:
+        """``wanted`` by next use: those the current period has yet to use in the order it first
+        used them in the warm-up, then those it is done with by their next use after it."""
+        period = max(self.period, 0)
+        access = self.plan.access[period] if period < len(self.plan.access) else ()
+        upcoming = [i for i in access if i in wanted and i not in self._used_in_period]
+        done = sorted(wanted.difference(upcoming), key=lambda i: (self.plan.order.next_use(i, period), i))
+        return upcoming + done
+
     @staticmethod
-    def _any_victims(candidates: dict[int, int], over: int) -> list[int]:
+    def _any_victims(candidates: dict[int, int], over: int, wanted: set[int]) -> list[int]:
         victims, freed = [], 0
-        for i, b in sorted(candidates.items(), key=lambda kv: -kv[1]):
+        for i, b in sorted(candidates.items(), key=lambda kv: (kv[0] in wanted, -kv[1])):
             if freed >= over:
                 break
             victims.append(i)

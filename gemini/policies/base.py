@@ -133,7 +133,8 @@ class PlacementPolicy:
         backward is done (see [Note: segments of a period] in tracer/runtime.py)."""
 
     def on_boundary(self, boundary: Boundary) -> set[int] | None:
-        """A period of a planned iteration begins: the groups it needs (None: not planned)."""
+        """A period of a planned iteration begins: the groups it needs, evicted only when nothing
+        else makes room for it (None: not planned)."""
         return None
 
     def prefetch(self) -> list[int]:
@@ -141,13 +142,15 @@ class PlacementPolicy:
         return []
 
     def needed_now(self) -> set[int] | None:
-        """After groups were released inside a period: what the rest of it needs (None: make
-        no room)."""
+        """After groups were released inside a period: what the period needs, evicted only when
+        nothing else makes room for the rest of it (None: make no room)."""
         return None
 
-    def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]]) -> list[int]:
+    def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]],
+                wanted: set[int] = frozenset()) -> list[int]:
         """Groups to evict before ``nbytes`` more land on the device; neither ``keep`` nor the
-        groups ``in_use()`` returns may be. Raises DeviceBudgetError when no choice makes room."""
+        groups ``in_use()`` returns may be, and ``wanted`` ones only when the others cannot
+        make room. Raises DeviceBudgetError when no choice makes room."""
         return []
 
     @staticmethod

@@ -33,6 +33,23 @@ def test_evicts_furthest_next_use_first_and_never_needed_chunks():
     assert choose_victims({0, 1, 2, 3}, {0, 3}, order, 1, 2 * CHUNK_BYTES, sizes) == [1, 2]
 
 
+def test_chunks_wanted_last_go_after_every_other_the_last_of_them_first():
+    """``last``: chunks the period still wants (soonest needed first), evicted only when the
+    others are not enough, whatever their next use after the period (auto's decisions at a
+    period's boundary, see [Note: what a decision keeps] in gemini/policies/auto.py)."""
+    order = [{0, 1, 2, 3}, {4}, {2}, {1}, {3}]
+    sizes = dict.fromkeys(range(5), CHUNK_BYTES)
+    # 0 and 3 are wanted; by next use alone 0 (never again) and 3 (period 4) would go first.
+    assert choose_victims({0, 1, 2, 3}, set(), order, 1, 2 * CHUNK_BYTES, sizes, last=[3, 0]) == [1, 2]
+    assert choose_victims({0, 1, 2, 3}, set(), order, 1, 3 * CHUNK_BYTES, sizes, last=[3, 0]) == [1, 2, 0]
+    assert choose_victims({0, 1, 2, 3}, {1}, order, 1, 3 * CHUNK_BYTES, sizes, last=[3, 0]) == [2, 0, 3]
+    with pytest.raises(EvictionError, match="hold only 3000 bytes"):
+        choose_victims({0, 1, 2, 3}, {1}, order, 1, 3 * CHUNK_BYTES + 1, sizes, last=[3, 0])
+    # Under LRU too.
+    assert choose_victims({0, 1, 2, 3}, set(), order, 1, CHUNK_BYTES, sizes, last=[0, 1, 2],
+                          rule=EvictionRule.LRU) == [3]
+
+
 def test_ties_prefer_larger_chunks_then_lower_ids():
     order = [{5, 6, 7}]
     sizes = {5: 100, 6: 300, 7: 300}
