@@ -5,6 +5,7 @@ budget the warm-up accepts trains every later iteration of the same shapes, equa
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -120,3 +121,42 @@ def test_every_budget_from_the_planned_need_up_trains_every_step(make, chunk_siz
         evicted.append(opt._rt.residency.evictions)
         assert opt._rt.plan.planned_peak_bytes + opt._rt.plan.reserve_bytes == need
     assert evicted[0] > 0  # really under pressure
+
+
+@STANDIN
+@pytest.mark.parametrize("nested", [False, True], ids=["module", "module-inside-itself"])
+def test_a_budget_error_at_a_forward_boundary_leaves_no_use_open(nested):
+    """A DeviceBudgetError at a module's period boundary (its first forward pre-hook) skips the
+    engine's pre-hook, not its post-hook (always_call): that post-hook ended a use the call never
+    began ("pop from empty list", silenced by torch), or, in a module called inside itself, the
+    outer call's."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(D, D) / 8)
+
+        def forward(self, x, depth: int = 1):
+            x = torch.tanh(x @ self.w)
+            return self(x, depth - 1) if depth else x
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, D), nn.Tanh(), Twice() if nested else nn.Linear(D, D))
+    x = torch.randn(8, D, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    gmodel, opt = gemini.initialize(copy.deepcopy(net), gemini.GeminiConfig(
+        device=DEVICE, placement="auto", chunk_size=4096, device_memory=_least_budget(net, 4096)), lr=1e-2)
+    opt.backward(gmodel(x).square().mean())
+    opt.step()
+    opt.zero_grad()
+    rt = opt._rt
+    assert rt.placement.track_periods
+    # Less than the plan needs, so that a later boundary raises: of the first Linear, or of the
+    # inner call of Twice, whose outer call holds its weight.
+    rt.placement.budget_bytes = rt.plan.reserve_bytes + (26000 if nested else 0)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(DeviceBudgetError):
+        warnings.simplefilter("always")
+        gmodel(x)
+    assert rt.plan.keys[rt.placement.period][1] == ("2" if nested else "0")
+    assert not [str(w.message) for w in caught if "always_call" in str(w.message)]
+    assert not any(rt.hooks._open_uses.values()) and not rt.hooks._unentered
+    assert not any(rt.residency._compute_refs.values())

@@ -25,7 +25,7 @@ from gemini.engine.backward_uses import BackwardUse, hook_all_grads_of, hook_nod
 from gemini.engine.memory import DeviceBudgetError
 from gemini.engine.residency import Residency
 from offload.profiling import trace_range
-from tracer import Boundary, PeriodHooks
+from tracer import Boundary, PeriodHooks, Phase
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class ModuleHooks:
         # Boundaries while follow_periods(True): the root's is announced by root_pre, after
         # on_root_forward may have begun the trace (see [Note: the root's boundary] in
         # tracer/hooks.py).
-        self._periods = PeriodHooks(module, on_boundary, root_forward_hook=False)
+        self._periods = PeriodHooks(module, functools.partial(self._announce, on_boundary), root_forward_hook=False)
+        self._unentered: list[nn.Module] = []  # calls whose boundary raised, innermost last
 
         def root_pre(m, args, kwargs) -> None:
             on_root_forward(args, kwargs)
@@ -108,6 +109,7 @@ class ModuleHooks:
             if groups:
                 residency.count_uses(groups)
                 self._owners.append((sub, groups))
+        self._hooked = {sub for sub, _ in self._owners}  # those with _post_forward (see _announce)
         # The root's own hooks stay for good: the plan that lets the others go is adopted inside
         # the root's pre-hook (gradient accumulation), while torch iterates over the root's hooks.
         if residency.follows_modules and self._owners and self._owners[0][0] is module:
@@ -122,6 +124,16 @@ class ModuleHooks:
             for p in group.params:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+
+    def _announce(self, on_boundary: Callable[[Boundary], None], boundary: Boundary) -> None:
+        try:
+            on_boundary(boundary)
+        except BaseException:
+            # Raised in a forward pre-hook before this module's own: its post-hook (always_call)
+            # still runs, and must not end another call's use (a module inside itself).
+            if boundary.phase is not Phase.BACKWARD and boundary.module in self._hooked:
+                self._unentered.append(boundary.module)
+            raise
 
     def follow_modules(self, follow: bool) -> None:
         """Install (``True``) or take off the forward hooks of the modules owning parameters;
@@ -200,6 +212,9 @@ class ModuleHooks:
 
     @torch._disable_dynamo
     def _post_forward(self, groups: list[ChunkGroup], module: nn.Module, args, output):
+        if self._unentered and self._unentered[-1] is module:
+            self._unentered.pop()  # its pre-hook never ran (see _announce)
+            return None
         with trace_range("gemini::post_forward"):
             use = self._open_uses[module].pop()
             self.residency.after_compute(groups)
