@@ -74,9 +74,11 @@ class _ReentrantCheckpoints(nn.Module):
         return self.head(x)
 
 
-def _train(net: nn.Module, budget: int | None, *, chunk_size: int, seq: int = 8, steps: int = 3):
+def _train(net: nn.Module, budget: int | None, *, chunk_size: int, seq: int = 8, steps: int = 3,
+           evaluate_between: bool = False):
     """``steps`` iterations under ``budget`` against fused AdamW: each under the budget and equal
-    to it. Returns the optimizer."""
+    to it; ``evaluate_between``: with a forward without grad between each forward and its
+    backward (a target from the same model). Returns the optimizer."""
     model, ref = copy.deepcopy(net).to(DEVICE), copy.deepcopy(net).to(DEVICE)
     g = torch.Generator().manual_seed(1)
     data = [torch.randn(4, seq, D, generator=g).to(DEVICE) for _ in range(steps)]
@@ -84,7 +86,11 @@ def _train(net: nn.Module, budget: int | None, *, chunk_size: int, seq: int = 8,
     gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=chunk_size,
                                                                device_memory=budget), lr=1e-2, weight_decay=0.1)
     for step, x in enumerate(data):
-        opt.backward(gmodel(x).square().mean())
+        loss = gmodel(x).square().mean()
+        if evaluate_between:
+            with torch.no_grad():
+                gmodel(x.flip(0))
+        opt.backward(loss)
         opt.step()
         opt.zero_grad()
         ref(x).square().mean().backward()
@@ -97,9 +103,9 @@ def _train(net: nn.Module, budget: int | None, *, chunk_size: int, seq: int = 8,
     return opt
 
 
-def _least_budget(net: nn.Module, chunk_size: int, seq: int = 8) -> int:
+def _least_budget(net: nn.Module, chunk_size: int, seq: int = 8, **loop) -> int:
     """What the warm-up says it needs: its planned peak and the safety reserve."""
-    plan = _train(net, None, chunk_size=chunk_size, seq=seq, steps=1)._rt.plan
+    plan = _train(net, None, chunk_size=chunk_size, seq=seq, steps=1, **loop)._rt.plan
     return plan.planned_peak_bytes + plan.reserve_bytes
 
 
@@ -121,6 +127,44 @@ def test_every_budget_from_the_planned_need_up_trains_every_step(make, chunk_siz
         evicted.append(opt._rt.residency.evictions)
         assert opt._rt.plan.planned_peak_bytes + opt._rt.plan.reserve_bytes == need
     assert evicted[0] > 0  # really under pressure
+
+
+class _WorkspaceInBackward(torch.autograd.Function):
+    """The identity, whose backward needs a workspace larger than anything before it."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.ones(200_000, device=grad.device)[0]
+
+
+class _TiedThenWorkspace(_TiedOutsideItsModule):
+    def forward(self, x):
+        return _WorkspaceInBackward.apply(super().forward(x))
+
+
+@STANDIN
+@pytest.mark.parametrize("make, evaluate_between", [(_TiedOutsideItsModule, True), (_TiedThenWorkspace, False)],
+                         ids=["evaluation-forward-before-backward", "room-made-at-the-first-backward-boundary"])
+def test_a_weight_read_outside_its_module_is_never_freed_under_its_saved_view(make, evaluate_between):
+    """[Note: parameters read outside their modules]: F.linear in the root saved a view of
+    blocks[0].fc.weight, which no module call protects until its gradient; a later iteration had
+    kept its group on the device after blocks[0].fc, so an eviction before backward read the
+    view (for an evaluation forward between forward and backward, or for the backward's first
+    period, whose workspace needs the room) freed that storage: backward raised "setStorage:
+    ... storage of size 0". The warm-up finds the group, and later iterations drop it after its
+    uses, as the warm-up did: every budget trains, equal to AdamW."""
+    torch.manual_seed(0)
+    net = make()
+    need = _least_budget(net, 2000, 6, evaluate_between=evaluate_between)
+    for budget in (need + need * k // 20 for k in range(4)):
+        opt = _train(net, budget, chunk_size=2000, seq=6, evaluate_between=evaluate_between)
+    # Found in the warm-up: the weight's group, and no other.
+    tied, _ = opt._rt.manager.locate(dict(opt._rt.module.named_parameters())["blocks.0.fc.weight"])
+    assert opt._rt.placement._read_outside == {tied.index}
 
 
 @STANDIN

@@ -125,6 +125,7 @@ class Residency(StepMoves):
         for g in self.manager.groups:
             if self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
                 self._maybe_drop_params(g)
+        self.policy.end_forward()
 
     def before_compute(self, groups: list[ChunkGroup]) -> None:
         self.policy.accessed(groups)

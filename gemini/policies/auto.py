@@ -74,6 +74,10 @@ class AutoPlacement(PlacementPolicy):
         self._settled = False  # the plan keeps every chunk on the device for good (see adopt)
         self._all_groups: set[int] = set()  # resident_params() once settled
         self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
+        # Groups read outside their modules in the warm-up's forward, and the uses of their host
+        # copies' storage when a forward of it began (see [Note: parameters read outside their modules]).
+        self._read_outside: set[int] = set()
+        self._host_uses: dict[int, int] | None = None
 
     @classmethod
     def from_config(cls, config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
@@ -92,7 +96,8 @@ class AutoPlacement(PlacementPolicy):
         return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
 
     def keep_params_on_device(self, group: ChunkGroup) -> bool:
-        return self.plan is not None
+        # Where chunks can be evicted, a group read outside its modules leaves after its uses.
+        return self.plan is not None and (group.index not in self._read_outside or not self.track_periods)
 
     def pinned_groups(self) -> set[int]:
         return self.os_on_device
@@ -171,6 +176,34 @@ class AutoPlacement(PlacementPolicy):
             self._segment = 0
             self._diverged = False
         self._iteration_open = torch.is_grad_enabled()
+        if self._trace is not None and torch.is_grad_enabled():
+            self._host_uses = self._host_storage_uses()
+
+    # [Note: parameters read outside their modules]
+    # The hooks fetch a group's parameters around the calls of the modules that own them, but
+    # code outside those calls may read a parameter too (a root that reuses another module's
+    # weight with F.linear); it reads whichever copy the parameter shows then, and autograd may
+    # save a view of that copy for backward. The warm-up drops a group after its last use, so
+    # such a read saw the host copy, which stays put until the step. Later iterations keep
+    # fetched groups on the device until evicted: the read saw the device copy, and an eviction
+    # before backward read it (at an evaluation forward between the forward and its backward,
+    # or at the backward's first boundary) freed that storage in place, so backward failed
+    # ("setStorage: ... storage of size 0"): no call of a module owning the group had begun its
+    # backward to fetch it back. So the warm-up's forward finds such groups, those whose host
+    # copy gained uses of its storage (views kept past the forward) while the forward ran, and
+    # later iterations drop them after each use as the warm-up did: what the plan charged, at
+    # no more traffic than the warm-up's for them. Where nothing is ever evicted (periods not
+    # followed) they stay. On CUDA a host copy read by a device op fails in the warm-up already
+    # (torch's device mismatch): such reads work on the CPU stand-in only.
+    def end_forward(self) -> None:
+        if self._host_uses is not None:
+            before, self._host_uses = self._host_uses, None
+            self._read_outside |= {i for i, n in self._host_storage_uses().items() if n > before.get(i, n)}
+
+    def _host_storage_uses(self) -> dict[int, int]:
+        """Per group whose parameters are on the host only, the uses of its host copy's storage."""
+        return {g.index: torch._C._storage_Use_Count(g.param.payload(Tier.HOST).untyped_storage()._cdata)
+                for g in self.manager.groups if g.param.state is ChunkState.HOST and g.param_shard is None}
 
     def end_backward(self) -> None:
         self._iteration_open = False
@@ -194,6 +227,7 @@ class AutoPlacement(PlacementPolicy):
     def begin_trace(self, trace: AccessTrace) -> None:
         """The warm-up begins: tell ``trace`` which groups each period uses, and each mark."""
         self._trace = trace
+        self._read_outside = set()  # found again by this trace
 
     def end_trace(self) -> None:
         self._trace = None

@@ -122,6 +122,9 @@ class PlacementPolicy:
     def begin_forward(self) -> None:
         """The root module's forward begins."""
 
+    def end_forward(self) -> None:
+        """The root module's forward is over (after the groups it left behind were dropped)."""
+
     def end_backward(self) -> None:
         """A backward pass is over."""
 
