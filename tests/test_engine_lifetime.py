@@ -113,8 +113,20 @@ class _UserError(Exception):
     pass
 
 
-def _hook_grad(out: torch.Tensor, hook) -> None:
-    out.register_hook(hook)  # a forward hook returning None keeps the module's output
+def _failing_gradient(model) -> list[bool]:
+    """Makes a mid-model Linear's output gradient raise while ``armed[0]`` (a NaN check, say)."""
+    armed = [False]
+
+    def fail(grad):
+        if armed[0]:
+            raise _UserError("a NaN in the gradient, say")
+
+    def hook_output(module, args, out) -> None:  # returns None: the module's output is kept
+        out.register_hook(fail)
+
+    linears = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear)]
+    linears[len(linears) // 2].register_forward_hook(hook_output)
+    return armed
 
 
 @pytest.mark.parametrize("placement,budget", [
@@ -168,14 +180,7 @@ def test_a_backward_that_raises_is_recovered_from_as_in_torch(placement, budget)
     _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
     model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=2000,
                                                              device_memory=budget), lr=1e-2, weight_decay=0.1)
-    armed = [False]
-
-    def fail(grad):
-        if armed[0]:
-            raise _UserError("a NaN in the gradient, say")
-
-    linears = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear)]
-    linears[len(linears) // 2].register_forward_hook(lambda m, args, out: _hook_grad(out, fail))
+    armed = _failing_gradient(model)
     for step, (x, y) in enumerate(data):
         if step in (0, 2):
             armed[0] = True
@@ -197,14 +202,8 @@ def test_a_backward_that_raises_under_fp16_leaves_the_scaled_count_right():
     scaled, and must count as a pass, or every later step refused to run."""
     model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000,
                                                                    precision="fp16"), lr=1e-2)
-    armed = [True]
-
-    def fail(grad):
-        if armed[0]:
-            raise _UserError("a NaN in the gradient, say")
-
-    linears = [m for m in model.module.modules() if isinstance(m, torch.nn.Linear)]
-    linears[len(linears) // 2].register_forward_hook(lambda m, args, out: _hook_grad(out, fail))
+    armed = _failing_gradient(model)
+    armed[0] = True
     (x, y), = batches(TINY, 1)
     with pytest.raises(_UserError):
         opt.backward(GPT.loss(model(x), y))
