@@ -254,3 +254,25 @@ def test_a_call_is_done_once_per_graph_task_when_its_own_inputs_gradients_are_in
     computed.clear()
     out.backward()
     assert done == [["a", "b"]]  # once, with both its inputs' gradients in
+
+
+@pytest.mark.standin  # budgets in the stand-in's bytes
+@pytest.mark.parametrize("budget,message", [
+    (2_500_000, "the first iteration needed"),  # the second round's peak, checked at the step
+    (1_000_000, "cannot hold this period"),  # raised in the warm-up's backward
+])
+def test_a_warm_up_step_over_the_budget_is_refused_at_that_step(budget, message):
+    """R1 runs two forward and backward rounds per step; under auto the warm-up traces the
+    first, and the step after the second round was not checked: a peak over the budget there
+    was stepped and refused one step later. A budget error inside the warm-up's backward then
+    crashed zero_grad() (its trace's monitor was stopped): the trace is given up instead."""
+    BUDGETS["r1_small"] = budget
+    (_, _), (model, opt) = _pair("auto-budget", "r1_small")
+    before = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    with pytest.raises(DeviceBudgetError, match=message):
+        r1(model, _data()[0])
+        opt.step()
+    opt.zero_grad()
+    assert_params_close({k: v.detach() for k, v in model.state_dict().items()}, before, rtol=0, atol=0)
+    assert opt._rt.state.name in ("UNTRACED", "PLANNED", "UNPLANNED")
+    opt.close()

@@ -298,9 +298,14 @@ class ModuleHooks:
     # as one: under fp16 it went through optimizer.backward, which counted it as scaled. The
     # iteration it belonged to is given up, and with it the graphs its create_graph passes made:
     # the groups held for them go (see [Note: parameters a create_graph pass saved]).
+    @property
+    def backward_aborted(self) -> bool:
+        """A backward pass raised and was not ended yet (see [Note: a backward pass that raised])."""
+        return self._backward_task is not None and torch._C._current_graph_task_id() == -1
+
     def end_aborted_backward(self) -> None:
         """End a backward pass that raised (see [Note: a backward pass that raised])."""
-        if self._backward_task is not None and torch._C._current_graph_task_id() == -1:
+        if self.backward_aborted:
             logger.info("a backward pass raised before it ended: closing it")
             self._end_of_backward()
             self.residency.release_held()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,7 @@ from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, check_peak
 from gemini.parallel.zero import gather_params
+from gemini.engine.iteration_state import IterationState
 from tracer import Boundary, InputSignature, input_signature
 
 logger = logging.getLogger(__name__)
@@ -37,26 +37,6 @@ __all__ = ["GeminiRuntime", "IterationState"]
 # Names as MemoryReport.model_bytes_by_tier has them, read once: an Enum's value is a property.
 _TIER_NAMES = tuple((tier, tier.value) for tier in Tier)
 _KIND_NAMES = tuple((kind, kind.value) for kind in ChunkKind)
-
-
-class IterationState(enum.Enum):
-    """Where the engine is in learning what the model needs besides its own data.
-
-    - ``FIXED``: the placement needs no warm-up (cuda, cpu, static); every iteration is alike.
-    - ``UNTRACED``: auto before its first forward: nothing measured, nothing planned.
-    - ``TRACING``: auto's warm-up iteration runs under the tracer; chunks move as under "cpu".
-    - ``PLANNED``: the warm-up's plan drives placement (the margin's groups on the device,
-      eviction in the traced order); new input shapes send it back to ``TRACING``.
-    - ``UNPLANNED``: the warm-up ended without a plan (it overran the budget and raised
-      DeviceBudgetError); chunks keep moving as in the warm-up until new input shapes trace
-      again.
-    """
-
-    FIXED = "fixed"
-    UNTRACED = "untraced"
-    TRACING = "tracing"
-    PLANNED = "planned"
-    UNPLANNED = "unplanned"
 
 
 class LossScale(Protocol):
@@ -113,7 +93,7 @@ class GeminiRuntime:
     def zero_grad(self, *, set_to_none: bool = True) -> None:
         """Forget the accumulated gradients (``set_to_none=False``: keep them as zeros, as torch
         does, so exposed ``p.grad`` views read zeros; the chunks' storage is kept for reuse)."""
-        self.hooks.end_aborted_backward()
+        self._end_aborted_backward()
         if not set_to_none:
             self.grad_views.hide()
             with torch.no_grad():
@@ -134,7 +114,7 @@ class GeminiRuntime:
         """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless
         no chunk can move under them and no rank can mark more ready (see [Note: a step that
         moves no chunk])."""
-        self.hooks.end_aborted_backward()
+        self._end_aborted_backward()
         if self.placement.follows_modules or self.zero is not None:
             self.grad_views.hide()
         else:
@@ -144,7 +124,7 @@ class GeminiRuntime:
     # -------------------------------------------------------------------- iteration events
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
         """The root module's forward begins (its first forward pre-hook)."""
-        self.hooks.end_aborted_backward()
+        self._end_aborted_backward()
         self.grad_views.hide()
         self._evaluation_window = not torch.is_grad_enabled() and not self.window_open
         self.begin_window()
@@ -198,6 +178,16 @@ class GeminiRuntime:
             self.warmup.tracer.on_boundary(boundary)
         elif self.placement.track_periods:
             self.residency.on_boundary(boundary)
+
+    def _end_aborted_backward(self) -> None:
+        """A backward that raised ends here ([Note: a backward pass that raised]); in the warm-up
+        its trace is given up (a budget error stopped its monitor): the next one traces anew."""
+        if self.hooks.backward_aborted and self.tracing:
+            self.warmup.abandon()
+            self.placement.end_trace()
+            self.end_window()
+            self._move(IterationState.UNTRACED, IterationState.TRACING)
+        self.hooks.end_aborted_backward()
 
     def _move(self, to: IterationState, *allowed: IterationState) -> None:
         if self.state not in allowed:
@@ -330,13 +320,13 @@ class GeminiRuntime:
     def check_step_peak(self) -> None:
         """The budget promise on every step: the measured peak of this iteration's forward and
         backward stays under ``device_memory``, checked before the step changes anything (a
-        tensor the caller keeps alive counts too). The warm-up step is checked, with its safety
-        reserve, where the trace ends."""
+        tensor the caller keeps alive counts too); the warm-up's step also with its safety
+        reserve where the trace ends (here: what ran after that, a second round of R1)."""
         peak_bytes = self.memory.peak_bytes()
         if peak_bytes is None:  # a step before any forward: nothing ran, nothing to check
             return
         first, self._first_step_checked = not self._first_step_checked, True
-        if self.config.device_memory is None or not self.memory.measuring or self._unreported_plan is not None:
+        if self.config.device_memory is None or not self.memory.measuring:
             return
         try:
             check_peak(peak_bytes, self.memory.budget_bytes,

@@ -57,6 +57,13 @@ class Warmup:
         self.storage.ledger.reset_peaks(Tier.DEVICE)
         logger.info("warm-up: tracing the first iteration")
 
+    def abandon(self) -> None:
+        """Stop tracing without a plan: the traced iteration raised (its records are dropped)."""
+        if self._trace is not None:
+            trace, self._trace = self._trace, None
+            self.storage.watch_moves(None)
+            trace.__exit__(RuntimeError, RuntimeError("the traced iteration raised"), None)
+
     def end(self) -> MemoryPlan:
         """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget."""
         assert self._trace is not None, "warm-up is not tracing"

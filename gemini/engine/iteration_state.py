@@ -1,0 +1,28 @@
+"""The engine's iteration state machine (GeminiRuntime moves it, only through guarded moves)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["IterationState"]
+
+
+class IterationState(enum.Enum):
+    """Where the engine is in learning what the model needs besides its own data.
+
+    - ``FIXED``: the placement needs no warm-up (cuda, cpu, static); every iteration is alike.
+    - ``UNTRACED``: auto before its first forward: nothing measured, nothing planned.
+    - ``TRACING``: auto's warm-up iteration runs under the tracer; chunks move as under "cpu";
+      a backward that raises gives the trace up (back to ``UNTRACED``).
+    - ``PLANNED``: the warm-up's plan drives placement (the margin's groups on the device,
+      eviction in the traced order); new input shapes send it back to ``TRACING``.
+    - ``UNPLANNED``: the warm-up ended without a plan (it overran the budget and raised
+      DeviceBudgetError); chunks keep moving as in the warm-up until new input shapes trace
+      again.
+    """
+
+    FIXED = "fixed"
+    UNTRACED = "untraced"
+    TRACING = "tracing"
+    PLANNED = "planned"
+    UNPLANNED = "unplanned"
