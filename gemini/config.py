@@ -13,7 +13,7 @@ import torch
 from chunks import compute_device
 from offload import parse_size
 
-__all__ = ["GeminiConfig", "PLACEMENTS", "PRECISIONS"]
+__all__ = ["CONFIG_DEFAULTS", "GeminiConfig", "PLACEMENTS", "PRECISIONS"]
 
 PLACEMENTS = ("cuda", "cpu", "auto", "static")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -256,6 +256,10 @@ class GeminiConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Each field's default, by name (the CLI's defaults, and what check_supported calls "not set").
+CONFIG_DEFAULTS = {f.name: f.default for f in fields(GeminiConfig)}
 
 
 def _is_real(v: Any) -> bool:

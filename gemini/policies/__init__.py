@@ -16,10 +16,8 @@ keeps on the device. Policies import nothing of the engine (gemini/engine/), of 
 
 from __future__ import annotations
 
-import dataclasses
-
 from chunks import ChunkManager
-from gemini.config import GeminiConfig
+from gemini.config import CONFIG_DEFAULTS, GeminiConfig
 from gemini.policies.auto import AutoPlacement
 from gemini.policies.base import PlacementPolicy
 from gemini.policies.fixed import CpuPlacement, CudaPlacement, StaticPlacement
@@ -48,14 +46,11 @@ def check_supported(config: GeminiConfig) -> None:
     own = placement_type(config.placement)
     for cls in _TYPES.values():
         for name in cls.own_fields:
-            value, default = getattr(config, name), _DEFAULTS[name]
+            value, default = getattr(config, name), CONFIG_DEFAULTS[name]
             if cls is not own and name not in own.own_fields and value != default:
-                why = "has no margin" if name == "gpu_margin_mem_ratio" else "ignores it"
+                why = "has no margin" if cls.has_margin else "ignores it"
                 raise ValueError(f"GeminiConfig.{name}={value} needs placement={cls.name!r} "
                                  f"(placement={config.placement!r} {why}); use {default} or placement={cls.name!r}")
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GeminiConfig)}
 
 
 def make_placement(config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from gemini.config import GeminiConfig
+from gemini.config import CONFIG_DEFAULTS, GeminiConfig
 from gemini.initialize import initialize
-from gemini.policies import placement_type
+from gemini.policies import StaticPlacement, placement_type
 from gemini.report import MemoryReport, ReportRun, WarmupTimeline, read_report_runs
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 from gemini.tools.loop import StepResult, train_steps
@@ -64,7 +64,7 @@ def _model_data_bytes(cfg: GPTConfig, args: argparse.Namespace) -> int:
         model = GPT(cfg)
     config = _gemini_config(args, device="cpu", placement="cpu", device_memory=None, cpu_memory=None,
                             nvme_dir=None, nvme_offload_fraction=0.0, gpu_margin_mem_ratio=0.0, report_path=None,
-                            static_param_device_fraction=1.0, static_optimizer_offload_fraction=0.0)
+                            **{name: CONFIG_DEFAULTS[name] for name in StaticPlacement.own_fields})
     plan = plan_placement(model, config)
     return sum(plan.tier_bytes(t) for t in plan.model_bytes_by_tier)
 

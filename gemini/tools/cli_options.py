@@ -10,12 +10,11 @@ checks what no single option's type can.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 from collections.abc import Callable
 
-from gemini.config import PLACEMENTS, PRECISIONS, GeminiConfig
+from gemini.config import CONFIG_DEFAULTS, PLACEMENTS, PRECISIONS
 from gemini.tools.summary import UNITS
 from offload import parse_size
 
@@ -99,9 +98,8 @@ def run_number(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------- option groups
-# The engine options' defaults are GeminiConfig's own (one source: `plan`, `train`, `demo` and
-# `tune-margin` default to what the library does when the option is left out).
-CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GeminiConfig)}
+# The engine options' defaults are GeminiConfig's own (CONFIG_DEFAULTS, one source: `plan`,
+# `train`, `demo` and `tune-margin` default to what the library does when the option is left out).
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
