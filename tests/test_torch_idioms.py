@@ -284,6 +284,55 @@ def test_fp16_gradients_are_refused_loudly_and_model_clip_works():
     assert got.item() == pytest.approx(want.item(), rel=2e-2)  # fp16 compute vs fp32
 
 
+def _fp16_run(steps, *, stray_unscaled_pass):
+    """``steps`` fp16 iterations; with ``stray_unscaled_pass``, first a loss.backward() the step
+    refuses, and a zero_grad to drop it."""
+    _, (gmodel, opt) = _pair("cpu", precision="fp16")
+    data = batches(CFG, steps + 1, batch=2, seq=16)
+    if stray_unscaled_pass:
+        x, y = data[-1]
+        GPT.loss(gmodel(x), y).backward()
+        with pytest.raises(RuntimeError, match="1 of them not through optimizer.backward.*zero_grad"):
+            opt.step()
+        opt.zero_grad()
+    for x, y in data[:steps]:
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+    assert opt.reports_made == steps
+    return {k: v.clone() for k, v in gmodel.state_dict().items()}
+
+
+def test_fp16_a_stray_unscaled_backward_is_dropped_by_zero_grad():
+    """One loss.backward() under fp16 is refused at the step; after zero_grad the run trains on
+    as if it had never happened (it used to refuse every later step)."""
+    _assert_same_run([_fp16_run(3, stray_unscaled_pass=True)], [_fp16_run(3, stray_unscaled_pass=False)])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_optimizer_backward_takes_retain_graph_and_inputs(precision):
+    """Two losses backpropagated separately through one graph (retain_graph), and a backward
+    limited to some parameters (inputs), as torch's Tensor.backward takes them."""
+    (ref, ref_opt), (gmodel, opt) = _pair("cpu", precision=precision)
+    head = [p for n, p in gmodel.named_parameters() if "lm_head" in n or "ln_f" in n]
+    ref_head = [p for n, p in ref.named_parameters() if "lm_head" in n or "ln_f" in n]
+    for x, y in batches(CFG, 2, batch=2, seq=16):
+        for m, backward, only in ((ref, lambda loss, **kw: loss.backward(**kw), ref_head), (gmodel, opt.backward, head)):
+            out = m(x)
+            backward(GPT.loss(out, y), retain_graph=True)
+            backward(out.float().pow(2).mean(), inputs=only)
+        if precision == "fp16":  # both passes scaled: the unscaled norm is torch's (fp16 compute: close)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+            assert gmodel.clip_grad_norm_(float("inf")).item() == pytest.approx(want.item(), rel=2e-2)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        assert not opt.report.skipped
+        if precision == "fp32":
+            assert_params_close(gmodel.state_dict(), ref.state_dict())
+
+
 def test_model_clip_grad_norm_rejects_bad_values():
     _, (gmodel, opt) = _pair("cpu")
     with pytest.raises(ValueError, match="max_norm"):

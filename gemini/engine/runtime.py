@@ -74,6 +74,7 @@ class GeminiRuntime:
     _warmup_peak_bytes: int = 0
     _signature: InputSignature | None = None  # the traced iteration's inputs
     _backward_passes_at_trace: int = 0
+    grads_cleared_at_pass: int = 0  # the hooks' backward-pass count at the last zero_grad
     _evaluation_window: bool = False  # this forward opened the window without grad (see on_root_forward_end)
     state: IterationState = IterationState.FIXED  # UNTRACED under auto (set in __post_init__)
 
@@ -94,6 +95,7 @@ class GeminiRuntime:
         """Forget the accumulated gradients (``set_to_none=False``: keep them as zeros, as torch
         does, so exposed ``p.grad`` views read zeros; the chunks' storage is kept for reuse)."""
         self._end_aborted_backward()
+        self.grads_cleared_at_pass = self.hooks.backward_passes
         if not set_to_none:
             self.grad_views.hide()
             with torch.no_grad():

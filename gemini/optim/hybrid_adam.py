@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,7 +63,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._rt = runtime
         self.adamw_mode = adamw_mode
         self.scaler = loss_scaler_for(runtime.config)
-        self._scaled_backwards = ScaledBackwards(self.scaler)
+        self._scaled_backwards = ScaledBackwards(self.scaler, lambda: runtime.hooks.backward_passes)
         self.report: MemoryReport | None = None
         self.reports_made = 0
         self._step_started = time.perf_counter()
@@ -84,11 +84,14 @@ class HybridAdam(torch.optim.Optimizer):
         plan = self._rt.plan
         return plan.timeline() if plan is not None else None
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, with the loss scaled under fp16; out of the device budget, a
-        ``DeviceBudgetError`` saying what is missing (as the model's forward does)."""
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
+                 inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
+        """``loss.backward(retain_graph=..., inputs=...)``, with the loss scaled under fp16; out
+        of the device budget, a ``DeviceBudgetError`` saying what is missing (as the model's
+        forward does). (``create_graph`` through the parameters is not supported: see
+        README's input gradients.)"""
         with self._rt.budget_errors("the backward pass"):
-            self._scaled_backwards.scale(loss).backward()
+            self._scaled_backwards.backward(loss, retain_graph=retain_graph, inputs=inputs)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only ``torch.optim.Optimizer.__init__`` adds groups (those ``gemini.initialize`` made);
@@ -123,7 +126,7 @@ class HybridAdam(torch.optim.Optimizer):
         try:
             rt.begin_step()  # may raise DeviceBudgetError: nothing has been updated yet
             tx = StepTransaction(rt.storage, undo_on_nvme=rt.nvme is not None and rt.nvme.layout.undo_on_nvme)
-            self._scaled_backwards.check(rt.hooks.backward_passes, tx)
+            self._scaled_backwards.check(rt.grads_cleared_at_pass, tx)
             try:
                 outcome = self._step(tx)
             except BaseException:

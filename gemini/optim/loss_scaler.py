@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,38 +73,52 @@ def loss_scaler_for(config: GeminiConfig) -> DynamicLossScaler | None:
 class ScaledBackwards:
     """Under fp16 the step divides the gradients by the loss scale, so a backward pass that did
     not go through ``optimizer.backward(loss)`` (an unscaled loss) would be silently wrong. This
-    counts the scaled passes; each step compares them with every pass the hooks saw since the
-    last step."""
+    records which of the hooks' backward passes ran scaled; each step checks that every pass
+    since the last step and the last ``zero_grad`` (which forgets the gradients of the passes
+    before it, scaled or not) was one of them."""
 
-    def __init__(self, scaler: DynamicLossScaler | None) -> None:
+    def __init__(self, scaler: DynamicLossScaler | None, passes: Callable[[], int]) -> None:
         self._scaler = scaler
-        self._scaled = 0
+        self._passes = passes  # the hooks' count of backward passes that ran to completion
+        self._scaled: list[int] = []  # the numbers of the passes that ran scaled
         self._passes_at_step = 0
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` as ``backward`` should see it, counted."""
+    def backward(self, loss: torch.Tensor, **backward_args: Any) -> None:
+        """``loss.backward(**backward_args)``, with ``loss`` scaled under fp16; the passes it
+        ran are recorded as scaled."""
         if self._scaler is None:
-            return loss
-        self._scaled += 1
-        return loss * self._scaler.scale
+            loss.backward(**backward_args)
+            return
+        before = self._passes()
+        try:
+            (loss * self._scaler.scale).backward(**backward_args)
+        except BaseException:
+            # A pass that raised is counted when the engine ends it, as the next number.
+            self._scaled.append(before + 1)
+            raise
+        self._scaled.extend(range(before + 1, self._passes() + 1))
 
-    def check(self, backward_passes: int, tx: StepTransaction) -> None:
-        """Start a new count at this step (undone with ``tx``); raise if a pass since the last
-        step was not scaled. ``backward_passes``: the hooks' count of every pass so far."""
-        passes = backward_passes - self._passes_at_step
+    def check(self, cleared_at_pass: int, tx: StepTransaction) -> None:
+        """Start a new count at this step (undone with ``tx``); raise if a pass whose gradients
+        the step would use was not scaled. ``cleared_at_pass``: the pass count at the last
+        ``zero_grad``."""
+        now = self._passes()
+        since = max(self._passes_at_step, cleared_at_pass)
+        unscaled = (now - since) - sum(n > since for n in self._scaled)
         saved = (self._passes_at_step, self._scaled)
 
         def restore() -> None:
             self._passes_at_step, self._scaled = saved
 
         tx.on_rollback(restore)
-        self._passes_at_step = backward_passes
-        scaled, self._scaled = self._scaled, 0
-        if self._scaler is not None and passes != scaled:
+        self._passes_at_step, self._scaled = now, []
+        if self._scaler is not None and unscaled:
             restore()
             raise RuntimeError(
-                f"precision='fp16' needs optimizer.backward(loss) so the loss is scaled; "
-                f"{passes} backward pass(es) ran since the last step, {scaled} through optimizer.backward"
+                f"precision='fp16' needs optimizer.backward(loss) so the loss is scaled; {now - since} backward "
+                f"pass(es) ran since the last step or zero_grad, {unscaled} of them not through optimizer.backward. "
+                f"Their gradients are kept: call optimizer.zero_grad() to drop them, then backward through "
+                f"optimizer.backward(loss)"
             )
 
 
