@@ -8,6 +8,7 @@ ending a warm-up carries, and the JSON Lines file of reports (:class:`ReportWrit
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import asdict, dataclass, field, fields
@@ -89,7 +90,9 @@ class MemoryReport:
     # Beyond the contract:
     device_model_peak_bytes: int = 0  # the chunk ledger's device peak over the step
     device_budget_bytes: int | None = None
-    grad_norm: float | None = None  # global norm before clipping (unscaled), when computed
+    # Global norm before clipping (unscaled), when computed; inf when the gradients overflowed
+    # (held inf or nan: fp16 skips such a step).
+    grad_norm: float | None = None
     host_rss_bytes: int | None = None  # the process's resident memory (psutil)
     nvme_wait_seconds: float = 0.0  # time the step waited for NVMe reads and writes
     host_pool_bytes: int = 0  # host buffers held by the pinned pool (in use or idle)
@@ -129,15 +132,24 @@ class MemoryReport:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_json(self) -> str:
+        """One line of strict JSON (RFC 8259 has no inf or nan): such a field is the string
+        "inf", "-inf" or "nan"."""
+        values = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in self.to_dict().items()}
+        return json.dumps(values, allow_nan=False)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
         """The inverse of :meth:`to_dict`. Keys this version does not know (a file written by a
         newer one) are ignored; missing optional fields take their defaults."""
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+        values = {k: float(v) if v in _NON_FINITE else v for k, v in data.items() if k in known}
         if values.get("timeline") is not None:
             values["timeline"] = WarmupTimeline.from_dict(values["timeline"])
         return cls(**values)
+
+
+_NON_FINITE = ("inf", "-inf", "nan")  # how MemoryReport.to_json writes such floats
 
 
 class ReportWriter:
@@ -179,7 +191,7 @@ class ReportWriter:
     def write(self, report: MemoryReport) -> None:
         fd = self._open()
         try:
-            _write_all(fd, (json.dumps(report.to_dict()) + "\n").encode())
+            _write_all(fd, (report.to_json() + "\n").encode())
         finally:
             os.close(fd)
 

@@ -141,6 +141,31 @@ def test_jsonl_rows_equal_the_reports_with_breakdown_and_timeline(auto_run):
         assert r.compute_seconds == pytest.approx(r.step_seconds - r.transfer_seconds - r.nvme_wait_seconds)
 
 
+def test_an_overflowed_step_writes_strict_json(tmp_path):
+    """fp16 skips a step whose gradients hold inf: its grad_norm is inf, written as the string
+    "inf" (a bare Infinity/NaN line is refused by strict readers: jq, JSON.parse), and read
+    back as inf."""
+    path = tmp_path / "r.jsonl"
+    model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device=DEVICE, placement="cpu", precision="fp16",
+                                                                   report_path=path), lr=1e-3)
+    reports = []
+    for scale in (1.0, float("inf"), float("nan")):
+        (x, y), = batches(TINY, 1)
+        opt.backward(GPT.loss(model(x), y) * scale)
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+    assert [r.skipped for r in reports] == [False, True, True]
+    assert [r.grad_norm == float("inf") for r in reports] == [False, True, True]
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    _header, *rows = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+    assert [row["grad_norm"] for row in rows[1:]] == ["inf", "inf"]
+    assert gemini.read_reports(path) == reports
+
+
 def test_read_reports_names_the_bad_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"step": 0}\n')

@@ -3,6 +3,7 @@ step alone knows (`StepOutcome`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,7 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
         loss_scale=outcome.loss_scale,
         device_model_peak_bytes=ledger.peak_bytes(Tier.DEVICE),
         device_budget_bytes=rt.config.device_memory,
-        grad_norm=outcome.grad_norm,
+        grad_norm=outcome.grad_norm if outcome.grad_norm is None or math.isfinite(outcome.grad_norm) else math.inf,
         host_rss_bytes=rt.system.host_rss_bytes(),
         nvme_wait_seconds=transfers.nvme_wait_seconds,
         host_pool_bytes=ledger.host_pool_bytes,
