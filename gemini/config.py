@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -243,6 +243,15 @@ class GeminiConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 _fail(name, v, "an int >= 1")
+
+    def checked(self) -> GeminiConfig:
+        """A validated copy of this config as it is now: a field set after construction
+        (``cfg.device_memory = "8GiB"``) is checked and converted like a constructor argument.
+        ``initialize`` runs with such a copy, so changing the config later does not reach a
+        running engine."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # construction warned already
+            return replace(self)
 
     # ----------------------------------------------------------------------------- derived
     @property

@@ -165,6 +165,7 @@ def _resolve_config(config: GeminiConfig | None, args) -> GeminiConfig:
     config = GeminiConfig() if config is None else config
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"gemini_config must be a gemini.GeminiConfig, got {type(config).__name__}")
+    config = config.checked()
     wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else None
     if wanted is None:
         return config

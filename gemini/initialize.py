@@ -73,6 +73,7 @@ def initialize(
     config = GeminiConfig() if config is None else config
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"config must be a gemini.GeminiConfig, got {type(config).__name__}")
+    config = config.checked()
     config.check_device_available()
     _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     check_supported(config)  # combinations of fields that mean nothing fail loudly

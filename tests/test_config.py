@@ -49,6 +49,36 @@ def test_invalid_field_names_itself(field, value):
         gemini.GeminiConfig(**{field: value})
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("precision", "fp8", "precision='fp8'"),
+    ("gpu_margin_mem_ratio", 5.0, r"gpu_margin_mem_ratio=5\.0.*\[0, 1\]"),
+    ("clip_grad_norm", -1.0, "clip_grad_norm=-1.0"),
+    ("device_memory", "lots", "device_memory='lots'"),
+])
+def test_a_field_set_after_construction_is_checked_by_initialize(field, value, match):
+    """Scripts tweak a config after making it: initialize checks it as it is then."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="auto")
+    setattr(cfg, field, value)
+    model = torch.nn.Linear(8, 8)
+    before = model.weight.clone()
+    with pytest.raises(ValueError, match=match):
+        gemini.initialize(model, cfg)
+    assert torch.equal(model.weight, before) and model.weight.device.type == "cpu"
+
+
+def test_a_size_string_set_after_construction_is_converted_and_the_engine_keeps_its_copy():
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu")
+    cfg.device_memory = "64MiB"
+    model, opt = gemini.initialize(torch.nn.Linear(8, 8), cfg)
+    opt.backward(model(torch.randn(2, 8)).sum())
+    opt.step()
+    assert opt.report.device_budget_bytes == 64 * 2**20
+    cfg.device_memory = "1KiB"  # later changes to the user's object do not reach the running engine
+    opt.backward(model(torch.randn(2, 8)).sum())
+    opt.step()
+    assert opt.report.device_budget_bytes == 64 * 2**20
+
+
 def test_cuda_device_without_cuda_is_refused_by_initialize_not_by_the_config():
     """A config describes the run it is for: a machine without the GPU can plan it, and only
     initialize (before anything is built) refuses to run it."""
@@ -221,10 +251,10 @@ def test_a_report_path_that_cannot_be_opened_fails_initialize_before_the_model_i
     nvme.mkdir()
     cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, report_path=path, cpu_memory="1MiB",
                               nvme_dir=nvme)
-    path.mkdir()  # made a folder after the config was checked: only opening it tells
+    path.mkdir()  # made a folder after the config was made: initialize's check tells
     model = GPT(TINY)
     params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match=rf"GeminiConfig\.report_path={re.escape(repr(path))} is invalid: .*Errno"):
+    with pytest.raises(ValueError, match=rf"GeminiConfig\.report_path={re.escape(repr(path))} is invalid: .*folder"):
         gemini.initialize(model, cfg)
     assert os.listdir(nvme) == []  # no NVMe store was opened
     for name, p in model.named_parameters():
