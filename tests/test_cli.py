@@ -164,6 +164,7 @@ BAD_OPTIONS = [
     (["train", "--lr", "nan"], "--lr", "a finite number >= 0"),
     (["train", "--device-memory", "-5"], "--device-memory", "a positive size"),
     (["train", "--cpu-memory", "lots"], "--cpu-memory", "a positive size"),
+    (["train", "--device-memory", "1.1GiB"], "--device-memory", "not a whole number of bytes"),
     (["train", "--nvme-offload-fraction", "1.5"], "--nvme-offload-fraction", "a number in [0, 1]"),
     (["train", "--nvme-pipeline-depth", "0"], "--nvme-pipeline-depth", "an int in [1, 64]"),
     (["train", "--gpu-margin-mem-ratio", "-0.1"], "--gpu-margin-mem-ratio", "a number in [0, 1]"),

@@ -62,8 +62,9 @@ def number_in(low: float, high: float | None = None, *, high_open: bool = False)
 def byte_size(text: str) -> int:
     try:
         value = parse_size(text)
-    except (ValueError, TypeError):
-        value = 0
+    except (ValueError, TypeError) as e:
+        # parse_size's reason (not a size, not whole bytes) and what it accepts
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size: {e}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive size: bytes, or a size like 512MiB or 8GiB")
     return value
