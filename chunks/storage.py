@@ -67,18 +67,20 @@ class ChunkStorage:
     ledger: MemoryLedger = field(default_factory=MemoryLedger)
     observer: StorageObserver | None = None
     nvme: NvmeStore | None = None
-    # Wraps every move of chunk data onto or off the device while a warm-up traces (its tracer
-    # splits its measuring intervals there); set through watch_moves().
+    # Wraps every move of chunk data onto or off the device: the step's device meter, and
+    # while a warm-up traces, its tracer (each splits its measuring intervals there); set
+    # through swap_move_watcher().
     _move_watcher: Callable[[], AbstractContextManager] | None = field(default=None, repr=False)
 
-    def watch_moves(self, move_context: Callable[[], AbstractContextManager] | None) -> None:
-        """Wrap each later move onto or off the device in ``move_context()`` (None: stop)."""
-        if move_context is not None and self._move_watcher is not None:
-            raise RuntimeError("chunk moves are already watched (a second warm-up trace at once?)")
-        self._move_watcher = move_context
+    def swap_move_watcher(self, move_context: Callable[[], AbstractContextManager] | None
+                          ) -> Callable[[], AbstractContextManager] | None:
+        """Wrap each later move onto or off the device in ``move_context()`` (None: nothing);
+        returns the watcher it replaces, for the caller to put back."""
+        previous, self._move_watcher = self._move_watcher, move_context
+        return previous
 
     def move_context(self) -> AbstractContextManager:
-        """The context one move onto or off the device runs in (see :meth:`watch_moves`)."""
+        """The context one move onto or off the device runs in (see :meth:`swap_move_watcher`)."""
         return self._move_watcher() if self._move_watcher is not None else contextlib.nullcontext()
 
     def __post_init__(self) -> None:

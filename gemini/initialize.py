@@ -132,6 +132,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     memory = DeviceMemory(device, config.device_memory,
                           measure=config.device_memory is not None or policy_type.plans_from_measurement)
     storage = ChunkStorage(device, pin_host=True, observer=memory.observer())
+    storage.swap_move_watcher(memory.model_data_move)  # the step's non-model peak (see DeviceMemory)
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype, rank=rank, world=world,
                            shard_params=config.shard_params)
     layout = manager.layout(named_groups, frozen)  # what register() will build; nothing allocated yet

@@ -70,6 +70,8 @@ class MemoryReport:
     step: int
     device_peak_bytes: int
     device_model_bytes: int  # chunk payloads on the device at the end of the step
+    # The step's most device bytes besides chunks and buffers (see [Note: the step's non-model
+    # peak] in gemini/engine/memory.py); None when nothing measures.
     device_non_model_peak_bytes: int | None
     host_model_bytes: int  # chunk payloads in host memory at the end of the step
     nvme_bytes: int

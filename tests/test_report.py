@@ -8,10 +8,11 @@ import os
 import sys
 
 import pytest
+import torch
 
 import gemini
 from chunks import ChunkKind, Tier
-from gemini.tools.gpt import GPT
+from gemini.tools.gpt import GPT, GPTConfig
 from helpers import DEVICE, TINY, batches, make_gpt
 
 
@@ -67,6 +68,44 @@ def test_cpu_placement_counts_every_byte(precision, tmp_path):
     assert header["run"]["config"]["precision"] == precision
     assert rows == [r.to_dict() for r in reports]
     assert [row["step"] for row in rows] == [0, 1, 2]
+
+
+NON_MODEL_CONFIGS = {
+    "cuda": dict(placement="cuda", device_memory="64MiB"),
+    "cpu": dict(placement="cpu", device_memory="64MiB"),
+    "static": dict(placement="static", device_memory="64MiB", static_param_device_fraction=0.5),
+    "auto": dict(placement="auto", device_memory="64MiB"),
+    "auto-evicting": dict(placement="auto", device_memory="20MiB"),
+}
+
+
+@pytest.mark.standin  # budgets sized for the stand-in's exact counting
+@pytest.mark.parametrize("name", NON_MODEL_CONFIGS)
+def test_each_step_measures_its_own_non_model_peak(name):
+    """device_non_model_peak_bytes is the step's: a step with 8 MiB more temporaries in the loss
+    reports 8 MiB more (it used to repeat the warm-up's figure, or be None without a warm-up),
+    and the fields add up: the peak is at most the chunks' peak plus the non-model peak."""
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    model, opt = gemini.initialize(make_gpt(cfg), gemini.GeminiConfig(device=DEVICE, chunk_size=3000,
+                                                                      **NON_MODEL_CONFIGS[name]), lr=1e-3)
+    extra_bytes = 8 * 2**20
+    reports = []
+    for step, (x, y) in enumerate(batches(cfg, 4, batch=4, seq=32)):
+        out = model(x)
+        loss = GPT.loss(out, y)
+        if step == 2:  # a large temporary, alive with the logits: non-model data only
+            loss = loss + torch.zeros(extra_bytes // 4, device=out.device).sum() * out.sum() * 0
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+    for r in reports:
+        assert r.device_non_model_peak_bytes is not None
+        assert r.device_non_model_peak_bytes <= r.device_peak_bytes <= r.device_model_peak_bytes + r.device_non_model_peak_bytes
+    plain = [r.device_non_model_peak_bytes for r in (reports[1], reports[3])]
+    assert plain[1] == pytest.approx(plain[0], rel=0.01)  # the same step measures about the same
+    # The temporary lives while some activations of the other steps' peak are gone already.
+    assert reports[2].device_non_model_peak_bytes > max(extra_bytes, plain[0] + extra_bytes // 2)
 
 
 def test_cuda_placement_keeps_everything_on_device():

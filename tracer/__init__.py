@@ -14,7 +14,7 @@ from tracer.monitors import (
     TensorAccountingMonitor,
     make_monitor,
 )
-from tracer.period import PeriodRecord
+from tracer.period import PeriodMeter, PeriodRecord
 from tracer.runtime import RuntimeTracer, TracerState
 from tracer.signature import InputSignature, input_signature
 
@@ -30,6 +30,7 @@ __all__ = [
     "MonitorState",
     "NvmlMonitor",
     "PeriodHooks",
+    "PeriodMeter",
     "PeriodRecord",
     "Phase",
     "RuntimeTracer",

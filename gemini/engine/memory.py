@@ -6,7 +6,7 @@ import contextlib
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psutil
 import torch
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from chunks import StorageObserver, fits
 from gemini.errors import DeviceBudgetError  # here too, where it was first defined
-from tracer import CudaAllocatorMonitor, MemoryMonitor, MonitorState, TensorAccountingMonitor
+from tracer import CudaAllocatorMonitor, MemoryMonitor, MonitorState, PeriodMeter, TensorAccountingMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class DeviceMemory:
         elif measure:
             self._accounting = TensorAccountingMonitor(device)
             self.monitor = self._accounting
+        # The window's intervals between model-data moves (see [Note: the step's non-model peak]).
+        self._meter: PeriodMeter | None = None
+        self._model_bytes: Callable[[], int] = lambda: 0
+        self._moving = False
 
     # ---------------------------------------------------------------------------- set-up
     def observer(self) -> StorageObserver | None:
@@ -58,8 +62,9 @@ class DeviceMemory:
             return None
         return StorageObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.track)
 
-    def start(self, tracked: list[torch.Tensor]) -> None:
-        """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks)."""
+    def start(self, tracked: list[torch.Tensor], model_bytes: Callable[[], int]) -> None:
+        """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks),
+        ``model_bytes()`` says how many bytes of the device are model data now."""
         # A device larger than the budget: the allocator is capped at the budget (once: every
         # iteration's window starts here).
         if self._capped is None and self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
@@ -75,6 +80,8 @@ class DeviceMemory:
                 self._accounting.track(tracked)
             self.monitor.start()
             self.monitor.reset_peak()  # a new window's peak starts at what lives now
+            self._model_bytes = model_bytes
+            self._meter = PeriodMeter(model_bytes_at_start=model_bytes())
 
     def close(self) -> None:
         """Lift the allocator cap this budget set: it is process-wide and would outlive the
@@ -101,18 +108,61 @@ class DeviceMemory:
         with _disable_current_modes():
             yield
 
+    # [Note: the step's non-model peak]
+    # A report's device_non_model_peak_bytes is the most the device held besides model data
+    # (chunks and buffers) at any time in the step. The monitor sees all bytes, and only
+    # between two model-data moves is the model's share constant; so each move onto or off the
+    # device (the storage's move watcher, outside a warm-up's trace, which cuts its own
+    # intervals the same way) closes an interval: its peak less the model bytes held during it
+    # ([Note: subtracting model data] in tracer/period.py; a PeriodMeter does the arithmetic),
+    # and the monitor's peak starts again. A placement that moves nothing after its first step
+    # (cuda) has one interval a step; the cost is a peak read and reset per move, not per
+    # operator or hook.
+
+    @contextlib.contextmanager
+    def model_data_move(self) -> Iterator[None]:
+        """Wrap a move of model data onto or off the device (see [Note: the step's non-model peak])."""
+        if self._meter is None or self._moving or not self.monitor.running:
+            yield
+            return
+        self._moving = True
+        self._cut(moving=False)
+        try:
+            yield
+        finally:
+            self._moving = False
+            if self.monitor.running:
+                self._cut(moving=True)
+
+    def _cut(self, *, moving: bool) -> None:
+        self._meter.close_interval(peak_bytes=self.monitor.peak_bytes(), model_bytes_now=self._model_bytes(),
+                                   moving=moving)
+        self.monitor.reset_peak()
+
     # ---------------------------------------------------------------------------- readings
     def peak_bytes(self) -> int | None:
         """The measured peak; None when nothing measures, or nothing was measured yet (a step
         before any forward: torch's AdamW takes it as a no-op, and so does the report)."""
         if self.monitor is None or self.monitor.state is MonitorState.NEW:
             return None
-        return self.monitor.peak_bytes()
+        peak = self.monitor.peak_bytes()
+        return peak if self._meter is None else max(peak, self._meter.peak_bytes)
+
+    def non_model_peak_bytes(self) -> int | None:
+        """The most the device held besides model data since the window began (see [Note: the
+        step's non-model peak]); None when nothing measures."""
+        if self._meter is None or self.monitor.state is MonitorState.NEW:
+            return None
+        # The interval still open ends here (closing it again later only repeats its peak).
+        self._meter.close_interval(peak_bytes=self.monitor.peak_bytes(), model_bytes_now=self._model_bytes(),
+                                   moving=False)
+        return max(0, self._meter.non_model_peak_bytes)
 
     def reset_peak(self) -> None:
         """Restart the peak (a stopped monitor restarts it when its next window begins)."""
         if self.monitor is not None and self.monitor.running:
             self.monitor.reset_peak()
+            self._meter = PeriodMeter(model_bytes_at_start=self._model_bytes())
 
     def budget_error(self, error: torch.OutOfMemoryError, *, what: str, chunk_bytes: int,
                      advice: str) -> DeviceBudgetError | None:

@@ -269,11 +269,15 @@ class GeminiRuntime:
     def begin_window(self) -> None:
         """Start measuring the device (if not already) for the iteration beginning now."""
         if self.memory.monitor is not None and not self.window_open:
-            self.memory.start(self.device_tensors())
+            self.memory.start(self.device_tensors(), self.device_model_bytes)
 
     def end_window(self) -> None:
         if self.window_open:
             self.memory.monitor.stop()
+
+    def device_model_bytes(self) -> int:
+        """Model data on the device now: chunk payloads and buffers."""
+        return self.storage.ledger.bytes_on(Tier.DEVICE) + self.fixed_bytes
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Model data on the device: buffers and chunk payloads (for the accounting monitor)."""
@@ -290,9 +294,11 @@ class GeminiRuntime:
         return self.storage.ledger.peak_bytes(Tier.DEVICE) + self.fixed_bytes
 
     def device_non_model_peak_bytes(self) -> int | None:
-        if self.plan is not None:
-            return self.plan.max_non_model_bytes
-        return None
+        """The step's most device bytes besides model data: the warm-up's trace measured it for
+        the step that ended one; the device's meter for every other step."""
+        if self._unreported_plan is not None:
+            return self._unreported_plan.max_non_model_bytes
+        return self.memory.non_model_peak_bytes()
 
     def take_timeline(self) -> WarmupTimeline | None:
         """The timeline of a warm-up that ended since the last call (for that step's report)."""

@@ -27,7 +27,7 @@ class Warmup:
     root module after a backward pass (gradient accumulation), or ``optimizer.step()``. The
     engine's hooks deliver each period boundary to the tracer (``runtime.on_boundary``).
     Every chunk move in between is announced to the tracer through the storage
-    (``ChunkStorage.watch_moves``), so model data is subtracted exactly where it changed.
+    (``ChunkStorage.swap_move_watcher``), so model data is subtracted exactly where it changed.
     """
 
     def __init__(self, module: nn.Module, storage: ChunkStorage, memory: DeviceMemory, fixed_bytes: int) -> None:
@@ -43,6 +43,7 @@ class Warmup:
             track_module_tensors=False,
         )
         self._trace: contextlib.AbstractContextManager | None = None  # the tracer's trace() while tracing
+        self._outer_watcher = None  # the storage's move watcher before the trace took it
 
     @property
     def tracing(self) -> bool:
@@ -53,7 +54,7 @@ class Warmup:
         self.memory.restart_slack()
         self._trace = self.tracer.trace(own_hooks=False)  # the engine's hooks announce boundaries
         self._trace.__enter__()
-        self.storage.watch_moves(self.tracer.model_data_move)
+        self._outer_watcher = self.storage.swap_move_watcher(self.tracer.model_data_move)
         self.storage.ledger.reset_peaks(Tier.DEVICE)
         logger.info("warm-up: tracing the first iteration")
 
@@ -61,14 +62,14 @@ class Warmup:
         """Stop tracing without a plan: the traced iteration raised (its records are dropped)."""
         if self._trace is not None:
             trace, self._trace = self._trace, None
-            self.storage.watch_moves(None)
+            self.storage.swap_move_watcher(self._outer_watcher)
             trace.__exit__(RuntimeError, RuntimeError("the traced iteration raised"), None)
 
     def end(self) -> MemoryPlan:
         """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget."""
         assert self._trace is not None, "warm-up is not tracing"
         trace, self._trace = self._trace, None
-        self.storage.watch_moves(None)
+        self.storage.swap_move_watcher(self._outer_watcher)
         with trace_range("gemini::plan"):
             trace.__exit__(None, None, None)
             periods = self.tracer.periods
