@@ -266,6 +266,7 @@ def split_param_groups(model: nn.Module, param_groups):
             raise TypeError(f"parameter {n} has dtype {p.dtype}: gemini packs parameters into floating-point "
                             f"chunks{'' if p.requires_grad else '; register a frozen integer tensor as a buffer'}")
     _warn_mixed_dtypes(named)
+    _refuse_sparse_gradients(model)
     if param_groups is None:
         specs: list[dict[str, Any]] = [{"params": [p for _, p in named]}]
     else:
@@ -281,6 +282,15 @@ def split_param_groups(model: nn.Module, param_groups):
         named_groups.append([(name_of[p], p) for p in trainable])
     frozen = [(n, p) for n, p in named if not p.requires_grad]
     return torch_groups, named_groups, frozen
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """A sparse gradient has no slot in a dense gradient chunk; torch's Adam refuses it too."""
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ValueError(f"module {name or 'model'} ({type(m).__name__}) has sparse=True: its weight would get "
+                             f"sparse gradients, which gemini's chunks (and torch's Adam) do not support; build it "
+                             f"with sparse=False (the default), or freeze its weight")
 
 
 def _validate_group_specs(param_groups, order, name_of) -> list[dict[str, Any]]:

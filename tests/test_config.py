@@ -149,6 +149,17 @@ def test_integer_parameters_are_refused_naming_them():
         gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
 
 
+@pytest.mark.parametrize("module", [torch.nn.Embedding(10, 4, sparse=True), torch.nn.EmbeddingBag(10, 4, sparse=True)])
+def test_a_sparse_embedding_is_refused_naming_it(module):
+    """A sparse gradient has no slot in a chunk: refused at initialize (it trained as dense under
+    one placement and crashed in a hook under another)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), module)
+    with pytest.raises(ValueError, match=rf"module 1 \({type(module).__name__}\) has sparse=True"):
+        gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
+    module.weight.requires_grad_(False)  # frozen: no gradient at all, nothing to refuse
+    gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
+
+
 def test_parameters_of_several_dtypes_are_warned_about(caplog):
     """Chunks hold one dtype: an fp16 part of an fp32 model becomes fp32, which its forward may
     not expect; the warning names a parameter of each dtype."""
