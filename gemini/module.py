@@ -26,6 +26,14 @@ class _IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
+def not_copyable(what: str) -> str:
+    """Why ``what`` (a deep copy or pickle of a module gemini manages) is refused, and what to do."""
+    return (f"{what} is not supported after gemini.initialize: the parameters live in chunks that the engine and "
+            f"the optimizer share. For a copy (an EMA, a frozen teacher), deep-copy the module before initialize, "
+            f"or build a fresh one and load model.state_dict() into it (full fp32 values, the original keys); "
+            f"to save, use torch.save(model.state_dict()) or gemini.save_checkpoint")
+
+
 class GeminiModel(nn.Module):
     """Runs the wrapped module; ``state_dict`` speaks the wrapped module's keys.
 
@@ -61,6 +69,13 @@ class GeminiModel(nn.Module):
             if inner is None or name == "module":
                 raise
             return getattr(inner, name)
+
+    # ------------------------------------------------------------------ copies
+    def __deepcopy__(self, memo: dict) -> GeminiModel:
+        raise TypeError(not_copyable("copy.deepcopy(model)"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(not_copyable("pickling the model (torch.save(model))"))
 
     # -------------------------------------------------------------------- gradients
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -378,6 +378,26 @@ class _Net(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None else logits
 
 
+def test_copying_or_pickling_the_model_is_refused_with_what_to_do_instead():
+    """deepcopy/pickle of the wrapped model failed deep inside (a missing __new__ argument, a
+    lock); the error now says to copy before initialize or to go through state_dict."""
+    import copy
+    import io
+    import pickle
+
+    _, (gmodel, opt) = _pair("cpu")
+    with pytest.raises(TypeError, match=r"copy\.deepcopy\(model\) is not supported.*before initialize.*state_dict"):
+        copy.deepcopy(gmodel)
+    for dump in (lambda: torch.save(gmodel, io.BytesIO()), lambda: pickle.dumps(gmodel)):
+        with pytest.raises(TypeError, match=r"pickling the model.*torch\.save\(model\.state_dict\(\)\)"):
+            dump()
+    # What the message advises works: a fresh module loads the state.
+    fresh = GPT(CFG)
+    fresh.load_state_dict(gmodel.state_dict())
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    torch.testing.assert_close(fresh(x), gmodel(x).cpu())
+
+
 def test_wrapper_shows_the_wrapped_signature_class_and_attributes():
     gmodel, _ = gemini.initialize(_Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu"))
     assert list(inspect.signature(gmodel.forward).parameters) == ["input_ids", "attention_mask", "labels"]
