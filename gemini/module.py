@@ -209,6 +209,17 @@ class GeminiModel(nn.Module):
 _WRAPPER_CLASSES: dict[type, type] = {}
 
 
+_CONTAINER_METHODS = ("__getitem__", "__len__", "__iter__", "__contains__")
+
+
+def _delegate(name: str) -> Any:
+    def method(self, *args: Any) -> Any:
+        return getattr(self.module, name)(*args)
+
+    method.__name__ = name
+    return method
+
+
 def _wrapper_class(inner: type[nn.Module]) -> type[GeminiModel]:
     """The :class:`GeminiModel` subclass for modules of class ``inner``: named like it, with
     ``inner.forward``'s signature (see [Note: the wrapper looks like the wrapped model])."""
@@ -224,11 +235,15 @@ def _wrapper_class(inner: type[nn.Module]) -> type[GeminiModel]:
     except (TypeError, ValueError):  # a forward without an introspectable signature keeps (*args, **kwargs)
         pass
     forward.__doc__ = inner.forward.__doc__
+    # Python looks special methods up on the class, past __getattr__: a wrapped container
+    # (nn.Sequential, nn.ModuleList) indexes, counts and iterates as the wrapped one does.
+    containers = {name: _delegate(name) for name in _CONTAINER_METHODS if getattr(inner, name, None) is not None}
     cls = type(inner.__name__, (GeminiModel,), {
         "forward": forward,
         "__module__": GeminiModel.__module__,
         "__qualname__": f"GeminiModel[{inner.__qualname__}]",
         "__doc__": GeminiModel.__doc__,
+        **containers,
     })
     _WRAPPER_CLASSES[inner] = cls
     return cls

@@ -398,6 +398,17 @@ def test_copying_or_pickling_the_model_is_refused_with_what_to_do_instead():
     torch.testing.assert_close(fresh(x), gmodel(x).cpu())
 
 
+def test_a_wrapped_container_indexes_counts_and_iterates_like_the_wrapped_one():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    layers = list(seq)
+    gmodel, _ = gemini.initialize(seq, gemini.GeminiConfig(device=DEVICE, placement="cpu"))
+    assert gmodel[0] is layers[0] and gmodel[-1] is layers[2] and len(gmodel) == 3 and list(gmodel) == layers
+    assert isinstance(gmodel[1:], nn.Sequential) and len(gmodel[1:]) == 2
+    plain, _ = gemini.initialize(nn.Linear(4, 4), gemini.GeminiConfig(device=DEVICE, placement="cpu"))
+    with pytest.raises(TypeError):
+        len(plain)  # a module that is no container stays one
+
+
 def test_wrapper_shows_the_wrapped_signature_class_and_attributes():
     gmodel, _ = gemini.initialize(_Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu"))
     assert list(inspect.signature(gmodel.forward).parameters) == ["input_ids", "attention_mask", "labels"]
