@@ -135,6 +135,13 @@ class GeminiModel(nn.Module):
             return self.module(*args, **kwargs)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        if keep_vars:
+            # torch's keep_vars hands out the live tensors; here they are views of chunks that
+            # move and are released between modules, so only copies can be given.
+            raise ValueError("model.state_dict(keep_vars=True) is not supported: gemini's parameters live in chunks "
+                             "that move between tiers, so state_dict() returns fp32 copies on the CPU; to change "
+                             "the model, load values with model.load_state_dict(...) or edit model.parameters() "
+                             "in place under torch.no_grad()")
         out = OrderedDict() if destination is None else destination
         own = self.module.state_dict(keep_vars=True)
         params = [(t, None) for t in own.values() if isinstance(t, nn.Parameter)]

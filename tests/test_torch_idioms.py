@@ -391,6 +391,8 @@ def test_copying_or_pickling_the_model_is_refused_with_what_to_do_instead():
     for dump in (lambda: torch.save(gmodel, io.BytesIO()), lambda: pickle.dumps(gmodel)):
         with pytest.raises(TypeError, match=r"pickling the model.*torch\.save\(model\.state_dict\(\)\)"):
             dump()
+    with pytest.raises(ValueError, match=r"keep_vars=True.*copies"):
+        gmodel.state_dict(keep_vars=True)  # torch's live tensors: here only copies exist
     # What the message advises works: a fresh module loads the state.
     fresh = GPT(CFG)
     fresh.load_state_dict(gmodel.state_dict())
