@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -69,6 +70,14 @@ class GeminiModel(nn.Module):
             if inner is None or name == "module":
                 raise
             return getattr(inner, name)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's and FSDP's context for the micro-batches of gradient accumulation, accepted so
+        their loops run unchanged. Gradients accumulate as they do outside it; under ZeRO each
+        backward still reduce-scatters its gradients (a sum of means is the mean of sums, so
+        the step is the same; only DDP's saving of communication is not had)."""
+        yield
 
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo: dict) -> GeminiModel:

@@ -268,6 +268,23 @@ def test_a_parameter_unfrozen_after_initialize_is_refused_before_the_step():
     _assert_same_run(got, want)
 
 
+@pytest.mark.parametrize("name", _names(["cpu", "auto-evicting"]))
+def test_no_sync_accumulation_loop_trains_like_torch(name):
+    """DDP's accumulation loop: every micro-batch but the last under model.no_sync()."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, 2 * STEPS, batch=2, seq=16)
+    _, want = _loop(ref, ref_opt, data, micro_batches=2)
+    got = []
+    for first, last in zip(data[::2], data[1::2]):
+        with gmodel.no_sync():
+            (GPT.loss(gmodel(first[0]), first[1]) / 2).backward()
+        (GPT.loss(gmodel(last[0]), last[1]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        got.append({k: v.clone() for k, v in gmodel.state_dict().items()})
+    _assert_same_run(got, want)
+
+
 def test_fp16_gradients_are_refused_loudly_and_model_clip_works():
     """Under fp16 the chunks hold loss-scaled gradients: torch's clip must fail loudly instead of
     clipping scaled values (or returning 0); model.clip_grad_norm_ returns the unscaled norm."""
