@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Callable
 
@@ -11,45 +10,10 @@ import torch
 from chunks.chunk_file import ChunkFile
 from chunks.kind import ChunkKind
 from chunks.layout import TensorSlot
+from chunks.state import STATE_OF, ChunkState
 from chunks.storage import ChunkStorage, Tier
 
 __all__ = ["ChunkKind", "ChunkState", "TensorSlot", "Chunk"]
-
-
-class ChunkState(enum.Enum):
-    """Which copies of a chunk's payload exist, and so which memory it uses.
-
-    - ``RELEASED``: no copy; uses no memory (a gradient chunk before the first backward).
-    - ``HOST``: one copy in host memory.
-    - ``DEVICE``: one copy on the compute device.
-    - ``HOST_AND_DEVICE``: a device copy identical to the host copy, both counted; the device
-      copy can be dropped without a device-to-host copy (parameters fetched for compute).
-    - ``NVME``: one copy, in a file of the NVMe store; uses no memory, only disk.
-    - ``HOST_AND_NVME``: a host copy identical to the file (just read, or just written and
-      kept); the host copy can be dropped without writing it again.
-
-    A chunk with a read or write in flight stays in the state it had before the request (see
-    [Note: NVMe moves are two-phase]).
-    """
-
-    RELEASED = "released"
-    HOST = "host"
-    DEVICE = "device"
-    HOST_AND_DEVICE = "host_and_device"
-    NVME = "nvme"
-    HOST_AND_NVME = "host_and_nvme"
-
-
-# (host copy, device copy, current file) -> state. A file next to a device copy never exists:
-# only host copies are written to or read from NVMe.
-_STATE_OF = {
-    (False, False, False): ChunkState.RELEASED,
-    (True, False, False): ChunkState.HOST,
-    (False, True, False): ChunkState.DEVICE,
-    (True, True, False): ChunkState.HOST_AND_DEVICE,
-    (False, False, True): ChunkState.NVME,
-    (True, False, True): ChunkState.HOST_AND_NVME,
-}
 
 
 def _move(method):
@@ -203,7 +167,7 @@ class Chunk:
             )
 
     def _set_state(self) -> None:
-        self.state = _STATE_OF[(Tier.HOST in self._copies, Tier.DEVICE in self._copies, self._in_file)]
+        self.state = STATE_OF[(Tier.HOST in self._copies, Tier.DEVICE in self._copies, self._in_file)]
         self.version += 1
         if self.on_move is not None:
             self.on_move(self)
