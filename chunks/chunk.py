@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from chunks.chunk_file import ChunkFile
+from chunks.edits import ParamEdits
 from chunks.kind import ChunkKind
 from chunks.layout import TensorSlot
 from chunks.state import STATE_OF, ChunkState
@@ -55,6 +56,9 @@ class Chunk:
         self.version = 0
         # Called after every state change (the manager re-points parameter views).
         self.on_move: Callable[[Chunk], None] | None = None
+        # A param chunk's: writes through its parameters (see [Note: writes through the
+        # parameters] in chunks/edits.py), looked at on every move.
+        self.edits: ParamEdits | None = None
         # The NVMe store holds this chunk's current bytes (its file is up to date).
         self._in_file = False
         self._file = ChunkFile(storage, kind, index)
@@ -171,6 +175,8 @@ class Chunk:
         self.version += 1
         if self.on_move is not None:
             self.on_move(self)
+        if self.edits is not None:
+            self.edits.new()  # carried along by this move (or copied back by keep_edits)
 
     @_move
     def allocate(self, tier: Tier, *, zero: bool = True) -> None:
@@ -208,6 +214,8 @@ class Chunk:
             self._copies[Tier.HOST], self._host_event = self._storage.transfer(
                 self._copies[Tier.DEVICE], Tier.DEVICE, Tier.HOST, kind=self.kind
             )
+        else:
+            self.keep_edits(Tier.DEVICE)
         self._drop(Tier.DEVICE)
         self._set_state()
 
@@ -317,10 +325,25 @@ class Chunk:
 
     @_move
     def drop_device_copy(self) -> None:
-        """HOST_AND_DEVICE -> HOST: the host copy is about to be written, or the device needs room."""
+        """HOST_AND_DEVICE -> HOST: the host copy is about to be written, or the device needs room
+        (what torch code wrote through the parameters is copied back first: :meth:`keep_edits`)."""
         self._expect(ChunkState.HOST_AND_DEVICE)
+        self.keep_edits(Tier.DEVICE)
         self._drop(Tier.DEVICE)
         self._set_state()
+
+    def keep_edits(self, viewed: Tier) -> None:
+        """HOST_AND_DEVICE, the parameters viewing the copy on ``viewed``: what torch code wrote
+        through them since the last move is copied to the other copy too, counted like any
+        transfer (see [Note: writes through the parameters] in chunks/edits.py)."""
+        if self.state is not ChunkState.HOST_AND_DEVICE or self.edits is None or not self.edits.new():
+            return
+        self._wait_host()
+        self.ready_on_device()
+        other = Tier.HOST if viewed is Tier.DEVICE else Tier.DEVICE
+        n = self.used_numel
+        self.host_copy_pending(self._storage.copy_(self._copies[other][:n], self._copies[viewed][:n], src=viewed,
+                                                   dst=other))
 
     def move_to(self, tier: Tier) -> None:
         """Leave exactly one copy, on ``tier`` (no-op if it already is the only copy)."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from chunks.chunk import Chunk, ChunkState
+from chunks.edits import ParamEdits
 from chunks.group import ChunkGroup
 from chunks.kind import ChunkKind
 from chunks.layout import CAPACITY_ALIGN_ELEMENTS, TensorSlot, chunk_capacity, plan_layout
@@ -185,6 +186,7 @@ class ChunkManager:
         self._materialize(params, slots)
         group.param.on_move = self.repoint
         self.repoint(group.param)
+        group.param.edits = ParamEdits(params)  # see [Note: writes through the parameters] in chunks/edits.py
 
     @staticmethod
     def _read_values(chunks: Sequence[Chunk], params: Sequence[nn.Parameter],

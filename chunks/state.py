@@ -14,7 +14,9 @@ class ChunkState(enum.Enum):
     - ``HOST``: one copy in host memory.
     - ``DEVICE``: one copy on the compute device.
     - ``HOST_AND_DEVICE``: a device copy identical to the host copy, both counted; the device
-      copy can be dropped without a device-to-host copy (parameters fetched for compute).
+      copy can be dropped without a device-to-host copy (parameters fetched for compute),
+      unless torch code wrote into it through the parameters ([Note: writes through the
+      parameters] in chunks/edits.py).
     - ``NVME``: one copy, in a file of the NVMe store; uses no memory, only disk.
     - ``HOST_AND_NVME``: a host copy identical to the file (just read, or just written and
       kept); the host copy can be dropped without writing it again.

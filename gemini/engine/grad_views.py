@@ -181,6 +181,7 @@ class GradViews:
                 self._out[p] = (g, slot.index, grad, tier)
 
     def _redirect(self, g: ChunkGroup, tier) -> None:
+        g.param.keep_edits(g.param.primary_tier)  # the copy the parameters will view has them too
         for slot, p in zip(g.param.slots, g.params):
             p.data = g.param.view(slot, tier)
         self._redirected.append(g.param)
@@ -228,6 +229,7 @@ class GradViews:
         self._out.update(kept)
         self._armed.clear()
         for chunk in self._redirected:
+            chunk.keep_edits(Tier.HOST)  # written through the parameters while they viewed the host copy
             self.manager.repoint(chunk)
         self._redirected.clear()
         if refused:

@@ -204,7 +204,23 @@ class ParamGatherer:
         self._wait(g)
         self.prefetched.discard(g.index)
         if self.gathered(g):
+            self._keep_edits(g)
             g.param.release()
+
+    def _keep_edits(self, g: ChunkGroup) -> None:
+        """Torch code wrote into the gathered parameters (``nn.Embedding(max_norm=...)`` in
+        forward): this rank's range of them goes into its shard, as every rank's does ([Note:
+        writes through the parameters] in chunks/edits.py)."""
+        if not g.param.edits.new():
+            return
+        gathered = g.param.payload(Tier.DEVICE)[g.shard.start : g.shard.end]
+        storage = self.manager.storage
+        for tier in g.param_shard.tiers:
+            out = g.param_shard.payload(tier)[: g.shard.numel]
+            if tier is Tier.DEVICE:
+                out.copy_(gathered)
+            else:
+                g.param_shard.host_copy_pending(storage.copy_(out, gathered, src=Tier.DEVICE, dst=tier))
 
     def release_all(self, busy: set[int]) -> None:
         """End of a backward pass: free every gathered group not in use (prefetched ones too:

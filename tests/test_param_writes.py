@@ -1,0 +1,107 @@
+"""Writes into the parameters themselves: in place inside forward (nn.Embedding(max_norm=...)),
+in place between steps (``p.mul_``).
+
+Training tests run the same loop on plain PyTorch (torch.optim.AdamW, fused) and through gemini
+and compare parameters after every step (fp32, 1e-6). See [Note: writes through the parameters]
+in chunks/edits.py and [Note: parameters whose .data was assigned] in chunks/manager.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemini
+from gemini.tools.gpt import GPT, GPTConfig
+from helpers import DEVICE, assert_params_close, batches, clone_pair
+
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+MODEL_DATA_BYTES = 16 * CFG.num_params()
+
+CONFIGS = {
+    "cuda": dict(placement="cuda", chunk_size=8192),
+    "cpu": dict(placement="cpu", chunk_size=8192),
+    "static": dict(placement="static", chunk_size=8192, static_param_device_fraction=0.5,
+                   static_optimizer_offload_fraction=0.5),
+    # Sized in bytes for the CPU stand-in (see tests/test_torch_idioms.py): chunks are evicted.
+    "auto-evicting": dict(placement="auto", chunk_size=8192, device_memory=int(MODEL_DATA_BYTES / 2.5)),
+}
+NAMES = [pytest.param(n, marks=pytest.mark.standin) if n == "auto-evicting" else n for n in CONFIGS]
+STEPS = 3
+
+
+def _pair(name, *, lr=1e-2, **extra):
+    base, ref = clone_pair(CFG)
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1, fused=True)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, **CONFIGS[name], **extra),
+                                    lr=lr, weight_decay=0.1)
+    return (ref, ref_opt), (gmodel, opt)
+
+
+def _train(pairs, data, between=lambda model, step: None):
+    """The loop on each (model, optimizer), ``between(model, step)`` after each step; the
+    parameters after every step, per model."""
+    runs = []
+    for model, opt in pairs:
+        snapshots = []
+        for i, (x, y) in enumerate(data):
+            GPT.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            between(model, i)
+            snapshots.append({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
+        runs.append(snapshots)
+    return runs
+
+
+def _assert_same_run(got, want):
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, w, step=step)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_in_place_writes_inside_forward_are_kept_like_torch(name):
+    """nn.Embedding(max_norm=...) renormalises the rows it reads in place, inside forward: under
+    cpu and auto the write landed in the device copy, dropped afterwards as a clean copy."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    for model in (ref, gmodel.module):
+        model.wte.max_norm = 0.1  # the (tied) rows have norms ~0.16 at init: every row read is renormed
+    want, got = _train([(ref, ref_opt), (gmodel, opt)], batches(CFG, STEPS, batch=2, seq=16))
+    _assert_same_run(got, want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_in_place_edits_after_an_evaluation_pass_are_kept_like_torch(name):
+    """After a no_grad evaluation pass the parameters view the device copies auto keeps; an
+    in-place edit there was dropped with them at the next step."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, STEPS, batch=2, seq=16)
+
+    def evaluate_then_halve(model, step):
+        with torch.no_grad():
+            model(data[0][0])
+            for p in model.parameters():
+                p.mul_(0.5)
+
+    want, got = _train([(ref, ref_opt), (gmodel, opt)], data, evaluate_then_halve)
+    _assert_same_run(got, want)
+
+
+def test_edits_cost_no_traffic_where_nothing_is_edited():
+    """The engine's own writes (Adam, gradients, the step's copies) never count as edits: moving
+    a model nobody edits moves the same bytes whether or not one edit happened long before."""
+    def traffic(edit):
+        (_, _), (gmodel, opt) = _pair("cpu")
+        moved = []
+        for i, (x, y) in enumerate(batches(CFG, 4, batch=2, seq=16)):
+            GPT.loss(gmodel(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if edit and i == 0:
+                with torch.no_grad():
+                    gmodel.module.wpe.weight.mul_(0.5)
+            moved.append((opt.report.h2d_bytes, opt.report.d2h_bytes))
+        return moved
+
+    assert traffic(edit=False) == traffic(edit=True)
