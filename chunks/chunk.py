@@ -59,6 +59,8 @@ class Chunk:
         # A param chunk's: writes through its parameters (see [Note: writes through the
         # parameters] in chunks/edits.py), looked at on every move.
         self.edits: ParamEdits | None = None
+        # Where each copy in memory begins, set at every move: a parameter views its slot in one.
+        self.addresses: tuple[int, ...] = ()
         # The NVMe store holds this chunk's current bytes (its file is up to date).
         self._in_file = False
         self._file = ChunkFile(storage, kind, index)
@@ -173,6 +175,7 @@ class Chunk:
     def _set_state(self) -> None:
         self.state = STATE_OF[(Tier.HOST in self._copies, Tier.DEVICE in self._copies, self._in_file)]
         self.version += 1
+        self.addresses = tuple(c.data_ptr() for c in self._copies.values())
         if self.on_move is not None:
             self.on_move(self)
         if self.edits is not None:

@@ -80,6 +80,8 @@ class ChunkManager:
         self.groups: list[ChunkGroup] = []
         self._trainable: tuple[int, tuple[ChunkGroup, ...]] = (0, ())  # (len(groups) when cut, trainable ones)
         self._where: dict[nn.Parameter, tuple[ChunkGroup, TensorSlot]] = {}
+        # Per group: (parameter, its slot's offset in bytes), for adopt_assigned's one pass.
+        self._offsets: list[tuple[tuple[nn.Parameter, int], ...]] = []
 
     # ------------------------------------------------------------------------ registration
     def register(
@@ -183,6 +185,7 @@ class ChunkManager:
             assert p not in self._where, f"parameter {slot.name} registered twice"
             self._where[p] = (group, slot)
         self.groups.append(group)
+        self._offsets.append(tuple((p, s.offset * self.param_dtype.itemsize) for s, p in zip(slots, params)))
         self._materialize(params, slots)
         group.param.on_move = self.repoint
         self.repoint(group.param)
@@ -255,6 +258,53 @@ class ChunkManager:
             return
         for slot, p in zip(chunk.slots, params):
             p.data = chunk.view(slot)
+
+    # [Note: parameters whose .data was assigned]
+    # ``p.data = t`` (re-initialising a weight, ``torch.nn.utils.vector_to_parameters``,
+    # ``prune.remove``, ``module.double()`` on the module given to initialize) points ``p`` away
+    # from its slot: the forward would read ``t`` while the step updates the chunk, or the next
+    # move would re-point ``p`` and drop ``t`` unseen. As FSDP's ``use_orig_params`` does
+    # (``_writeback_orig_params``), the engine looks, when the root module's forward begins, when
+    # the step begins and in ``state_dict``, whether each parameter still views its slot in one
+    # of the chunk's copies, by address (one pass over the parameters, nothing allocated). A
+    # tensor of the slot's shape and dtype is copied into the chunk (every copy, and this rank's
+    # shard under ZeRO-3) and ``p`` re-pointed; another shape or dtype is a ValueError: layout
+    # and precision are fixed at initialize.
+    def adopt_assigned(self) -> list[ChunkGroup]:
+        """Copy the tensors assigned to ``p.data`` into their chunks and re-point; the groups that
+        took one (see [Note: parameters whose .data was assigned])."""
+        adopted = []
+        for g, offsets in zip(self.groups, self._offsets):
+            bases = g.param.addresses
+            for p, offset in offsets:  # a plain loop: all() over a generator costs twice as much
+                if (p.data_ptr() - offset not in bases) if bases else p.numel():  # RELEASED: empty stand-ins
+                    adopted.append(g)
+                    break
+        for g in adopted:
+            bases = g.param.addresses
+            for (p, offset), slot in zip(self._offsets[g.index], g.slots):
+                if (p.data_ptr() - offset not in bases) if bases else p.numel():
+                    self._adopt(g, slot, p.data)
+            self.repoint(g.param)
+        return adopted
+
+    @staticmethod
+    @torch.no_grad()
+    def _adopt(g: ChunkGroup, slot: TensorSlot, value: torch.Tensor) -> None:
+        chunk = g.param
+        if value.shape != slot.shape or value.dtype != chunk.dtype or value.is_meta:
+            raise ValueError(
+                f"parameter {slot.name}: a tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+                f"{' on the meta device' if value.is_meta else ''} was assigned to its .data, but gemini holds it in "
+                f"a chunk as shape {tuple(slot.shape)}, dtype {chunk.dtype}, fixed at gemini.initialize (the "
+                f"parameter still points at the assigned tensor). Assign a tensor of that shape and dtype, or copy "
+                f"in place (with torch.no_grad(): p.copy_(t)); casting the module given to gemini.initialize "
+                f"(.double(), .half(), .to(dtype)) is not supported: GeminiConfig(precision=...) sets the dtype")
+        if chunk.state is not ChunkState.RELEASED:
+            chunk.write(slot, value)
+        if g.param_shard is not None:  # ZeRO-3: this rank's piece
+            g.write_value(g.param_shard, slot, value)
+        chunk.edits.edited = True  # low precision: the step brings it into the master
 
     # ---------------------------------------------------------------------------- lookups
     def locate(self, param: nn.Parameter) -> tuple[ChunkGroup, TensorSlot]:

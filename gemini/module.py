@@ -152,6 +152,7 @@ class GeminiModel(nn.Module):
                              "the model, load values with model.load_state_dict(...) or edit model.parameters() "
                              "in place under torch.no_grad()")
         out = OrderedDict() if destination is None else destination
+        self._runtime.manager.adopt_assigned()  # p.data assigned: what the step will train
         own = self.module.state_dict(keep_vars=True)
         params = [(t, None) for t in own.values() if isinstance(t, nn.Parameter)]
         # (Under ZeRO a collective: every rank calls it; every rank gets the whole model.)
@@ -194,6 +195,7 @@ class GeminiModel(nn.Module):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):
         if assign:
             raise ValueError("GeminiModel.load_state_dict(assign=True) is not supported: parameters live in chunks")
+        self._runtime.manager.adopt_assigned()  # torch would load into an assigned p.data: so do we
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]

@@ -1,5 +1,5 @@
 """Writes into the parameters themselves: in place inside forward (nn.Embedding(max_norm=...)),
-in place between steps (``p.mul_``).
+in place between steps (``p.mul_``), and ``p.data = t`` (vector_to_parameters).
 
 Training tests run the same loop on plain PyTorch (torch.optim.AdamW, fused) and through gemini
 and compare parameters after every step (fp32, 1e-6). See [Note: writes through the parameters]
@@ -105,3 +105,37 @@ def test_edits_cost_no_traffic_where_nothing_is_edited():
         return moved
 
     assert traffic(edit=False) == traffic(edit=True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_assigned_param_data_is_trained_like_torch(name):
+    """``p.data = t`` and torch.nn.utils.vector_to_parameters (which does it for every parameter):
+    ignored under cpu and auto (the next fetch re-pointed p), and under cuda p trained nothing
+    while the step updated a chunk the forward no longer read."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+
+    def reassign(model, step):
+        if step == 0:
+            w = model.wpe.weight
+            w.data = torch.full_like(w, 0.05)
+        if step == 1:
+            params = list(model.parameters())
+            vector = torch.nn.utils.parameters_to_vector(params)
+            torch.nn.utils.vector_to_parameters(vector * 0.5, params)
+
+    want, got = _train([(ref, ref_opt), (gmodel, opt)], batches(CFG, STEPS, batch=2, seq=16), reassign)
+    _assert_same_run(got, want)
+
+
+@pytest.mark.parametrize("name", ["cuda", "cpu"])
+def test_assigned_param_data_of_another_dtype_or_shape_is_a_clear_error(name):
+    base, _ = clone_pair(CFG)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, **CONFIGS[name]), lr=1e-2)
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    base.wpe.weight.data = torch.zeros(3, device=DEVICE)
+    with pytest.raises(ValueError, match=r"wpe\.weight: a tensor of shape \(3,\), dtype torch.float32 .*"
+                                         r"shape \(32, 64\), dtype torch.float32"):
+        gmodel(x)
+    base.double()  # the module given to initialize, cast: the wrapper refuses, the module cannot
+    with pytest.raises(ValueError, match=r"dtype torch.float64 .*dtype torch.float32.*\.double\(\)"):
+        opt.step()

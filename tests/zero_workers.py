@@ -200,3 +200,43 @@ def run_idle_branch(rank: int, world: int, out_dir: str) -> None:
         opt.zero_grad()
     torch.save(model.state_dict(), f"{out_dir}/idle_rank{rank}.pt")
     opt.close()
+
+
+class ClampedLinear(nn.Linear):
+    """A Linear that clips its weight in place inside forward (WGAN-style weight clipping)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.clamp_(-0.1, 0.1)  # init is uniform in +-0.18: it writes
+        return super().forward(x)
+
+
+def clamping_net() -> Net:
+    net = make_net()
+    net.hidden.__class__ = ClampedLinear
+    return net
+
+
+def edit_between_steps(net: Net, step: int) -> None:
+    if step == 0:
+        net.inp.weight.data = torch.full_like(net.inp.weight, 0.05)
+
+
+def run_param_writes(rank: int, world: int, out_dir: str, steps: int) -> None:
+    """Writes into the parameters (see tests/test_param_writes.py): in place inside forward under
+    ZeRO-2 and ZeRO-3, and (ZeRO-2: ZeRO-3's parameters are empty between uses) ``p.data`` assigned."""
+    for shard in (False, True):
+        net = clamping_net()
+        cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=600, shard_params=shard)
+        model, opt = gemini.initialize(net, cfg, lr=1e-2, weight_decay=0.01)
+        states = []
+        for step, batch in enumerate(make_data(steps)):
+            x, y = local(batch, rank, world)
+            opt.backward(loss_fn(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            if not shard:
+                edit_between_steps(net, step)
+            states.append(model.state_dict())
+        torch.save(states, f"{out_dir}/writes_zero{3 if shard else 2}_rank{rank}.pt")
+        opt.close()

@@ -127,6 +127,7 @@ class GeminiRuntime:
     def on_root_forward(self, args: tuple, kwargs: dict) -> None:
         """The root module's forward begins (its first forward pre-hook)."""
         self._end_aborted_backward()
+        self.manager.adopt_assigned()  # see [Note: parameters whose .data was assigned] in chunks/manager.py
         self.grad_views.hide()
         self._evaluation_window = not torch.is_grad_enabled() and not self.window_open
         self.begin_window()

@@ -122,6 +122,7 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
+        rt.manager.adopt_assigned()  # see [Note: parameters whose .data was assigned] in chunks/manager.py
         rt.settle_grad_views()  # what torch code did to p.grad counts; no view outlives a chunk move
         try:
             rt.begin_step()  # may raise DeviceBudgetError: nothing has been updated yet
