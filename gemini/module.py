@@ -152,7 +152,9 @@ class GeminiModel(nn.Module):
                              "the model, load values with model.load_state_dict(...) or edit model.parameters() "
                              "in place under torch.no_grad()")
         out = OrderedDict() if destination is None else destination
-        self._runtime.manager.adopt_assigned()  # p.data assigned: what the step will train
+        runtime = self._runtime
+        runtime.manager.adopt_assigned()  # p.data assigned, and low-precision edits: what the step will train
+        runtime.residency.merge_param_edits(runtime.manager.groups)
         own = self.module.state_dict(keep_vars=True)
         params = [(t, None) for t in own.values() if isinstance(t, nn.Parameter)]
         # (Under ZeRO a collective: every rank calls it; every rank gets the whole model.)

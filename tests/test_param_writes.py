@@ -1,5 +1,5 @@
 """Writes into the parameters themselves: in place inside forward (nn.Embedding(max_norm=...)),
-in place between steps (``p.mul_``), and ``p.data = t`` (vector_to_parameters).
+in place between steps (``p.mul_``), ``p.data = t`` (vector_to_parameters), and under bf16/fp16.
 
 Training tests run the same loop on plain PyTorch (torch.optim.AdamW, fused) and through gemini
 and compare parameters after every step (fp32, 1e-6). See [Note: writes through the parameters]
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
@@ -139,3 +140,37 @@ def test_assigned_param_data_of_another_dtype_or_shape_is_a_clear_error(name):
     base.double()  # the module given to initialize, cast: the wrapper refuses, the module cannot
     with pytest.raises(ValueError, match=r"dtype torch.float64 .*dtype torch.float32.*\.double\(\)"):
         opt.step()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["cuda", "cpu", pytest.param("auto-evicting", marks=pytest.mark.standin)])
+def test_low_precision_edits_reach_the_masters(name, precision):
+    """Under bf16/fp16 an in-place edit changed the low-precision parameters only; the next step
+    cast the unedited fp32 masters over it. Edited elements take the edit; the others keep their
+    masters' fp32 bits. lr=0 isolates that from Adam: the step must change nothing."""
+    (_, _), (gmodel, opt) = _pair(name, lr=0.0, precision=precision)
+    data = batches(CFG, 2, batch=2, seq=16)
+    opt.backward(GPT.loss(gmodel(data[0][0]), data[0][1]))
+    opt.step()
+    opt.zero_grad()
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    before = gmodel.state_dict()
+    module = gmodel.module
+    with torch.no_grad():
+        module.blocks[0].mlp.fc.weight[:4].mul_(0.5)  # half of some rows: exact in low precision
+        nn.init.zeros_(module.wpe.weight)
+        module.ln_f.weight.data = torch.full_like(module.ln_f.weight, 2.0)  # an assigned p.data too
+    want = dict(before)
+    w = before["blocks.0.mlp.fc.weight"].clone()
+    w[:4] = torch.where(w[:4].to(low) * 0.5 == w[:4].to(low), w[:4], (w[:4].to(low) * 0.5).float())
+    want["blocks.0.mlp.fc.weight"] = w
+    want["wpe.weight"] = torch.zeros_like(before["wpe.weight"])
+    want["ln_f.weight"] = torch.full_like(before["ln_f.weight"], 2.0)
+    for when in ("state_dict after the edit", "after a step"):
+        got = gmodel.state_dict()
+        for k in want:  # exact: untouched elements keep their masters' fp32 bits
+            assert torch.equal(got[k], want[k]), f"{when}: {k} differs by {(got[k] - want[k]).abs().max()}"
+        opt.backward(GPT.loss(gmodel(data[1][0]), data[1][1]))
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(module.wpe.weight.detach().cpu(), torch.zeros_like(module.wpe.weight, device="cpu"))

@@ -74,6 +74,48 @@ class StepMoves:
                 # next forward fetches the parameters (or says what is missing).
                 logger.warning("parameters of chunk group %d stay in host memory after the step: %s", group.index, e)
 
+    # [Note: edits of low-precision parameters]
+    # Under bf16/fp16 the parameters are the fp32 masters' cast, cast again after each step: an
+    # edit torch code made to a parameter (``p.mul_(0.5)``, ``nn.init.*``, an assigned ``p.data``)
+    # was overwritten by the next step as if it never happened. So a group whose parameters were
+    # written through ([Note: writes through the parameters] in chunks/edits.py) has its masters
+    # take the edit before the update: where a parameter differs from its master's cast the master
+    # becomes the parameter's value, and where it does not the master keeps its low bits (nothing
+    # was written there, or the value it had). Only an edited group pays (a compare over its
+    # range, and a copy across tiers when parameters and masters lie apart); the others cost a
+    # sum of version counters per step. A master on NVMe takes the edit when a step streams it.
+    def merge_param_edits(self, groups) -> list[ChunkGroup]:
+        """Bring edits of ``groups``' low-precision parameters into their masters in memory (see
+        [Note: edits of low-precision parameters]); the groups that took one."""
+        if self.manager.param_dtype == torch.float32:
+            return []
+        return [g for g in groups if self._merge_edits(g)]
+
+    def _merge_edits(self, group: ChunkGroup) -> bool:
+        master, edits = group.master, group.param.edits
+        edits.new()
+        if not edits.edited or master.state not in (ChunkState.HOST, ChunkState.DEVICE):
+            return False
+        with torch.no_grad():
+            self._merge_into(group)
+        edits.edited = False
+        return True
+
+    def _merge_into(self, group: ChunkGroup) -> None:
+        master = group.master
+        values, start = group.param, group.shard.start if group.shard is not None else 0
+        if group.param_shard is not None:  # ZeRO-3: the edits were kept in the shard
+            values, start = group.param_shard, 0
+        n, tier, src = group.os_numel, master.primary_tier, values.primary_tier
+        low = values.payload(src)[start : start + n]
+        with self.quiet() if tier is Tier.HOST else nullcontext():
+            if src is not tier:  # counted like any transfer
+                moved = torch.empty(n, dtype=low.dtype, device=master.payload(tier).device)
+                values.host_copy_pending(self.manager.storage.copy_(moved, low, src=src, dst=tier))
+                low = moved
+            m = master.payload(tier)[:n]
+            m.copy_(torch.where(m.to(low.dtype) == low, m, low.float()))
+
     def _cast_master(self, master, numel: int, out: torch.Tensor, tier: Tier) -> torch.cuda.Event | None:
         """``out`` (on ``tier``) = the first ``numel`` master elements, cast; an async copy's event."""
         if master.is_on(tier):

@@ -176,6 +176,7 @@ class HybridAdam(torch.optim.Optimizer):
         scale = self.loss_scale
         with trace_range("gemini::gather_for_step"):
             tiers = {g.index: rt.residency.before_step(g) for g in groups}
+        rt.residency.merge_param_edits(rt.manager.groups)  # see [Note: edits of low-precision parameters]
         norm = None
         if rt.config.clip_grad_norm > 0 or self.scaler is not None:
             with trace_range("gemini::grad_norm"):
@@ -202,13 +203,19 @@ class HybridAdam(torch.optim.Optimizer):
         batches = device_first(prepare(resident, keep_grads=False))
         if streamed:
             stream = nvme.stream(streamed)
+            merged = []
             try:
                 for g in stream:
+                    merged += rt.residency.merge_param_edits([g])  # its master is in memory now
                     tx.save_values(g, *self._changed_in_memory(g))
                     for batch in prepare([g], keep_grads=True):
                         run_batch(rt, batch, clock)
                         recheck_uniform(batch)
                     rt.residency.after_step(g)
+            except BaseException:
+                for g in merged:  # the step is undone, its files with it: merge again at the next
+                    g.param.edits.edited = True
+                raise
             finally:
                 stream.close()  # every write confirmed, or (after an error) every request ended
         for batch in batches:
