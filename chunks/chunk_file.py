@@ -7,6 +7,7 @@ state machine guards every call (see [Note: NVMe moves are two-phase] in chunks/
 
 from __future__ import annotations
 
+import concurrent.futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -76,8 +77,15 @@ class ChunkFile:
     def wait(self, pending: PendingIo, *, nbytes: int) -> None:
         """Wait for ``pending`` (taken off :attr:`pending`), raising its error; a written name
         becomes the current one."""
-        self._storage.nvme_wait(pending.future, key=self.key(pending.slot), kind=self._kind, nbytes=nbytes,
-                                write=pending.write)
+        try:
+            self._storage.nvme_wait(pending.future, key=self.key(pending.slot), kind=self._kind, nbytes=nbytes,
+                                    write=pending.write)
+        except BaseException:
+            if not pending.future.done():
+                # Interrupted (Ctrl-C) while the request runs: it still reads into or writes
+                # from the buffer, which the caller frees or changes next. Let it end first.
+                concurrent.futures.wait([pending.future])
+            raise
         if pending.write:
             self.slot = pending.slot
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from chunks import ChunkState
+from chunks import ChunkGroup, ChunkState, TensorSlot
+from gemini.engine.load_transaction import LoadTransaction
 from gemini.optim.clipping import clip_model_grad_norm_
 from gemini.parallel.zero import gather_state
 
@@ -195,9 +197,18 @@ class GeminiModel(nn.Module):
                 yield group, grouped[index]
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """torch's ``load_state_dict``: every key and shape is checked before anything is written, and
+        the load is all or nothing (see [Note: a load is all or nothing] in gemini/engine/load_transaction.py)."""
         if assign:
             raise ValueError("GeminiModel.load_state_dict(assign=True) is not supported: parameters live in chunks")
         self._runtime.manager.adopt_assigned()  # torch would load into an assigned p.data: so do we
+        keys = self._check_load(state_dict, strict=strict)
+        with LoadTransaction(self._runtime) as tx:
+            self._load_into(state_dict, tx)
+        return keys
+
+    def _check_load(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> _IncompatibleKeys:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -209,21 +220,46 @@ class GeminiModel(nn.Module):
             if key in state_dict and tuple(state_dict[key].shape) != shape:
                 raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
                                    f"model {shape}")
-        params = []
-        with torch.no_grad():
-            for key, t in own.items():
-                if key not in state_dict:
-                    continue
-                if isinstance(t, nn.Parameter):
-                    params.append((t, state_dict[key]))
-                else:
-                    t.copy_(state_dict[key])
-            for group, entries in self._per_group(params, modify=True):
-                for _, slot, value in entries:
-                    for chunk in (group.param, group.param_shard, group.master):
-                        if chunk is not None and chunk.state is not ChunkState.RELEASED:
-                            group.write_value(chunk, slot, value)
         return _IncompatibleKeys(missing, unexpected)
+
+    def _load_into(self, state_dict: dict[str, torch.Tensor], tx: LoadTransaction) -> None:
+        """Write ``state_dict`` (checked) in ``tx``: masters on NVMe now, everything in memory at its end."""
+        own = self.module.state_dict(keep_vars=True)
+        params = []
+        for key, t in own.items():
+            if key not in state_dict:
+                continue
+            if isinstance(t, nn.Parameter):
+                params.append((t, state_dict[key]))
+            else:
+                tx.later(functools.partial(_copy, t, state_dict[key]))
+        grouped: dict[int, list] = {}
+        for p, value in params:
+            group, slot = self._runtime.manager.locate(p)
+            grouped.setdefault(group.index, []).append((slot, value))
+        for index in sorted(grouped):
+            group, entries = self._runtime.manager.groups[index], grouped[index]
+            write = functools.partial(_write_params, group, entries)
+            if group.master is None:  # fp32: the param chunk is the master, in memory
+                tx.later(write)
+                continue
+            # Every slot written: the masters' file (maybe lost or corrupted) is not read.
+            whole = {slot.index for slot, _ in entries} == {slot.index for slot in group.slots}
+            tx.write(group, write, chunks=(group.master,), overwrite=whole)
+
+
+@torch.no_grad()
+def _copy(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    buffer.copy_(value)
+
+
+@torch.no_grad()
+def _write_params(group: ChunkGroup, entries: list[tuple[TensorSlot, torch.Tensor]]) -> None:
+    """Each (slot, value) of ``group`` into its parameters, param shard and masters."""
+    for slot, value in entries:
+        for chunk in (group.param, group.param_shard, group.master):
+            if chunk is not None and chunk.state is not ChunkState.RELEASED:
+                group.write_value(chunk, slot, value)
 
 
 _WRAPPER_CLASSES: dict[type, type] = {}

@@ -19,6 +19,9 @@ class IterationState(enum.Enum):
     - ``UNPLANNED``: the warm-up ended without a plan (it overran the budget and raised
       DeviceBudgetError); chunks keep moving as in the warm-up until new input shapes trace
       again.
+    - ``ADOPTING``: the plan is adopted, but moving the groups where it wants them failed part-way
+      (an NVMe read error bringing a group back from its files); the next step or forward moves
+      them again, then ``PLANNED``.
     """
 
     FIXED = "fixed"
@@ -26,3 +29,4 @@ class IterationState(enum.Enum):
     TRACING = "tracing"
     PLANNED = "planned"
     UNPLANNED = "unplanned"
+    ADOPTING = "adopting"

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
-from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
+from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, shallower_pipeline, undo_ratio
 from offload import format_size
 from offload.profiling import trace_range
 
@@ -47,6 +47,7 @@ class NvmeTier:
         self._planned: frozenset[int] = frozenset()  # admitted to NVMe while being registered
         self._spilling: deque[Chunk] = deque()
         self._closed = False
+        self._warned_depth = False
 
     @property
     def available(self) -> bool:
@@ -62,8 +63,13 @@ class NvmeTier:
 
     # --------------------------------------------------------------------------- choosing
     def plan(self, os_bytes: Sequence[tuple[int, int]]) -> NvmeLayout:
-        return choose_nvme_groups(os_bytes, cpu_memory=self.cpu_memory, fraction=self.fraction, depth=self.depth,
-                                  nvme_available=self.available, undo_ratio=undo_ratio(self.manager.param_dtype))
+        layout = choose_nvme_groups(os_bytes, cpu_memory=self.cpu_memory, fraction=self.fraction, depth=self.depth,
+                                    nvme_available=self.available, undo_ratio=undo_ratio(self.manager.param_dtype))
+        warning = shallower_pipeline(layout, cpu_memory=self.cpu_memory, wanted=self.depth)
+        if warning is not None and not self._warned_depth:  # chosen again at every rebalance: said once
+            self._warned_depth = True
+            logger.warning(warning)
+        return layout
 
     def plan_registration(self, layout: Iterable[tuple[list[int], int, int]]) -> None:
         """Before registration (every trainable group on the host tier): choose from the layout."""
@@ -126,7 +132,7 @@ class NvmeTier:
         for c in self.chunks_of(group):
             c.move_to(Tier.HOST)
             c.start_spill()
-        self._finish_writes(group)
+        self._finish_spills(self.chunks_of(group))
 
     def _log(self) -> None:
         if self.layout.nvme_groups:
@@ -146,10 +152,16 @@ class NvmeTier:
                 c.start_load()
 
     def _load(self, group: ChunkGroup) -> None:
-        """Every chunk of ``group`` in host memory (HOST, or HOST_AND_NVME if it was in its file)."""
-        self._start_load(group)
-        for c in self.chunks_of(group):
-            c.finish_io()
+        """Every chunk of ``group`` in host memory (HOST, or HOST_AND_NVME if it was in its file).
+        If one read fails, the others end too (none is left in flight) and the group stays in its
+        files."""
+        try:
+            self._start_load(group)
+            for c in self.chunks_of(group):
+                c.finish_io()
+        except BaseException:
+            self._settle((), [group])
+            raise
 
     def begin_step(self, groups: Sequence[ChunkGroup], tx: StepTransaction) -> None:
         """Before a step changes anything: write out chunks left in host memory by an earlier
@@ -260,11 +272,23 @@ class NvmeTier:
             for c in chunks:
                 if c.state is ChunkState.HOST:
                     c.start_spill()
-            for c in chunks:
+            self._finish_spills(chunks)
+
+    @staticmethod
+    def _finish_spills(chunks: Sequence[Chunk]) -> None:
+        """Wait for every write of ``chunks`` (a failed one keeps its host copy), then raise the
+        first error: no write is left in flight to fail a later, unrelated call."""
+        error = None
+        for c in chunks:
+            try:
                 if c.io_pending:
                     c.finish_spill()
                 elif c.state is ChunkState.HOST_AND_NVME:
                     c.drop_host_copy()
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     # ---------------------------------------------------------------------------- closing
     def _check_open(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -131,6 +132,8 @@ class GeminiRuntime:
         self.grad_views.hide()
         self._evaluation_window = not torch.is_grad_enabled() and not self.window_open
         self.begin_window()
+        if self.state is IterationState.ADOPTING:
+            self._apply_plan()
         state = self.state
         if state is IterationState.UNTRACED and torch.is_grad_enabled():
             # The warm-up traces a training iteration, not an evaluation forward before it.
@@ -224,11 +227,17 @@ class GeminiRuntime:
             self.activations.record_trace()
             activation_bytes = self.activations.plan(self.placement.activation_room_bytes(self.plan))
         self.placement.adopt(self.plan, activation_bytes=activation_bytes)
+        self._move(IterationState.ADOPTING, IterationState.UNPLANNED)
+        self._apply_plan()
+
+    def _apply_plan(self) -> None:
+        """ADOPTING -> PLANNED: groups moved where the plan wants them; a failed move (an NVMe
+        read error) stays ADOPTING, each group whole: the next step or forward tries again."""
         self.residency.apply_choice()
         self.residency.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
         self.hooks.follow_periods(self.placement.track_periods)
-        self._move(IterationState.PLANNED, IterationState.UNPLANNED)
+        self._move(IterationState.PLANNED, IterationState.ADOPTING)
 
     def _retrace(self, args: tuple, kwargs: dict) -> None:
         """New shapes: drop the plan, warm up again (conservatively) and plan anew at the step."""
@@ -247,19 +256,14 @@ class GeminiRuntime:
 
     # ------------------------------------------------------------------------------ NVMe
     def resident(self, group, *, modify: bool, chunks=None, overwrite: bool = False):
-        """A context in which ``group``'s optimizer states (or only ``chunks`` of them) are in
-        host memory (checkpoints); see :meth:`gemini.engine.nvme_tier.NvmeTier.resident`."""
+        """``group``'s NVMe states (or ``chunks``) in host memory: :meth:`NvmeTier.resident`."""
         if self.nvme is None:
             return contextlib.nullcontext()
         return self.nvme.resident(group, modify=modify, chunks=chunks, overwrite=overwrite)
 
-    def close(self) -> None:
-        if self.activations is not None:
-            self.activations.close()
-        if self.nvme is not None:
-            self.nvme.close()
-        self.system.close()
-        self.memory.close()
+    def closer(self) -> weakref.finalize:
+        """Closes the engine (NVMe files, I/O threads, allocator cap) when called or when the runtime goes."""
+        return weakref.finalize(self, _close, self.activations, self.nvme, self.system, self.memory)
 
     # ----------------------------------------------------------------------- measurement
     @property
@@ -366,6 +370,8 @@ class GeminiRuntime:
             if self.hooks.backward_passes == self._backward_passes_at_trace:
                 raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
             self.finish_warmup()
+        elif self.state is IterationState.ADOPTING:  # the step that adopted the plan failed moving groups
+            self._apply_plan()
         self.check_step_peak()
 
     def after_commit(self, groups: Sequence[ChunkGroup], *, skipped: bool) -> None:
@@ -397,3 +403,9 @@ class GeminiRuntime:
         if self.residency.gatherer is not None:
             self.residency.gatherer.gathers = 0
         self.start_new_step()
+
+
+def _close(*parts) -> None:
+    for part in parts:  # the activations and the NVMe tier may be None
+        if part is not None:
+            part.close()

@@ -15,10 +15,12 @@ that can fail either happens before anything changes, or can be undone:
    held (see [Note: file slots] in chunks/chunk_file.py): new bytes go to a second file. Before a
    group is updated, its parameter chunk (the only in-memory data its update changes: under
    fp32 the master, under bf16/fp16 the low-precision copy cast from the master) and its step
-   counts are copied aside in host memory. Any error here restores those copies and the held
-   files, so every group is as before the step.
+   counts are copied aside in host memory. Any error here, or in phase 1 once the first reads
+   are in flight, restores those copies and the held files (a request still in flight ends
+   first), so every group is as before the step.
 3. The groups in memory, updated only once every NVMe write has been confirmed. Nothing in
-   this phase allocates or does I/O, so it cannot fail part-way.
+   this phase allocates or does I/O, so it cannot fail part-way; a Ctrl-C is held until the
+   step has completed ([Note: Ctrl-C during the in-memory update] in gemini/engine/interrupts.py).
 4. Commit: the held files and the copies aside are dropped.
 
 The copies aside use host memory (the parameter bytes of the groups on NVMe) for the length of
@@ -158,6 +160,10 @@ class StepTransaction:
         self._free_saved()
         self._on_disk.clear()
         for c in self._held:
+            # A request the failed step left in flight (a prefetch before the stream began, a
+            # write behind it) ends first; whatever it read or wrote is dropped with the new file.
+            with contextlib.suppress(Exception):
+                c.finish_io()
             c.restore_held_file()
         self._held.clear()
         for restore in reversed(self._undo):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chunks import Chunk, ChunkGroup
+from gemini.engine.interrupts import HeldInterrupt
+from gemini.engine.load_transaction import LoadTransaction
 from gemini.engine.step_report import StepOutcome
 from gemini.engine.transaction import StepTransaction
 from gemini.optim import state_dict as formats
@@ -67,9 +68,10 @@ class HybridAdam(torch.optim.Optimizer):
         self.report: MemoryReport | None = None
         self.reports_made = 0
         self._step_started = time.perf_counter()
-        # The module's hooks keep the runtime alive as long as the module lives; the NVMe files
-        # belong to the optimizer's states, so they go when the optimizer does.
-        self._finalizer = weakref.finalize(self, runtime.close)
+        # The NVMe files hold the only copy of the optimizer's states and, under bf16/fp16, of the
+        # masters the model's state_dict reads: they go with the runtime, which the model (through
+        # its hooks) and this optimizer both hold, or at close().
+        self._finalizer = runtime.closer()
 
     # ------------------------------------------------------------------------------- API
     @property
@@ -115,7 +117,8 @@ class HybridAdam(torch.optim.Optimizer):
         """One Adam step over every chunk group with gradients: all or nothing (see [Note: a step
         is all or nothing] in gemini/engine/transaction.py). If it raises, parameters, m, v, step counts
         and the loss scale are as before the call, and calling it again once the cause is fixed
-        gives the uninterrupted result."""
+        gives the uninterrupted result. A Ctrl-C once the in-memory update has begun is raised
+        when the step has completed, saying so ([Note: Ctrl-C during the in-memory update])."""
         self._check_param_groups()  # before the closure: a refused step does no work
         loss = None
         if closure is not None:
@@ -124,29 +127,33 @@ class HybridAdam(torch.optim.Optimizer):
         rt = self._rt
         rt.manager.adopt_assigned()  # see [Note: parameters whose .data was assigned] in chunks/manager.py
         rt.settle_grad_views()  # what torch code did to p.grad counts; no view outlives a chunk move
+        interrupt = HeldInterrupt()  # see [Note: Ctrl-C during the in-memory update]
         try:
-            rt.begin_step()  # may raise DeviceBudgetError: nothing has been updated yet
-            tx = StepTransaction(rt.storage, undo_on_nvme=rt.nvme is not None and rt.nvme.layout.undo_on_nvme)
-            self._scaled_backwards.check(rt.grads_cleared_at_pass, tx)
             try:
-                outcome = self._step(tx)
-            except BaseException:
-                tx.rollback()
-                raise
-            tx.commit()
-            rt.after_commit([g for g in rt.manager.trainable_groups if g.any_grad_ready], skipped=outcome.skipped)
+                rt.begin_step()  # may raise DeviceBudgetError: nothing has been updated yet
+                tx = StepTransaction(rt.storage, undo_on_nvme=rt.nvme is not None and rt.nvme.layout.undo_on_nvme)
+                self._scaled_backwards.check(rt.grads_cleared_at_pass, tx)
+                try:
+                    outcome = self._step(tx, interrupt)
+                except BaseException:
+                    tx.rollback()
+                    raise
+                tx.commit()
+                rt.after_commit([g for g in rt.manager.trainable_groups if g.any_grad_ready], skipped=outcome.skipped)
+            finally:
+                rt.grad_views.expose()  # torch keeps p.grad after the step, until zero_grad
+            self.report = rt.step_report(outcome, step=self.reports_made, started=self._step_started)
+            self.reports_made += 1
+            rt.end_step(self.report)
+            self._step_started = time.perf_counter()
         finally:
-            rt.grad_views.expose()  # torch keeps p.grad after the step, until zero_grad
-        self.report = rt.step_report(outcome, step=self.reports_made, started=self._step_started)
-        self.reports_made += 1
-        rt.end_step(self.report)
-        self._step_started = time.perf_counter()
+            interrupt.release()  # a Ctrl-C held since the in-memory update is raised now, the step complete
         return loss
 
     def close(self) -> None:
         """Delete the NVMe files (states that lived only there are gone) and stop the I/O threads.
 
-        Also done when the optimizer is garbage-collected and at interpreter exit.
+        Also done when both the optimizer and the model are garbage-collected, and at interpreter exit.
         """
         self._finalizer()
 
@@ -161,8 +168,9 @@ class HybridAdam(torch.optim.Optimizer):
         check_weight_decay_mode(self.param_groups, adamw_mode=self.adamw_mode, where="optimizer.param_groups",
                                 advice=f"set it to {self.adamw_mode} or delete it (the step was not taken)")
 
-    def _step(self, tx: StepTransaction) -> StepOutcome:
-        """The step's phases 1-3 of [Note: a step is all or nothing]."""
+    def _step(self, tx: StepTransaction, interrupt: HeldInterrupt) -> StepOutcome:
+        """The step's phases 1-3 of [Note: a step is all or nothing]; ``interrupt`` holds Ctrl-C
+        from phase 3 on."""
         rt = self._rt
         zero = rt.zero
         if zero is not None:
@@ -218,6 +226,7 @@ class HybridAdam(torch.optim.Optimizer):
                 raise
             finally:
                 stream.close()  # every write confirmed, or (after an error) every request ended
+        interrupt.hold()  # phase 3 cannot be undone: [Note: Ctrl-C during the in-memory update]
         for batch in batches:
             run_batch(rt, batch, clock)
         for batch in batches:
@@ -271,9 +280,13 @@ class HybridAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()``'s format, or a ``torch.optim.AdamW`` / ``Adam`` state whose flags
         this update implements (``ValueError`` for amsgrad, maximize, ... set, before any change)."""
+        with LoadTransaction(self._rt) as tx:  # all or nothing: [Note: a load is all or nothing]
+            self._load_full(state_dict, tx)
+
+    def _load_full(self, state_dict: dict[str, Any], tx: LoadTransaction) -> None:
         self._check_loadable(state_dict)
-        formats.load_full_state_dict(self._rt, self.param_groups, state_dict)  # checks all before writing
-        self._load_hyper_state(state_dict)
+        formats.load_full_state_dict(self._rt, self.param_groups, state_dict, tx)  # checks all before writing
+        tx.later(lambda: self._load_hyper_state(state_dict))
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
@@ -290,9 +303,18 @@ class HybridAdam(torch.optim.Optimizer):
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``sharded_state_dict`` saved on this rank: masters (so the parameters too),
         m, v and step counts. A collective under ZeRO-1/2 (the parameters are all-gathered)."""
+        with LoadTransaction(self._rt) as tx:  # all or nothing: [Note: a load is all or nothing]
+            self._load_sharded(state_dict, tx)
+
+    def check_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise what :meth:`load_sharded_state_dict` would raise for ``state_dict``, changing nothing."""
         self._check_loadable(state_dict)
-        formats.load_sharded_state_dict(self._rt, state_dict)
-        self._load_hyper_state(state_dict)
+        formats.check_sharded_state_dict(self._rt, state_dict)
+
+    def _load_sharded(self, state_dict: dict[str, Any], tx: LoadTransaction) -> None:
+        self._check_loadable(state_dict)
+        formats.load_sharded_state_dict(self._rt, state_dict, tx)  # checks all before writing
+        tx.later(lambda: self._load_hyper_state(state_dict))
 
 
 def _describe_group(param_group: Any) -> str:

@@ -15,6 +15,7 @@ Loading never changes a value before every check has passed.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,12 +25,14 @@ from gemini.optim.loss_scaler import DynamicLossScaler
 from gemini.parallel.zero import gather_state
 
 if TYPE_CHECKING:
+    from gemini.engine.load_transaction import LoadTransaction
     from gemini.engine.runtime import GeminiRuntime
 
 __all__ = [
     "full_state_dict",
     "hyper_state",
     "load_full_state_dict",
+    "check_sharded_state_dict",
     "load_hyper_state",
     "load_sharded_state_dict",
     "sharded_state_dict",
@@ -53,10 +56,13 @@ def hyper_state(param_groups: ParamGroups, *, precision: str, adamw_mode: bool,
 
 def load_hyper_state(param_groups: ParamGroups, scaler: DynamicLossScaler | None,
                      saved_groups: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+    """Each param group's values replaced by the saved ones, as torch's ``load_state_dict`` does
+    (a key the state lacks is removed); the group dicts and their ``params`` stay the same objects."""
     for saved, hp in zip(saved_groups, param_groups):
-        for k, v in saved.items():
-            if k != "params":
-                hp[k] = tuple(v) if k == "betas" else v  # a checkpoint may hold betas as a list
+        params = hp["params"]
+        hp.clear()
+        hp.update((k, tuple(v) if k == "betas" else v) for k, v in saved.items())  # betas may be a list
+        hp["params"] = params
     if scaler is not None and "loss_scaler" in extra:
         scaler.load_state_dict(extra["loss_scaler"])
 
@@ -94,16 +100,16 @@ def full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, hyper: HyperSt
     return {"state": state, "param_groups": groups, "gemini": extra}
 
 
-def load_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any]) -> None:
-    """Write m, v and the step counts from ``full_state_dict``'s format (the hyper-state is the
-    caller's, see ``load_hyper_state``). A parameter without saved state starts afresh."""
+def load_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any],
+                         tx: LoadTransaction) -> None:
+    """Write m, v and the step counts from ``full_state_dict``'s format in ``tx`` (the hyper-state
+    is the caller's, see ``load_hyper_state``). A parameter without saved state starts afresh."""
     saved_index = check_full_state_dict(rt, param_groups, state_dict)
     state = state_dict["state"]
-    with torch.no_grad():
-        for g in rt.manager.trainable_groups:
-            # Every element of m and v is written: their files (maybe corrupted) are not read.
-            with rt.resident(g, modify=True, chunks=(g.exp_avg, g.exp_avg_sq), overwrite=True):
-                _load_group_state(g, state, saved_index)
+    for g in rt.manager.trainable_groups:
+        # Every element of m and v is written: their files (maybe corrupted) are not read.
+        tx.write(g, functools.partial(_load_group_state, g, state, saved_index), chunks=(g.exp_avg, g.exp_avg_sq),
+                 overwrite=True)
 
 
 def check_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any]) -> dict[int, int]:
@@ -133,6 +139,7 @@ def check_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_di
     return saved_index
 
 
+@torch.no_grad()
 def _load_group_state(g: ChunkGroup, state: dict, saved_index: dict[int, int]) -> None:
     for slot, p in zip(g.slots, g.params):
         entry = state.get(saved_index[id(p)])
@@ -182,26 +189,44 @@ def sharded_state_dict(rt: GeminiRuntime, hyper: HyperState) -> dict[str, Any]:
     return {"layout": _layout_signature(rt), "groups": groups, "param_groups": param_groups, "gemini": extra}
 
 
-def load_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> None:
-    """Write what ``sharded_state_dict`` saved on this rank: masters (so the parameters too), m,
-    v and step counts (the hyper-state is the caller's). A collective under ZeRO-1/2."""
+def check_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> None:
+    """Every check of :func:`load_sharded_state_dict`, before any write: the same ranks, precision
+    and chunk layout, and every group's entry with its ranges' sizes."""
     saved, mine = state_dict["layout"], _layout_signature(rt)
     for key in ("world", "rank", "precision", "capacities"):
         if saved[key] != mine[key]:
             shown = (lambda v: f"{v[:4]}{'...' if len(v) > 4 else ''} ({len(v)} chunk group(s))") if key == "capacities" else repr
             raise ValueError(f"sharded optimizer state has {key} {shown(saved[key])}, this run "
                              f"{shown(mine[key])}: load the consolidated state_dict() instead")
-    with torch.no_grad():
-        for g in rt.manager.groups:
-            entry = state_dict["groups"][g.index]
-            with rt.resident(g, modify=True) if g.trainable else contextlib.nullcontext():
-                c = g.master_chunk
-                start = 0 if g.is_shard(c) else (g.shard.start if g.shard is not None else 0)
-                c.write_range(start, entry["master"])
-                if g.trainable:
-                    g.exp_avg.write_range(0, entry["exp_avg"])
-                    g.exp_avg_sq.write_range(0, entry["exp_avg_sq"])
-                    g.steps.copy_(entry["steps"])
-                    g.steps_uniform = bool((g.steps == g.steps[0]).all())
-                rt.residency.after_step(g)  # the parameters from the masters
-        rt.gather_updated_params(rt.manager.groups)
+    for g in rt.manager.groups:
+        entry = state_dict["groups"].get(g.index)
+        want = {"master": g.os_numel}  # what _master_range saved
+        if g.trainable:
+            want.update(exp_avg=g.os_numel, exp_avg_sq=g.os_numel, steps=g.steps.numel())
+        got = {k: entry[k].numel() for k in want if entry is not None and torch.is_tensor(entry.get(k))}
+        if got != want:
+            raise ValueError(f"sharded optimizer state: chunk group {g.index} has {got or 'no entry'}, this run "
+                             f"needs {want} elements: load the consolidated state_dict() instead")
+
+
+def load_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any], tx: LoadTransaction) -> None:
+    """Write what ``sharded_state_dict`` saved on this rank in ``tx``: masters (so the parameters
+    too), m, v and step counts (the hyper-state is the caller's). A collective under ZeRO-1/2."""
+    check_sharded_state_dict(rt, state_dict)
+    for g in rt.manager.groups:
+        # Every element of its NVMe chunks is written: their files (maybe lost or corrupted) are not read.
+        tx.write(g, functools.partial(_load_sharded_group, rt, g, state_dict["groups"][g.index]), overwrite=True)
+    tx.later(lambda: rt.gather_updated_params(rt.manager.groups))
+
+
+@torch.no_grad()
+def _load_sharded_group(rt: GeminiRuntime, g: ChunkGroup, entry: dict[str, torch.Tensor]) -> None:
+    c = g.master_chunk
+    start = 0 if g.is_shard(c) else (g.shard.start if g.shard is not None else 0)
+    c.write_range(start, entry["master"])
+    if g.trainable:
+        g.exp_avg.write_range(0, entry["exp_avg"])
+        g.exp_avg_sq.write_range(0, entry["exp_avg_sq"])
+        g.steps.copy_(entry["steps"])
+        g.steps_uniform = bool((g.steps == g.steps[0]).all())
+    rt.residency.after_step(g)  # the parameters from the masters

@@ -9,7 +9,6 @@ holds 8 of the 16 bytes per parameter, under bf16/fp16 12 of 16.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,9 +17,8 @@ import torch
 
 from offload import format_size
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["NvmeLayout", "choose_nvme_groups", "offloaded_bytes", "offloaded_bytes_per_element", "undo_ratio"]
+__all__ = ["NvmeLayout", "choose_nvme_groups", "offloaded_bytes", "offloaded_bytes_per_element", "shallower_pipeline",
+           "undo_ratio"]
 
 
 def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
@@ -87,7 +85,6 @@ def choose_nvme_groups(
         # it is refused.
         largest = max(b for _, b in os_bytes)
         largest_undo = max(undo_of.values())  # the one copy aside in memory when they go to NVMe
-        wanted = depth
         while depth > 0 and (2 * depth + 1) * largest + largest_undo > cpu_memory:
             depth -= 1
         staging = (2 * depth + 1) * largest
@@ -98,12 +95,6 @@ def choose_nvme_groups(
                 f"states from NVMe holds at least one chunk group's states in host memory, and a copy of its "
                 f"parameters ({least} bytes, {format_size(least)}); raise cpu_memory to at least {least}, or lower "
                 f"chunk_size"
-            )
-        if depth < wanted and nvme_available:
-            logger.warning(
-                "GeminiConfig.cpu_memory=%s holds the states of %d chunk group(s), not the %d of nvme_pipeline_depth=%d: "
-                "the NVMe pipeline runs at depth %d%s", format_size(cpu_memory), 2 * depth + 1, 2 * wanted + 1, wanted,
-                depth, " (no overlap of I/O and compute)" if depth == 0 else "",
             )
         room = cpu_memory - staging - largest_undo if (forced or total > cpu_memory) else cpu_memory
         chosen = {i for i, _ in forced}
@@ -134,3 +125,13 @@ def undo_ratio(param_dtype: torch.dtype) -> float:
     (fp32: the param chunk is the master, 4 of 8 bytes; bf16/fp16: the low-precision copy, 2
     of 12)."""
     return param_dtype.itemsize / offloaded_bytes_per_element(param_dtype)
+
+
+def shallower_pipeline(layout: NvmeLayout, *, cpu_memory: int | None, wanted: int) -> str | None:
+    """What to tell the user (once: callers choose several times) when ``cpu_memory`` made the
+    pipeline of ``layout`` shallower than ``nvme_pipeline_depth=wanted``; None when it did not."""
+    if not layout.nvme_groups or layout.depth >= wanted or cpu_memory is None:
+        return None
+    return (f"GeminiConfig.cpu_memory={format_size(cpu_memory)} holds the states of {2 * layout.depth + 1} chunk "
+            f"group(s), not the {2 * wanted + 1} of nvme_pipeline_depth={wanted}: the NVMe pipeline runs at depth "
+            f"{layout.depth}{' (no overlap of I/O and compute)' if layout.depth == 0 else ''}")

@@ -11,6 +11,7 @@ device, the predicted peaks, the advice) each answers in its own class (gemini/t
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -29,9 +30,11 @@ from gemini.policies.footprint import chunk_bytes, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
 from gemini.tools.forecast import PlacementForecast, forecast_for
 from gemini.tools.meta_run import meta_peaks
-from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, undo_ratio
+from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, shallower_pipeline, undo_ratio
 from gemini.tools.summary import readable_unit
 from offload import format_size
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PlacementPlan", "plan_placement"]
 
@@ -201,7 +204,11 @@ def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups
         # initialize() chooses among every trainable group while registering (before a placement
         # takes some onto the device), then again among those left on the host tier.
         choose(trainable)
-        return choose(host_groups)
+        chosen = choose(host_groups)
+        warning = shallower_pipeline(chosen, cpu_memory=config.cpu_memory, wanted=config.nvme_pipeline_depth)
+        if warning is not None:
+            logger.warning(warning)
+        return chosen
     except ValueError as e:
         problems.append(str(e))
         return NvmeLayout(frozenset(), sum(b for _, b in os_bytes), 0, 0)
