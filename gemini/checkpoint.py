@@ -100,6 +100,7 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     path = Path(path)
     file = _file_to_load(path, optimizer, sharded=sharded)
     state = read_checkpoint(file, keys=("buffers", "optimizer") if sharded else ("model", "optimizer"))
+    model._runtime.manager.adopt_assigned()  # an assigned p.data is loaded into, as by load_state_dict
     with _named(file):  # every check before the first write; what fails names the file
         if sharded:
             optimizer.check_sharded_state_dict(state["optimizer"])

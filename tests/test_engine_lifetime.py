@@ -92,19 +92,19 @@ def test_the_budgets_allocator_cap_is_set_once_and_lifted_at_close(monkeypatch):
     Allocator.fraction = 0.9  # a cap the user set before
     budget = memory.DeviceMemory(torch.device("cuda"), 7 * 2**30, measure=True)
     for _ in range(3):  # three iterations' windows
-        budget.start([])
+        budget.start([], lambda: 0)
     assert Allocator.fraction == 0.087 and Allocator.sets == 1
     budget.close()
     assert Allocator.fraction == 0.9
     budget.close()  # twice is harmless
     assert Allocator.fraction == 0.9 and Allocator.sets == 2
     other = memory.DeviceMemory(torch.device("cuda"), 8 * 2**30, measure=True)
-    other.start([])
+    other.start([], lambda: 0)
     set_fraction(0.5, None)  # changed since by someone else: theirs stays
     other.close()
     assert Allocator.fraction == 0.5
     roomy = memory.DeviceMemory(torch.device("cuda"), 80 * 2**30, measure=True)
-    roomy.start([])
+    roomy.start([], lambda: 0)
     roomy.close()
     assert Allocator.fraction == 0.5 and Allocator.sets == 4  # a budget of the whole card caps nothing
 

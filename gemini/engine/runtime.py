@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import weakref
@@ -12,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from chunks import ChunkGroup, ChunkKind, ChunkManager, ChunkState, ChunkStorage, Tier
+from chunks import ChunkGroup, ChunkManager, ChunkState, ChunkStorage, MemoryLedger, Tier
 from gemini.engine.activations import ActivationOffload
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
@@ -36,8 +37,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["GeminiRuntime", "IterationState"]
 
 # Names as MemoryReport.model_bytes_by_tier has them, read once: an Enum's value is a property.
-_TIER_NAMES = tuple((tier, tier.value) for tier in Tier)
-_KIND_NAMES = tuple((kind, kind.value) for kind in ChunkKind)
 
 
 class LossScale(Protocol):
@@ -68,11 +67,11 @@ class GeminiRuntime:
     warmup: Warmup | None = None
     plan: MemoryPlan | None = None
     system: SystemMemory = field(default=None)  # host and whole-GPU readings; made in __post_init__ if not given
-    _unreported_plan: MemoryPlan | None = field(default=None, repr=False)  # made during this step
+    unreported_plan: MemoryPlan | None = field(default=None, repr=False)  # made during this step
     _first_step_checked: bool = False
     # The tracer resets the monitor's peak at each of its cuts: the warm-up step's peak is
     # the trace's largest period peak, carried here into that step's report.
-    _warmup_peak_bytes: int = 0
+    warmup_peak_bytes: int = 0
     _signature: InputSignature | None = None  # the traced iteration's inputs
     _backward_passes_at_trace: int = 0
     grads_cleared_at_pass: int = 0  # the hooks' backward-pass count at the last zero_grad
@@ -220,8 +219,8 @@ class GeminiRuntime:
             self.end_window()
             self.hooks.follow_periods(False)  # UNPLANNED: no period to trace or count
             raise
-        self._warmup_peak_bytes = self.plan.warmup_peak_bytes
-        self._unreported_plan = self.plan
+        self.warmup_peak_bytes = self.plan.warmup_peak_bytes
+        self.unreported_plan = self.plan
         activation_bytes = 0
         if self.activations is not None:
             self.activations.record_trace()
@@ -274,15 +273,13 @@ class GeminiRuntime:
     def begin_window(self) -> None:
         """Start measuring the device (if not already) for the iteration beginning now."""
         if self.memory.monitor is not None and not self.window_open:
-            self.memory.start(self.device_tensors(), self.device_model_bytes)
+            # Not a closure over the runtime: the memory outlives it in the closer's finalizer.
+            model_bytes = functools.partial(_device_model_bytes, self.storage.ledger, self.fixed_bytes)
+            self.memory.start(self.device_tensors(), model_bytes)
 
     def end_window(self) -> None:
         if self.window_open:
             self.memory.monitor.stop()
-
-    def device_model_bytes(self) -> int:
-        """Model data on the device now: chunk payloads and buffers."""
-        return self.storage.ledger.bytes_on(Tier.DEVICE) + self.fixed_bytes
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Model data on the device: buffers and chunk payloads (for the accounting monitor)."""
@@ -290,32 +287,10 @@ class GeminiRuntime:
         out += [c.payload(Tier.DEVICE) for c in self.manager.chunks() if c.is_on(Tier.DEVICE)]
         return out
 
-    def device_peak_bytes(self) -> int:
-        """The compute device's measured peak over the current step."""
-        measured = self.memory.peak_bytes()
-        if measured is not None:
-            return max(measured, self._warmup_peak_bytes)
-        # Not measured (the CPU stand-in without a budget): the chunk ledger's peak.
-        return self.storage.ledger.peak_bytes(Tier.DEVICE) + self.fixed_bytes
-
-    def device_non_model_peak_bytes(self) -> int | None:
-        """The step's most device bytes besides model data: the warm-up's trace measured it for
-        the step that ended one; the device's meter for every other step."""
-        if self._unreported_plan is not None:
-            return self._unreported_plan.max_non_model_bytes
-        return self.memory.non_model_peak_bytes()
-
     def take_timeline(self) -> WarmupTimeline | None:
         """The timeline of a warm-up that ended since the last call (for that step's report)."""
-        plan, self._unreported_plan = self._unreported_plan, None
+        plan, self.unreported_plan = self.unreported_plan, None
         return plan.timeline() if plan is not None else None
-
-    def model_bytes_by_tier(self) -> dict[str, dict[str, int]]:
-        """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a
-        file counts on NVMe)."""
-        kind_bytes = self.storage.ledger.kind_bytes
-        return {tier_name: {kind_name: kind_bytes(tier, kind) for kind, kind_name in _KIND_NAMES}
-                for tier, tier_name in _TIER_NAMES}
 
     @contextlib.contextmanager
     def budget_errors(self, what: str) -> Iterator[None]:
@@ -354,7 +329,7 @@ class GeminiRuntime:
         self.end_window()
         self.storage.ledger.start_step()
         self.memory.reset_peak()
-        self._warmup_peak_bytes = 0
+        self.warmup_peak_bytes = 0
         self.system.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -409,3 +384,7 @@ def _close(*parts) -> None:
     for part in parts:  # the activations and the NVMe tier may be None
         if part is not None:
             part.close()
+
+
+def _device_model_bytes(ledger: MemoryLedger, fixed_bytes: int) -> int:
+    return ledger.bytes_on(Tier.DEVICE) + fixed_bytes

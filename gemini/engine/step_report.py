@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from chunks import Tier
+from chunks import ChunkKind, MemoryLedger, Tier
 from gemini.engine.transaction import UNDO_KIND
 from gemini.report import MemoryReport
 
@@ -34,9 +34,9 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
     gatherer = rt.residency.gatherer
     return MemoryReport(
         step=step,
-        device_peak_bytes=rt.device_peak_bytes(),
+        device_peak_bytes=device_peak_bytes(rt),
         device_model_bytes=ledger.bytes_on(Tier.DEVICE),
-        device_non_model_peak_bytes=rt.device_non_model_peak_bytes(),
+        device_non_model_peak_bytes=device_non_model_peak_bytes(rt),
         host_model_bytes=ledger.bytes_on(Tier.HOST),
         # The copies aside of a step ([Note: a step is all or nothing]) are not the model's.
         nvme_bytes=ledger.bytes_on(Tier.NVME) - ledger.kind_bytes(Tier.NVME, UNDO_KIND),
@@ -59,7 +59,7 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
         nvme_wait_seconds=transfers.nvme_wait_seconds,
         host_pool_bytes=ledger.host_pool_bytes,
         os_chunks_total=len(rt.manager.trainable_groups),
-        model_bytes_by_tier=rt.model_bytes_by_tier(),
+        model_bytes_by_tier=model_bytes_by_tier(ledger),
         host_available_bytes=rt.system.host_available_bytes(),
         device_used_peak_bytes=rt.system.device_used_peak_bytes(),
         timeline=rt.take_timeline(),
@@ -72,3 +72,32 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
         activation_kept_bytes=transfers.activation_kept_bytes,
         nvme_undo_bytes=ledger.kind_bytes(Tier.NVME, UNDO_KIND),
     )
+
+
+_TIER_NAMES = tuple((tier, tier.value) for tier in Tier)
+_KIND_NAMES = tuple((kind, kind.value) for kind in ChunkKind)
+
+
+def model_bytes_by_tier(ledger: MemoryLedger) -> dict[str, dict[str, int]]:
+    """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a file
+    counts on NVMe)."""
+    return {tier_name: {kind_name: ledger.kind_bytes(tier, kind) for kind, kind_name in _KIND_NAMES}
+            for tier, tier_name in _TIER_NAMES}
+
+
+def device_peak_bytes(rt: GeminiRuntime) -> int:
+    """The compute device's measured peak over the current step."""
+    measured = rt.memory.peak_bytes()
+    if measured is not None:
+        return max(measured, rt.warmup_peak_bytes)
+    # Not measured (the CPU stand-in without a budget): the chunk ledger's peak.
+    return rt.storage.ledger.peak_bytes(Tier.DEVICE) + rt.fixed_bytes
+
+
+def device_non_model_peak_bytes(rt: GeminiRuntime) -> int | None:
+    """The step's most device bytes besides model data: the warm-up's trace measured it for the
+    step that ended one (read before ``take_timeline`` hands that plan over); the device's meter
+    for every other step."""
+    if rt.unreported_plan is not None:
+        return rt.unreported_plan.max_non_model_bytes
+    return rt.memory.non_model_peak_bytes()
