@@ -3,7 +3,9 @@
 - ``cli``: python -m gemini
 - ``planner``: plan_placement, a placement judged before any step
 - ``forecast``: the planner's questions answered per placement, one class each
-- ``meta_run``: the warm-up replayed on the meta device
+- ``meta_run``: one forward and backward on the meta device, for the planner
+- ``meta_replay``: the warm-up's chunk visits replayed beside it
+- ``meta_attention``: attention charged there as the configured device runs it
 - ``tune``: tune_margin
 - ``summary``: one-line summaries of reports
 - ``plots``: memory and timeline plots
@@ -11,4 +13,5 @@
 - ``gpt``: the demo GPT the examples and tools use
 """
 
-__all__ = ["cli", "forecast", "gpt", "loop", "meta_run", "planner", "plots", "summary", "tune"]
+__all__ = ["cli", "forecast", "gpt", "loop", "meta_attention", "meta_replay", "meta_run",
+           "planner", "plots", "summary", "tune"]

@@ -31,7 +31,8 @@ from offload import format_size
 if TYPE_CHECKING:
     from gemini.tools.planner import PlacementPlan
 
-__all__ = ["AutoForecast", "CpuForecast", "CudaForecast", "PlacementForecast", "StaticForecast", "forecast_for"]
+__all__ = ["AutoForecast", "CpuForecast", "CudaForecast", "PlacementForecast", "StaticForecast", "forecast_for",
+           "forecast_type"]
 
 
 class PlacementForecast:
@@ -63,6 +64,13 @@ class PlacementForecast:
         self.planned_peak_bytes: int | None = None
         self.margin_bytes: int | None = None
 
+    @classmethod
+    def residents(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups | None:
+        """The groups this placement keeps on the device while others visit it for compute,
+        for the meta run to replay (see [Note: what stays on the device, replayed] in
+        gemini/tools/meta_replay.py); None: no such timeline (nothing kept, or everything)."""
+        return None
+
     def notes(self, plan: PlacementPlan) -> list[str]:
         """What this placement says of itself, before the device's figures."""
         return []
@@ -77,11 +85,14 @@ class PlacementForecast:
         # [Note: the predicted device peak]
         # The activation peak (the end of forward, the start of backward) meets the model data the
         # placement holds then:
-        # - "cuda" and "static": the chunks they keep. Under "static" (and "cuda" with fp16) the
-        #   gradient chunks come as the gradients do, so the first step's activation peak lacks
-        #   them; under "cuda" they are there as its backward begins;
+        # - "cuda": the chunks it keeps. With fp16 the gradient chunks come as the gradients do,
+        #   so the first step's activation peak lacks them; otherwise they are there as its
+        #   backward begins;
+        # - "static": the chunks it keeps, and the other groups visiting as under "cpu", replayed
+        #   on meta with the activations; its kept gradient chunks come, in the first step, as
+        #   their gradients do;
         # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
-        #   [Note: the warm-up replayed on meta] in gemini/tools/meta_run.py);
+        #   [Note: the warm-up replayed on meta] in gemini/tools/meta_replay.py);
         # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
         #   margin's groups to the device for its optimizer step. Later it keeps every
         #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
@@ -119,11 +130,16 @@ class StaticForecast(PlacementForecast):
 
     policy = StaticPlacement
 
-    def _kept_peak_bytes(self, plan: PlacementPlan) -> int:
-        peak = super()._kept_peak_bytes(plan)
-        if plan.model_bytes_by_tier["host"][ChunkKind.PARAM.value]:
-            peak += plan.device_working_set_bytes  # host-only groups visit for compute
-        return peak
+    @classmethod
+    def residents(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups | None:
+        return cls.policy.layout_choice(config, layout)
+
+    def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
+        # The kept chunks, and the peak of what comes and goes beside them (the visiting groups,
+        # the activations), replayed on meta at each operator.
+        kept = plan.tier_bytes("device") + plan.buffer_bytes
+        grads = plan.model_bytes_by_tier["device"][ChunkKind.GRAD.value]
+        return kept - grads + self.peaks.resident_first_peak_bytes, kept + self.peaks.resident_peak_bytes
 
 
 class CpuForecast(PlacementForecast):
@@ -163,6 +179,12 @@ class AutoForecast(CpuForecast):
             self.margin_bytes = config.device_memory - self.reserve_bytes - self.planned_peak_bytes
             self.choice = self._margin_choice(self.margin_bytes)
 
+    @classmethod
+    def residents(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups | None:
+        # After the warm-up every parameter chunk stays cached (the budget allowing); which
+        # groups the margin keeps whole is known only from the warm-up's peak.
+        return DeviceGroups(params=frozenset(range(len(layout))))
+
     def _margin_choice(self, margin_bytes: int) -> DeviceGroups:
         """The groups ``gpu_margin_mem_ratio`` keeps in the margin, by the engine's own rule
         (``AutoPlacement.adopt``)."""
@@ -192,21 +214,21 @@ class AutoForecast(CpuForecast):
         # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam
         # updates them there once the activations are gone.
         first = max(first, plan.tier_bytes("device") + plan.buffer_bytes)
-        cached = self._cached_bytes() + plan.buffer_bytes + plan.non_model_peak_bytes
+        cached = self._cached_bytes() + plan.buffer_bytes + self.peaks.resident_peak_bytes
         if plan.device_budget_bytes is not None:
             cached = min(cached, plan.device_budget_bytes - self.reserve_bytes)
         return first, max(first, cached)
 
     def _cached_bytes(self) -> int:
-        """What auto holds on the device once nothing presses it: the margin's whole groups,
-        every other group's parameters, and one gradient chunk being filled."""
+        """What auto holds on the device for good once nothing presses it: the margin's whole
+        groups and every other group's parameters (the gradient chunks come and go with the
+        activations: ``resident_peak_bytes``, which counts the whole groups' ones too)."""
         param_dtype, whole = self.config.param_dtype, self.choice.whole
         elem = param_dtype.itemsize
         pinned = sum(whole_group_bytes(cap, param_dtype=param_dtype) for i, (_, _, cap) in enumerate(self.layout)
                      if i in whole)
         params = sum(cap * elem for i, (_, _, cap) in enumerate(self.layout) if i not in whole)
-        grad = max((cap * elem for i, (_, pg, cap) in enumerate(self.layout) if pg >= 0 and i not in whole), default=0)
-        return pinned + params + grad
+        return pinned + params
 
 
 # Each placement's forecast by its policy class: the name was looked up once, by placement_type.
@@ -215,8 +237,13 @@ _FORECASTS: dict[type[PlacementPolicy], type[PlacementForecast]] = {
 }
 
 
+def forecast_type(config: GeminiConfig) -> type[PlacementForecast]:
+    """The forecast class of the placement ``config`` names."""
+    return _FORECASTS[placement_type(config.placement)]
+
+
 def forecast_for(config: GeminiConfig, layout: Layout, *, buffer_bytes: int,
                  peaks: MetaPeaks | None) -> PlacementForecast:
     """The forecast of the placement ``config`` names, for the chunk groups of ``layout``,
     ``buffer_bytes`` of module buffers and, with example inputs, the meta run's ``peaks``."""
-    return _FORECASTS[placement_type(config.placement)](config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
+    return forecast_type(config)(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)

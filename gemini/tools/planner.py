@@ -28,7 +28,7 @@ from gemini.config import GeminiConfig
 from gemini.policies import check_supported
 from gemini.policies.footprint import chunk_bytes, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
-from gemini.tools.forecast import PlacementForecast, forecast_for
+from gemini.tools.forecast import PlacementForecast, forecast_for, forecast_type
 from gemini.tools.meta_run import meta_peaks
 from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, shallower_pipeline, undo_ratio
 from gemini.tools.summary import readable_unit
@@ -163,6 +163,8 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
         group_of = {named[m][0]: i for i, (members, pg, _) in enumerate(layout)
                     for named in [named_groups[pg] if pg >= 0 else frozen] for m in members}
         peaks = meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=config.param_dtype,
+                           device_type=config.resolved_device().type,
+                           residents=forecast_type(config).residents(config, layout),
                            group_of=group_of, group_bytes=[capacity * elem for _, _, capacity in layout])
         non_model = peaks.non_model_bytes
     forecast = forecast_for(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
