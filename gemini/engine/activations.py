@@ -46,7 +46,23 @@ from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ActivationOffload"]
+__all__ = ["ActivationOffload", "kept_on_device"]
+
+
+def kept_on_device(sizes: tuple[int, ...], room_bytes: int, *, prefetch: bool) -> tuple[int, int, bool]:
+    """The plan for saved tensors of ``sizes`` (in the order saved) and ``room_bytes`` on the
+    device: (the first one kept, the bytes committed, whether to prefetch). With ``prefetch``
+    (CUDA, more than one unpack) room for the largest prefetched tensor comes first; then the
+    last saved tensors stay, as many as fit. A pure function: the planner applies it too."""
+    committed = 0
+    prefetching = prefetch and bool(sizes) and max(sizes) <= room_bytes
+    if prefetching:
+        committed = max(sizes)
+    keep_from = len(sizes)
+    while keep_from > 0 and committed + sizes[keep_from - 1] <= room_bytes:
+        keep_from -= 1
+        committed += sizes[keep_from]
+    return keep_from, committed, prefetching
 
 
 class _Offloaded:
@@ -104,15 +120,8 @@ class ActivationOffload:
         """Keep on the device the last saved tensors that fit in ``room_bytes`` (after, on CUDA,
         room for one prefetched tensor); returns the bytes this commits in every period."""
         sizes = self.traced_sizes or ()
-        committed = 0
-        self.prefetch = False
-        if self._cuda and sizes and len(self.traced_unpack_order) > 1 and max(sizes) <= room_bytes:
-            self.prefetch = True
-            committed = max(sizes)
-        keep_from = len(sizes)
-        while keep_from > 0 and committed + sizes[keep_from - 1] <= room_bytes:
-            keep_from -= 1
-            committed += sizes[keep_from]
+        keep_from, committed, self.prefetch = kept_on_device(
+            sizes, room_bytes, prefetch=self._cuda and len(self.traced_unpack_order) > 1)
         self.keep_from = keep_from if keep_from < len(sizes) else None
         kept = sum(sizes[keep_from:])
         logger.info("activation offload: %d of %d saved tensors (%d bytes) stay on the device, %d offloaded; "

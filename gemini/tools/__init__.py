@@ -6,6 +6,7 @@
 - ``meta_run``: one forward and backward on the meta device, for the planner
 - ``meta_replay``: the warm-up's chunk visits replayed beside it
 - ``meta_attention``: attention charged there as the configured device runs it
+- ``meta_offload``: offload_activations there, as the engine offloads
 - ``tune``: tune_margin
 - ``summary``: one-line summaries of reports
 - ``plots``: memory and timeline plots
@@ -13,5 +14,5 @@
 - ``gpt``: the demo GPT the examples and tools use
 """
 
-__all__ = ["cli", "forecast", "gpt", "loop", "meta_attention", "meta_replay", "meta_run",
+__all__ = ["cli", "forecast", "gpt", "loop", "meta_attention", "meta_offload", "meta_replay", "meta_run",
            "planner", "plots", "summary", "tune"]

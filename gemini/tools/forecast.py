@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from chunks import ChunkKind
 from gemini.config import GeminiConfig
+from gemini.engine.activations import kept_on_device
 from gemini.engine.memory import planned_reserve_bytes
 from gemini.policies import (AutoPlacement, CpuPlacement, CudaPlacement, PlacementPolicy, StaticPlacement,
                              placement_type)
@@ -63,6 +64,8 @@ class PlacementForecast:
         # Only auto's warm-up plans (with example inputs) and leaves a margin (with a budget too).
         self.planned_peak_bytes: int | None = None
         self.margin_bytes: int | None = None
+        # auto with offload_activations keeping some on the device: its later steps replayed.
+        self.later_peaks: MetaPeaks | None = None
 
     @classmethod
     def residents(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups | None:
@@ -74,6 +77,10 @@ class PlacementForecast:
     def notes(self, plan: PlacementPlan) -> list[str]:
         """What this placement says of itself, before the device's figures."""
         return []
+
+    def activations_kept_from(self) -> int | None:
+        """Only auto keeps some offloadable activations on the device (see AutoForecast)."""
+        return None
 
     def device_need_bytes(self, plan: PlacementPlan) -> int:
         """Model data (``needs``) and buffers on the device, as checked without example inputs."""
@@ -214,10 +221,27 @@ class AutoForecast(CpuForecast):
         # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam
         # updates them there once the activations are gone.
         first = max(first, plan.tier_bytes("device") + plan.buffer_bytes)
-        cached = self._cached_bytes() + plan.buffer_bytes + self.peaks.resident_peak_bytes
+        later = self.later_peaks or self.peaks
+        cached = self._cached_bytes() + plan.buffer_bytes + later.resident_peak_bytes
         if plan.device_budget_bytes is not None:
             cached = min(cached, plan.device_budget_bytes - self.reserve_bytes)
         return first, max(first, cached)
+
+    def activations_kept_from(self) -> int | None:
+        """With ``offload_activations`` and a known margin: the first saved tensor auto keeps on
+        the device after its warm-up (in the margin's part optimizer states leave, by the
+        engine's own rule ``kept_on_device``); None when all are offloaded as in the warm-up.
+        The planner then replays those later steps on meta (``later_peaks``)."""
+        sizes = self.peaks.offloaded_sizes if self.peaks is not None else ()
+        if not sizes:
+            return None
+        if self.margin_bytes is None:
+            return 0  # no budget: the whole device's margin, room for all of them
+        margin = max(0, self.margin_bytes)
+        room = margin - int(self.config.gpu_margin_mem_ratio * margin)  # AutoPlacement.activation_room_bytes
+        keep_from, _, _ = kept_on_device(sizes, room, prefetch=self.config.resolved_device().type == "cuda"
+                                         and len(sizes) > 1)
+        return keep_from if keep_from < len(sizes) else None
 
     def _cached_bytes(self) -> int:
         """What auto holds on the device for good once nothing presses it: the margin's whole

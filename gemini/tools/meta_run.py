@@ -22,6 +22,7 @@ Attention (``F.scaled_dot_product_attention``) is charged as the configured devi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from gemini.engine.backward_uses import hook_all_grads_of
 from gemini.policies.footprint import DeviceGroups
 from gemini.tools.meta_attention import attention_as_on
+from gemini.tools.meta_offload import MetaOffload
 from gemini.tools.meta_replay import WarmupReplay
 from tracer.hooks import PeriodHooks
 from tracer.monitors import TensorAccountingMonitor
@@ -93,6 +95,8 @@ class MetaPeaks:
     # the device, replayed] in gemini/tools/meta_replay.py). 0 without.
     resident_peak_bytes: int = 0
     resident_first_peak_bytes: int = 0
+    # With ``offload_min_bytes``: the bytes of each saved tensor offloaded, in the order saved.
+    offloaded_sizes: tuple[int, ...] = ()
 
 
 def non_model_peak_bytes(model: nn.Module, example_inputs: Sequence[Any], *,
@@ -109,14 +113,17 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
                loss_fn: Callable[[Any], torch.Tensor] | None = None,
                param_dtype: torch.dtype = torch.float32, device_type: str = "cuda",
                group_of: Mapping[str, int] | None = None, group_bytes: Sequence[int] = (),
-               residents: DeviceGroups | None = None) -> MetaPeaks:
+               residents: DeviceGroups | None = None, offload_min_bytes: int | None = None,
+               offload_keep_from: int | None = None) -> MetaPeaks:
     """The device's needs in one forward and backward of ``model`` on ``example_inputs``, on
     the meta device (see [Note: planning on the meta device]). ``group_of`` maps each
     parameter's name (as ``model.named_parameters()`` gives it) to its chunk group, and
     ``group_bytes[g]`` is group g's parameter (and gradient) chunk bytes: with them the
     warm-up's chunk visits are replayed (see [Note: the warm-up replayed on meta] in
     gemini/tools/meta_replay.py); with ``residents`` too, the timeline of a placement that
-    keeps those groups on the device.
+    keeps those groups on the device. With ``offload_min_bytes`` the tensors the forward saves
+    for backward are offloaded as ``offload_activations`` does (gemini/tools/meta_offload.py);
+    with ``offload_keep_from`` too, those saved from that index on stay (auto after its warm-up).
 
     ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
     output, in fp32). Attention is charged as a ``device_type`` device runs it (see [Note:
@@ -133,8 +140,11 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     monitor.exclude(list(state.values()))  # model data: counted by the plan's chunk bytes
     handles, groups_of = _hook_modules(model, group_of, replay, uses)
     periods = PeriodHooks(model, lambda boundary: replay.on_boundary(boundary, groups_of.get(boundary.module, ())))
+    offload = None if offload_min_bytes is None else MetaOffload(offload_min_bytes, list(state.values()),
+                                                                    offload_keep_from)
     iteration = _Iteration(model, functools.partial(_forward_backward, loss_fn=loss_fn, monitor=monitor,
-                                                    replay=replay, train=any(t.requires_grad for t in state.values())))
+                                                    replay=replay, offload=offload,
+                                                    train=any(t.requires_grad for t in state.values())))
     try:
         with monitor, attention_as_on(device_type), replay, periods:
             # The stand-ins stay in place until backward is over: a checkpoint's recompute
@@ -151,7 +161,8 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     return MetaPeaks(non_model_bytes=max(forward_peak, backward_peak), forward_non_model_bytes=forward_peak,
                      backward_non_model_bytes=backward_peak,
                      warmup_peak_bytes=replay.warmup_peak, planned_peak_bytes=max(replay.planned_peak, replay.warmup_peak),
-                     resident_peak_bytes=replay.resident_peak, resident_first_peak_bytes=replay.resident_first_peak)
+                     resident_peak_bytes=replay.resident_peak, resident_first_peak_bytes=replay.resident_first_peak,
+                     offloaded_sizes=tuple(offload.sizes) if offload is not None else ())
 
 
 def _stand_ins(model: nn.Module, param_dtype: torch.dtype, group_of: Mapping[str, int], replay: WarmupReplay,
@@ -224,10 +235,12 @@ class _Iteration(nn.Module):
 
 
 def _forward_backward(model: nn.Module, *args: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                      monitor: TensorAccountingMonitor, replay: WarmupReplay, train: bool) -> tuple[int, int]:
+                      monitor: TensorAccountingMonitor, replay: WarmupReplay, offload: MetaOffload | None,
+                      train: bool) -> tuple[int, int]:
     """One forward, the loss and its backward; the non-model peak before the model's output has
     its gradient and after."""
-    output = model(*args)
+    with offload.hooks() if offload is not None else contextlib.nullcontext():  # the root's forward only
+        output = model(*args)
     replay.forward_over()
     # Until the model's output has its gradient, the engine's backward has not begun (its
     # gradient chunks come then): the loss and its backward belong to the first part.

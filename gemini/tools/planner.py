@@ -11,6 +11,7 @@ device, the predicted peaks, the advice) each answers in its own class (gemini/t
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -159,15 +160,20 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
     working_set = max((capacity * elem * (2 if pg >= 0 else 1) for _, pg, capacity in layout), default=0)
     non_model = peaks = None
+    run = None
     if example_inputs is not None:
         group_of = {named[m][0]: i for i, (members, pg, _) in enumerate(layout)
                     for named in [named_groups[pg] if pg >= 0 else frozen] for m in members}
-        peaks = meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=config.param_dtype,
-                           device_type=config.resolved_device().type,
-                           residents=forecast_type(config).residents(config, layout),
-                           group_of=group_of, group_bytes=[capacity * elem for _, _, capacity in layout])
+        run = functools.partial(
+            meta_peaks, model, example_inputs, loss_fn=loss_fn, param_dtype=config.param_dtype,
+            device_type=config.resolved_device().type, residents=forecast_type(config).residents(config, layout),
+            offload_min_bytes=config.activation_offload_min_bytes if config.offload_activations else None,
+            group_of=group_of, group_bytes=[capacity * elem for _, _, capacity in layout])
+        peaks = run()
         non_model = peaks.non_model_bytes
     forecast = forecast_for(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
+    if (keep_from := forecast.activations_kept_from()) is not None:
+        forecast.later_peaks = run(offload_keep_from=keep_from)  # auto's later steps keep the last ones
     choice = forecast.choice
     os_on_device = [i for i in trainable if i in choice.whole]
     problems: list[str] = []
@@ -253,8 +259,9 @@ def _check_predicted_peak(plan: PlacementPlan, forecast: PlacementForecast) -> N
         plan.problems.append(
             f"the device needs {format_size(needed + reserve)} {why} ({format_size(needed)} predicted, "
             f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: "
-            f"{format_size(missing)} are missing; raise device_memory, use activation checkpointing or "
-            f"offload_activations, or a smaller batch{forecast.peak_advice}")
+            f"{format_size(missing)} are missing; raise device_memory, use activation checkpointing"
+            f"{'' if forecast.config.offload_activations else ' or offload_activations'}, or a smaller batch"
+            f"{forecast.peak_advice}")
 
 
 def _check_model_data(plan: PlacementPlan, forecast: PlacementForecast) -> None:
