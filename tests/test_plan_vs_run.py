@@ -242,3 +242,29 @@ def test_offloaded_activations_are_planned_off_the_device(placement, ratio, budg
                                               "(8.36 MB, budget 8 MB; the plan caps at budget - reserve): an engine issue"))
     plan, _ = assert_plan_matches_run(_gpt, config, _gpt_inputs(), GPT.loss, rel=0.02)
     assert not any("or offload_activations" in p for p in plan.problems)
+
+
+# ------------------------------------------------------------------------ auto under bf16
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("ratio,budget", [(0.0, 30_000_000), (1.0, 13_547_780)])
+def test_auto_under_low_precision_plans_the_warmups_margin_and_its_cached_parameters(precision, ratio, budget):
+    """Under bf16/fp16 the CPU keeps the norms' statistics in the input's dtype (the meta run
+    once charged float32: a margin 14 KiB short of the warm-up's, 3 groups kept at ratio 1
+    where training keeps 4), and the step leaves every cached parameter chunk on the device
+    (the plan said 0 bytes there)."""
+    config = gemini.GeminiConfig(device="cpu", placement="auto", precision=precision, gpu_margin_mem_ratio=ratio,
+                                 device_memory=budget)
+    plan = plan_for(_gpt, config, _gpt_inputs(), GPT.loss)
+    x, y = _gpt_inputs()
+    model, opt = gemini.initialize(_gpt(), config, lr=1e-3)
+    for step in range(2):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            # 4 KiB apart with this batch (not yet explained; the norms' statistics made 14 KiB).
+            assert plan.margin_bytes == pytest.approx(opt.report.timeline.margin_bytes, abs=8192)
+    opt.close()
+    assert plan.os_groups_on_device == opt.report.os_chunks_on_device
+    assert plan.model_bytes_by_tier == opt.report.model_bytes_by_tier
+    assert opt.report.device_peak_bytes == pytest.approx(plan.device_peak_bytes, rel=0.02)

@@ -7,6 +7,7 @@
 - ``meta_replay``: the warm-up's chunk visits replayed beside it
 - ``meta_attention``: attention charged there as the configured device runs it
 - ``meta_offload``: offload_activations there, as the engine offloads
+- ``meta_device``: kernels whose outputs differ on the configured device
 - ``tune``: tune_margin
 - ``summary``: one-line summaries of reports
 - ``plots``: memory and timeline plots
@@ -14,5 +15,5 @@
 - ``gpt``: the demo GPT the examples and tools use
 """
 
-__all__ = ["cli", "forecast", "gpt", "loop", "meta_attention", "meta_offload", "meta_replay", "meta_run",
+__all__ = ["cli", "forecast", "gpt", "loop", "meta_attention", "meta_device", "meta_offload", "meta_replay", "meta_run",
            "planner", "plots", "summary", "tune"]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from chunks import ChunkKind
 from gemini.config import GeminiConfig
 from gemini.engine.activations import kept_on_device
@@ -81,6 +83,9 @@ class PlacementForecast:
     def activations_kept_from(self) -> int | None:
         """Only auto keeps some offloadable activations on the device (see AutoForecast)."""
         return None
+
+    def settle(self) -> None:
+        """The meta runs are done (``later_peaks`` too): the last word on ``choice``."""
 
     def device_need_bytes(self, plan: PlacementPlan) -> int:
         """Model data (``needs``) and buffers on the device, as checked without example inputs."""
@@ -242,6 +247,15 @@ class AutoForecast(CpuForecast):
         keep_from, _, _ = kept_on_device(sizes, room, prefetch=self.config.resolved_device().type == "cuda"
                                          and len(sizes) > 1)
         return keep_from if keep_from < len(sizes) else None
+
+    def settle(self) -> None:
+        # Under bf16/fp16 the step casts the masters into the parameter chunks where they lie,
+        # so every parameter chunk cached on the device stays there after the step (under fp32
+        # the chunk is the master, updated on the host: its device copy is dropped). Auto
+        # caches them all unless the budget makes it evict (the device peak is capped so).
+        if self.config.param_dtype != torch.float32:
+            every = frozenset(range(len(self.layout)))
+            self.choice = DeviceGroups(whole=self.choice.whole, params=every - self.choice.whole)
 
     def _cached_bytes(self) -> int:
         """What auto holds on the device for good once nothing presses it: the margin's whole

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from gemini.engine.backward_uses import hook_all_grads_of
 from gemini.policies.footprint import DeviceGroups
 from gemini.tools.meta_attention import attention_as_on
+from gemini.tools.meta_device import as_on_device
 from gemini.tools.meta_offload import MetaOffload
 from gemini.tools.meta_replay import WarmupReplay
 from tracer.hooks import PeriodHooks
@@ -146,7 +147,7 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
                                                     replay=replay, offload=offload,
                                                     train=any(t.requires_grad for t in state.values())))
     try:
-        with monitor, attention_as_on(device_type), replay, periods:
+        with as_on_device(device_type), monitor, attention_as_on(device_type), replay, periods:
             # The stand-ins stay in place until backward is over: a checkpoint's recompute
             # reads the module's parameters then.
             forward_peak, backward_peak = functional_call(iteration, {f"model.{k}": v for k, v in state.items()}, args)

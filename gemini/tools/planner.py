@@ -174,6 +174,7 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     forecast = forecast_for(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
     if (keep_from := forecast.activations_kept_from()) is not None:
         forecast.later_peaks = run(offload_keep_from=keep_from)  # auto's later steps keep the last ones
+    forecast.settle()
     choice = forecast.choice
     os_on_device = [i for i in trainable if i in choice.whole]
     problems: list[str] = []
