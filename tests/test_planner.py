@@ -5,6 +5,7 @@ from __future__ import annotations
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
@@ -293,3 +294,26 @@ def test_a_transformers_llama_is_predicted_from_its_input_ids():
         if step:
             assert opt.report.device_peak_bytes == pytest.approx(plan.device_peak_bytes, rel=0.10)
     opt.close()
+
+
+def test_bad_inputs_are_said_naming_the_argument():
+    """config None is GeminiConfig(), as initialize takes it; a loss_fn returning no tensor, a
+    detached loss (training would backward nothing: the plan would count a forward only), a
+    loss_fn without example_inputs, and a real tensor inside loss_fn are clear errors."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    assert gemini.plan_placement(model, None).placement == gemini.GeminiConfig().placement
+    config = gemini.GeminiConfig(device="cpu", placement="auto", device_memory="64MiB")
+    with pytest.raises(TypeError, match="config must be a GeminiConfig or None, got dict"):
+        gemini.plan_placement(model, {"placement": "cpu"})
+    for returned in (1.0, None):
+        with pytest.raises(TypeError, match=f"loss_fn returned {type(returned).__name__}"):
+            gemini.plan_placement(model, config, example_inputs=(x,), loss_fn=lambda out, r=returned: r)
+    with pytest.raises(ValueError, match="loss_fn returned a tensor that needs no gradient"):
+        gemini.plan_placement(model, config, example_inputs=(x,), loss_fn=lambda out: out.detach().sum())
+    with pytest.raises(ValueError, match="loss_fn is given but example_inputs is not"):
+        gemini.plan_placement(model, config, loss_fn=lambda out: out.sum())
+    target = torch.zeros(8, dtype=torch.long)  # on the CPU, not meta
+    with pytest.raises(ValueError, match=r"if it failed in loss_fn, make what loss_fn uses .* a meta tensor") as e:
+        gemini.plan_placement(model, config, example_inputs=(x,), loss_fn=lambda out: F.cross_entropy(out, target))
+    assert "or pass loss_fn" not in str(e.value)

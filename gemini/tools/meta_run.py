@@ -152,10 +152,15 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
             # reads the module's parameters then.
             forward_peak, backward_peak = functional_call(iteration, {f"model.{k}": v for k, v in state.items()}, args)
             replay.finish()
+    except _LossTypeError as e:
+        raise TypeError(str(e)) from None
     except (RuntimeError, NotImplementedError, TypeError) as e:
+        # A loss_fn given may be where it failed (a target on a real device, say).
+        advice = ("; if it failed in loss_fn, make what loss_fn uses besides the output a meta tensor too "
+                  "(y.to('meta'))" if loss_fn is not None else ", or pass loss_fn")
         raise ValueError(
             f"example_inputs: the model could not run on the meta device to measure its activations ({type(e).__name__}: "
-            f"{e}); plan without example_inputs (activations are then not counted), or pass loss_fn") from e
+            f"{e}); plan without example_inputs (activations are then not counted){advice}") from e
     finally:
         for h in handles:
             h.remove()
@@ -222,6 +227,22 @@ def _hook_modules(model: nn.Module, group_of: Mapping[str, int], replay: WarmupR
     return handles, groups_of
 
 
+class _LossTypeError(TypeError):
+    """loss_fn returned no tensor: said as is, not as a model that cannot run on meta."""
+
+
+def _check_loss(loss: Any, source: str) -> None:
+    """The loss a trainable model's backward starts from: a tensor with a graph. ``source``
+    says where it came from ("loss_fn returned")."""
+    if not isinstance(loss, torch.Tensor):
+        raise _LossTypeError(f"{source} {type(loss).__name__} {loss!r}: loss_fn must return the scalar tensor to "
+                             f"differentiate, computed from the model's output")
+    if not loss.requires_grad:
+        raise ValueError(f"{source} a tensor that needs no gradient (detached from the model's output?): training "
+                         f"would backward nothing, and the plan would count a forward only; loss_fn must return the "
+                         f"loss computed from the output")
+
+
 class _Iteration(nn.Module):
     """``body(model, *args)`` as a module, so that ``functional_call`` keeps the stand-ins in
     ``model`` through forward and backward."""
@@ -256,7 +277,8 @@ def _forward_backward(model: nn.Module, *args: Any, loss_fn: Callable[[Any], tor
         torch.autograd.graph.register_multi_grad_hook(outputs, output_grad, mode="any")
     loss = loss_fn(output) if loss_fn is not None else _first_output(output).float().sum()
     del output, outputs
-    if train and loss.requires_grad:
+    if train:
+        _check_loss(loss, "loss_fn returned" if loss_fn is not None else "the model's first output is")
         loss.backward()
     del loss
     if split[0] is None:  # no backward reached the model

@@ -131,7 +131,7 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
-def plan_placement(model: nn.Module, config: GeminiConfig, *,
+def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
                    param_groups: list[dict[str, Any]] | None = None,
                    example_inputs: Sequence[Any] | None = None,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> PlacementPlan:
@@ -148,6 +148,12 @@ def plan_placement(model: nn.Module, config: GeminiConfig, *,
     ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
     output). Without them the verdict says that activations were not counted.
     """
+    config = GeminiConfig() if config is None else config  # as initialize takes it
+    if not isinstance(config, GeminiConfig):
+        raise TypeError(f"config must be a GeminiConfig or None, got {type(config).__name__}")
+    if loss_fn is not None and example_inputs is None:
+        raise ValueError("loss_fn is given but example_inputs is not: the loss runs on the model's output for "
+                         "example_inputs; pass both (or neither: activations are then not counted)")
     check_supported(config)  # what initialize refuses, the plan does not call fitting
     _, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
