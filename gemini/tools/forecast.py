@@ -112,6 +112,21 @@ class PlacementForecast:
         steady = self._kept_peak_bytes(plan)
         return steady - plan.model_bytes_by_tier["device"][ChunkKind.GRAD.value], steady
 
+    def step_peak_bytes(self, plan: PlacementPlan) -> tuple[int, int]:
+        """The optimizer step's device peak (the first step's, every later one's): the chunks on
+        the device and, under bf16/fp16, the fp32 scratch the device's Adam holds for one
+        gradient per param group (``AdamBatch.scratch`` in gemini/optim/adam_batches.py), a
+        whole chunk's at most. With few activations (auto's first step brings the margin's
+        groups, models settled on the device) the step is the peak."""
+        largest: dict[int, int] = {}
+        if self.config.param_dtype != torch.float32:
+            for i in self.choice.whole:
+                _, pg, capacity = self.layout[i]
+                if pg >= 0:
+                    largest[pg] = max(largest.get(pg, 0), capacity)
+        step = plan.tier_bytes("device") + plan.buffer_bytes + 4 * sum(largest.values())
+        return step, step
+
     def _kept_peak_bytes(self, plan: PlacementPlan) -> int:
         """The peak of a step once every chunk kept on the device exists."""
         return plan.tier_bytes("device") + plan.buffer_bytes + plan.non_model_peak_bytes
@@ -224,8 +239,7 @@ class AutoForecast(CpuForecast):
     def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
         first, _ = super().predict_peaks(plan)
         # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam
-        # updates them there once the activations are gone.
-        first = max(first, plan.tier_bytes("device") + plan.buffer_bytes)
+        # updates them there once the activations are gone (the planner adds the step's peak).
         later = self.later_peaks or self.peaks
         cached = self._cached_bytes() + plan.buffer_bytes + later.resident_peak_bytes
         if plan.device_budget_bytes is not None:
@@ -247,6 +261,12 @@ class AutoForecast(CpuForecast):
         keep_from, _, _ = kept_on_device(sizes, room, prefetch=self.config.resolved_device().type == "cuda"
                                          and len(sizes) > 1)
         return keep_from if keep_from < len(sizes) else None
+
+    def step_peak_bytes(self, plan: PlacementPlan) -> tuple[int, int]:
+        first, later = super().step_peak_bytes(plan)
+        # The warm-up's step has cached no parameters yet (``settle``): only the margin's groups.
+        cached = sum(cap for i, (_, _, cap) in enumerate(self.layout) if i in self.choice.params)
+        return first - cached * self.config.param_dtype.itemsize, later
 
     def settle(self) -> None:
         # Under bf16/fp16 the step casts the masters into the parameter chunks where they lie,

@@ -248,7 +248,9 @@ def _check_device(plan: PlacementPlan, forecast: PlacementForecast) -> None:
 def _check_predicted_peak(plan: PlacementPlan, forecast: PlacementForecast) -> None:
     """With example inputs: each step's predicted peak, and the budget's verdict on it."""
     budget, reserve = forecast.config.device_memory, forecast.reserve_bytes
-    plan.first_step_peak_bytes, plan.device_peak_bytes = forecast.predict_peaks(plan)
+    first, later = forecast.predict_peaks(plan)
+    first_step, later_step = forecast.step_peak_bytes(plan)  # every step ends with the optimizer's
+    plan.first_step_peak_bytes, plan.device_peak_bytes = max(first, first_step), max(later, later_step)
     peak = max(plan.first_step_peak_bytes, plan.device_peak_bytes)
     plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
                       f"{format_size(plan.first_step_peak_bytes)}): {forecast.holds}, buffers, and activations and "
