@@ -72,14 +72,16 @@ def _mlp_inputs():
     return torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
 
 
+@pytest.mark.parametrize("loss_fn", [_squared_error, F.mse_loss])
 @pytest.mark.parametrize("placement", ["cpu", "auto"])
 @pytest.mark.parametrize("budget", [3_300_000, 1 << 30])
-def test_a_group_of_one_parameter_holds_its_gradient_chunk_beside_the_gradient(placement, budget):
+def test_a_group_of_one_parameter_holds_its_gradient_chunk_beside_the_gradient(placement, budget, loss_fn):
     """Each weight is a chunk group of its own: its only gradient is copied into the gradient
     chunk while the gradient itself is alive, next to the parameters. The plan once missed the
-    chunk (31% under: it said fits for 3.3 MB, where the first step needs 3.6 MB)."""
+    chunk (31% under: it said fits for 3.3 MB, where the first step needs 3.6 MB). The CPU's
+    ``F.mse_loss`` returns a view of its elementwise losses, alive with the loss (1.8% more)."""
     config = gemini.GeminiConfig(device="cpu", placement=placement, device_memory=budget)
-    assert_plan_matches_run(_two_linears, config, _mlp_inputs(), _squared_error)
+    assert_plan_matches_run(_two_linears, config, _mlp_inputs(), loss_fn, rel=0.005)
 
 
 def _mlp():
