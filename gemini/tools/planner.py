@@ -151,6 +151,7 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
     config = GeminiConfig() if config is None else config  # as initialize takes it
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"config must be a GeminiConfig or None, got {type(config).__name__}")
+    config = config.checked()  # as initialize checks it: fields set after construction too
     if loss_fn is not None and example_inputs is None:
         raise ValueError("loss_fn is given but example_inputs is not: the loss runs on the model's output for "
                          "example_inputs; pass both (or neither: activations are then not counted)")
