@@ -2,8 +2,8 @@
 storage, and the period boundaries the warm-up traces and the auto policy counts.
 
 Only real PyTorch hooks are used: forward pre/post hooks on every module that owns
-parameters, a multi-grad hook on each module's outputs as its pre-backward hook, a
-post-accumulate-grad hook on every trainable parameter, an autograd-engine callback at the
+parameters, a pre-hook on the autograd nodes of each call's outputs as its pre-backward hook
+(``hook_first_grad_of``), a post-accumulate-grad hook on every trainable parameter, an autograd-engine callback at the
 end of each backward pass, and, while boundaries are wanted, :class:`tracer.PeriodHooks` on
 every module, feeding the warm-up's tracer and then the policy through one callback.
 """
@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from chunks import ChunkGroup, ChunkManager
-from gemini.engine.backward_uses import BackwardUse, hook_all_grads_of, hook_nodes_of, needing_grad
+from gemini.engine.backward_uses import BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of
 from gemini.engine.memory import DeviceBudgetError
 from gemini.engine.residency import Residency
 from offload.profiling import trace_range
@@ -223,7 +223,7 @@ class ModuleHooks:
             # gradient into: such calls are held until their gradients are in.
             if use is not None and not use.via_inputs and self.residency.gatherer is None:
                 hook_nodes_of(output, functools.partial(self._backward_use_done, use))
-            self._hook_grads_of(output, functools.partial(self._pre_backward, groups, use))
+            hook_first_grad_of(output, functools.partial(self._pre_backward, groups, use))
         return None
 
     @torch._disable_dynamo
@@ -233,17 +233,7 @@ class ModuleHooks:
         # The root's outputs get their gradients before any parameter of the model does (a
         # parameter's gradient flows through them), so the backward pass begins here: the
         # gradient views are withdrawn before autograd could accumulate into one.
-        self._hook_grads_of(output, lambda grad: self._begin_backward_pass())
-
-    @staticmethod
-    def _hook_grads_of(tree, hook) -> bool:
-        """``hook(grad)`` once, when the first gradient of the tensors in ``tree`` that need one
-        arrives (``register_multi_grad_hook``'s mode "any"); False if none needs one."""
-        tensors = needing_grad(tree)
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
-            return True
-        return False
+        hook_first_grad_of(output, self._begin_backward_pass)
 
     # -------------------------------------------------------------------------- backward
     # [Note: a graph task that accumulates no parameter gradient]
@@ -310,7 +300,7 @@ class ModuleHooks:
             self._end_of_backward()
             self.residency.release_held()
 
-    def _pre_backward(self, groups: list[ChunkGroup], use: BackwardUse | None, grad) -> None:
+    def _pre_backward(self, groups: list[ChunkGroup], use: BackwardUse | None) -> None:
         with self._phase("gemini::pre_backward"):
             self._begin_backward_pass()
             if use is not None:
