@@ -9,6 +9,7 @@ gradients match one process on the global batch to rounding.
 from __future__ import annotations
 
 import torch
+import torch.nn.utils.prune
 import torch.nn.functional as F
 from torch import nn
 
@@ -239,4 +240,75 @@ def run_param_writes(rank: int, world: int, out_dir: str, steps: int) -> None:
                 edit_between_steps(net, step)
             states.append(model.state_dict())
         torch.save(states, f"{out_dir}/writes_zero{3 if shard else 2}_rank{rank}.pt")
+
+
+# Models whose parameters are read where no call of their own module fetched them: in a forward
+# pre-hook the model had before initialize (see [Note: the engine's hooks around the user's] in
+# gemini/engine/hooks.py), or by an ancestor's call (see [Note: parameters of a descendant read
+# by its ancestor] in gemini/engine/descendant_reads.py). Each maps (B, 16) to (B, 4).
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _weight_norm() -> nn.Module:
+    m = _mlp()
+    torch.nn.utils.weight_norm(m[0])
+    return m
+
+
+def _spectral_norm() -> nn.Module:
+    m = _mlp()
+    torch.nn.utils.spectral_norm(m[0])
+    return m
+
+
+def _pruned() -> nn.Module:
+    m = _mlp()
+    torch.nn.utils.prune.l1_unstructured(m[0], "weight", amount=0.5)
+    return m
+
+
+class _Tokens(nn.Module):
+    """(B, 16) as 4 tokens of 8 features through ``block``, then a head."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.cat([x, x.flip(-1)], -1).view(-1, 4, 8)
+        if isinstance(self.block, nn.MultiheadAttention):
+            out = self.block(t, t, t, need_weights=False)[0]
+        else:
+            out = self.block(t)
+        return self.head(out.mean(1))
+
+
+ZOO = {
+    "weight_norm": _weight_norm,
+    "spectral_norm": _spectral_norm,
+    "prune": _pruned,
+    "multihead_attention": lambda: _Tokens(nn.MultiheadAttention(8, 2, batch_first=True)),
+    "encoder_layer": lambda: _Tokens(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                                                batch_first=True)),
+}
+
+
+def make_zoo(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return ZOO[name]()
+
+
+def run_zoo(rank: int, world: int, names: list[str], steps: int, out_dir: str) -> None:
+    """ZeRO-3 training of each zoo model, then an evaluation forward without grad (the
+    encoder layer's fused fast path); save the states per step and that output."""
+    for name in names:
+        model, opt = gemini.initialize(make_zoo(name), gemini.GeminiConfig(
+            device="cpu", placement="cpu", chunk_size=200, shard_params=True), lr=1e-2, weight_decay=0.01)
+        states, _ = train_gemini(model, opt, make_data(steps), rank, world, steps)
+        model.eval()
+        with torch.no_grad():
+            evaluation = model(make_data(1, seed=5)[0][0])
+        torch.save({"states": states, "eval": evaluation}, f"{out_dir}/{name}_rank{rank}.pt")
         opt.close()

@@ -78,8 +78,8 @@ class ModuleHooks:
         self._task_seen: int | None = None  # the graph task whose hooks ran last
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
-        # Registered first, so the root's pre-hook runs before (and its post-hook before)
-        # the root's own chunk hooks.
+        # The root's pre-hook runs first of all, its post-hook before the root's own chunk
+        # hooks (see [Note: the engine's hooks around the user's]).
         # Forward hooks are never traced by torch.compile: see [Note: hooks under torch.compile].
         # Boundaries while follow_periods(True): the root's is announced by root_pre, after
         # on_root_forward may have begun the trace (see [Note: the root's boundary] in
@@ -91,8 +91,6 @@ class ModuleHooks:
             on_root_forward(args, kwargs)
             self._periods.root_forward()
 
-        root_pre = torch._disable_dynamo(root_pre)
-        self._handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True))
         # always_call: the post-hooks run even when the forward raises, so every module entered
         # is left again. Non-reentrant activation checkpointing stops its recompute with an
         # exception (_StopRecomputationError) inside the last module it needs; without this,
@@ -115,6 +113,8 @@ class ModuleHooks:
         if residency.follows_modules and self._owners and self._owners[0][0] is module:
             self._install(*self._owners.pop(0), into=self._handles)
         self.follow_modules(residency.follows_modules)
+        root_pre = torch._disable_dynamo(root_pre)
+        self._handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True, prepend=True))
         # A parameter's hooks live in its C++ tensor, where the garbage collector cannot follow
         # them: one holding these hooks strongly kept the whole engine (every chunk) alive for
         # good, even with the model and the optimizer dropped. So it holds them weakly; the
@@ -141,10 +141,18 @@ class ModuleHooks:
         if follow and not self._module_handles:
             for sub, groups in self._owners:
                 self._install(sub, groups, into=self._module_handles)
+            self._periods_first()
         elif not follow:
             for h in self._module_handles:
                 h.remove()
             self._module_handles.clear()
+
+    def _periods_first(self) -> None:
+        """Boundaries before fetches: the period hooks go in again after module hooks were
+        prepended (see [Note: the engine's hooks around the user's])."""
+        if self._periods.installed:
+            self._periods.remove()
+            self._periods.install()
 
     @property
     def follows_periods(self) -> bool:
@@ -158,8 +166,20 @@ class ModuleHooks:
         elif not follow and self._periods.installed:
             self._periods.remove()
 
+    # [Note: the engine's hooks around the user's]
+    # Forward pre-hooks the model had before initialize read the parameters: the old
+    # ``torch.nn.utils.weight_norm`` and ``spectral_norm`` and ``torch.nn.utils.prune`` compute
+    # ``weight`` from them in one. Run before the engine's, they read chunks not fetched yet: the
+    # host copy (a CPU tensor for a CUDA op), or under ZeRO-3 an empty shard (a crash, SIGFPE in
+    # weight_norm). So the engine's pre-hooks are prepended: a module's chunks are on the device
+    # before any pre-hook of it runs (the root's own pre-hook, which begins the iteration, before
+    # even those; the period hooks of tracer/hooks.py, prepended too, are installed after these,
+    # so a boundary is announced before its module's fetch). Its post-hooks are appended: hooks the model
+    # had run before the release. Hooks added after initialize with ``prepend=True`` (pre) or
+    # without it (post) run outside the fetched window, as do full backward pre-hooks, which
+    # torch runs before the node that announces the call's backward.
     def _install(self, sub: nn.Module, groups: list[ChunkGroup], *, into: list) -> None:
-        into.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups)))
+        into.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups), prepend=True))
         into.append(sub.register_forward_hook(functools.partial(self._post_forward, groups), always_call=True))
 
     def remove(self) -> None:

@@ -1,0 +1,127 @@
+"""Parameters read where no call of their own module fetches them: in a forward pre-hook the
+model had before initialize (old-API weight_norm, spectral_norm, prune: [Note: the engine's
+hooks around the user's] in gemini/engine/hooks.py), or by an ancestor that never calls the
+module owning them (nn.MultiheadAttention's out_proj, nn.TransformerEncoderLayer's fused
+evaluation path: [Note: parameters of a descendant read by its ancestor] in
+gemini/engine/descendant_reads.py).
+
+On the CPU stand-in a read of a chunk's host copy computes the right values (host memory is
+CPU memory too), while on CUDA it feeds a CPU tensor to a CUDA op: so besides comparing with
+plain AdamW, every op of forward and backward is checked to read no parameter chunk that has no
+device copy. Under ZeRO-3 the unfetched parameter is an empty shard: the ranks crashed.
+"""
+
+from __future__ import annotations
+
+
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import gemini
+import zero_workers as zw
+from chunks import Tier
+from helpers import assert_params_close
+from multiprocess import run_ranks
+
+pytestmark = pytest.mark.standin  # the host tier and the device tier are both CPU memory here
+STEPS = 3
+CHUNK = 200  # several chunk groups: a module's parameters apart from its descendants'
+PLACEMENTS = {
+    "cpu": dict(placement="cpu"),
+    "static": dict(placement="static", static_param_device_fraction=0.0),
+    "auto": dict(placement="auto"),  # device_memory: see _budget
+}
+_MOVES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every op (not a copy between tiers, not a view) that reads a parameter chunk's
+    host copy while that chunk has no device copy: a CPU tensor in a CUDA op on a real GPU."""
+
+    def __init__(self, manager) -> None:
+        super().__init__()
+        self.manager = manager
+        self.hits: list[tuple[str, list[str]]] = []
+        self.active = False  # in forward and backward (entered around the whole loop: the
+        # stand-in's own monitor is a dispatch mode opened at a forward and closed at a step)
+
+    def _host_only(self) -> dict[int, list[str]]:
+        return {g.param.payload(Tier.HOST).untyped_storage().data_ptr(): [s.name for s in g.param.slots]
+                for g in self.manager.groups if g.param.is_on(Tier.HOST) and not g.param.is_on(Tier.DEVICE)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.active and func not in _MOVES and not func.is_view:
+            host = self._host_only()
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in host:
+                    self.hits.append((str(func), host[t.untyped_storage().data_ptr()]))
+        return func(*args, **kwargs)
+
+
+def _budget(name: str) -> int:
+    """A device budget just above what auto's warm-up needs: chunks are evicted."""
+    model, opt = gemini.initialize(zw.make_zoo(name), gemini.GeminiConfig(
+        device="cpu", placement="auto", chunk_size=CHUNK), lr=1e-2, weight_decay=0.01)
+    x, y = zw.make_data(1)[0]
+    opt.backward(zw.loss_fn(model(x), y))
+    opt.step()
+    plan = opt._rt.plan
+    opt.close()
+    return plan.planned_peak_bytes + plan.reserve_bytes + 2 * CHUNK * 4
+
+
+def _train_checked(name: str, placement: str):
+    extra = dict(device_memory=_budget(name)) if placement == "auto" else {}
+    model, opt = gemini.initialize(zw.make_zoo(name), gemini.GeminiConfig(
+        device="cpu", chunk_size=CHUNK, **PLACEMENTS[placement], **extra), lr=1e-2, weight_decay=0.01)
+    reads = _HostReads(opt._rt.manager)
+    states = []
+    with reads:
+        for x, y in zw.make_data(STEPS):
+            reads.active = True
+            opt.backward(zw.loss_fn(model(x), y))
+            reads.active = False
+            opt.step()
+            opt.zero_grad()
+            states.append(model.state_dict())
+    return model, opt, reads, states
+
+
+def _reference(name: str):
+    states, model, _ = zw.train_reference(STEPS, model=zw.make_zoo(name))
+    return states, model
+
+
+def _assert_trains_like_torch(name: str, placement: str):
+    model, opt, reads, states = _train_checked(name, placement)
+    want, ref = _reference(name)
+    assert reads.hits == [], f"ops read parameter chunks with no device copy: {reads.hits[:4]}"
+    for step, (g, w) in enumerate(zip(states, want)):
+        assert_params_close(g, w, step=step)
+    return model, opt, ref
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("name", ["weight_norm", "spectral_norm", "prune"])
+def test_pre_hooks_the_model_had_read_fetched_parameters(name, placement):
+    """The old APIs compute ``weight`` in a forward pre-hook registered before initialize, which
+    ran before the engine's fetch: it read the host copy (ZeRO-3: an empty shard, SIGFPE)."""
+    _, opt, _ = _assert_trains_like_torch(name, placement)
+    opt.close()
+
+
+def test_pre_hooks_zero3_train_like_torch(tmp_path):
+    names = ["weight_norm", "spectral_norm", "prune"]
+    run_ranks(zw.run_zoo, names, STEPS, str(tmp_path), timeout_seconds=240)
+    for name in names:
+        want, _ = _reference(name)
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{name}_rank{rank}.pt", weights_only=True)["states"]
+            for step, (g, w) in enumerate(zip(got, want)):
+                assert_params_close(g, w, step=step)
+
+
