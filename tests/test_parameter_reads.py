@@ -1,8 +1,8 @@
 """Parameters read where no call of their own module fetches them: in a forward pre-hook the
 model had before initialize (old-API weight_norm, spectral_norm, prune: [Note: the engine's
 hooks around the user's] in gemini/engine/hooks.py), or by an ancestor that never calls the
-module owning them (nn.MultiheadAttention's out_proj, nn.TransformerEncoderLayer's fused
-evaluation path: [Note: parameters of a descendant read by its ancestor] in
+module owning them (nn.MultiheadAttention's out_proj, in training and in its fused evaluation
+path: [Note: parameters of a descendant read by its ancestor] in
 gemini/engine/descendant_reads.py).
 
 On the CPU stand-in a read of a chunk's host copy computes the right values (host memory is
@@ -28,7 +28,9 @@ from multiprocess import run_ranks
 
 pytestmark = pytest.mark.standin  # the host tier and the device tier are both CPU memory here
 STEPS = 3
-CHUNK = 200  # several chunk groups: a module's parameters apart from its descendants'
+# Elements per chunk, per model: a module's parameters in chunk groups apart from its
+# descendants' (MultiheadAttention's out_proj.weight in one of its own).
+CHUNK = {"weight_norm": 200, "spectral_norm": 200, "prune": 200, "multihead_attention": 64, "encoder_layer": 64}
 PLACEMENTS = {
     "cpu": dict(placement="cpu"),
     "static": dict(placement="static", static_param_device_fraction=0.0),
@@ -65,19 +67,19 @@ class _HostReads(TorchDispatchMode):
 def _budget(name: str) -> int:
     """A device budget just above what auto's warm-up needs: chunks are evicted."""
     model, opt = gemini.initialize(zw.make_zoo(name), gemini.GeminiConfig(
-        device="cpu", placement="auto", chunk_size=CHUNK), lr=1e-2, weight_decay=0.01)
+        device="cpu", placement="auto", chunk_size=CHUNK[name]), lr=1e-2, weight_decay=0.01)
     x, y = zw.make_data(1)[0]
     opt.backward(zw.loss_fn(model(x), y))
     opt.step()
     plan = opt._rt.plan
     opt.close()
-    return plan.planned_peak_bytes + plan.reserve_bytes + 2 * CHUNK * 4
+    return plan.planned_peak_bytes + plan.reserve_bytes + 2 * CHUNK[name] * 4
 
 
 def _train_checked(name: str, placement: str):
     extra = dict(device_memory=_budget(name)) if placement == "auto" else {}
     model, opt = gemini.initialize(zw.make_zoo(name), gemini.GeminiConfig(
-        device="cpu", chunk_size=CHUNK, **PLACEMENTS[placement], **extra), lr=1e-2, weight_decay=0.01)
+        device="cpu", chunk_size=CHUNK[name], **PLACEMENTS[placement], **extra), lr=1e-2, weight_decay=0.01)
     reads = _HostReads(opt._rt.manager)
     states = []
     with reads:
@@ -116,7 +118,7 @@ def test_pre_hooks_the_model_had_read_fetched_parameters(name, placement):
 
 def test_pre_hooks_zero3_train_like_torch(tmp_path):
     names = ["weight_norm", "spectral_norm", "prune"]
-    run_ranks(zw.run_zoo, names, STEPS, str(tmp_path), timeout_seconds=240)
+    run_ranks(zw.run_zoo, names, STEPS, CHUNK[names[0]], str(tmp_path), timeout_seconds=240)
     for name in names:
         want, _ = _reference(name)
         for rank in range(2):
@@ -125,3 +127,69 @@ def test_pre_hooks_zero3_train_like_torch(tmp_path):
                 assert_params_close(g, w, step=step)
 
 
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("name", ["multihead_attention", "encoder_layer"])
+def test_descendants_read_by_an_ancestor_are_fetched_by_it(name, placement):
+    """nn.MultiheadAttention reads out_proj's weight and bias without calling out_proj: its
+    chunk was never fetched (a host read; ZeRO-3: "mat2 must be a matrix"); in an encoder layer
+    too. Then evaluation forwards without grad (MultiheadAttention's fused path)."""
+    model, opt, ref = _assert_trains_like_torch(name, placement)
+    x = zw.make_data(1, seed=5)[0][0]
+    model.eval()
+    ref.eval()
+    reads = _HostReads(opt._rt.manager)
+    with reads, torch.no_grad():
+        reads.active = True
+        for _ in range(2):  # the first evaluation forward finds the reads, the second has them fetched
+            torch.testing.assert_close(model(x), ref(x), rtol=1e-6, atol=1e-7)
+        reads.active = False
+    assert reads.hits == [], f"ops read parameter chunks with no device copy: {reads.hits[:4]}"
+    opt.close()
+
+
+def _without_key_bias(state: dict) -> dict:
+    """The key part of attention's input bias cut out: its exact gradient is zero (it adds the
+    same score to every key), so Adam makes full steps out of rounding noise there, which two
+    ranks' summation order changes (see tests/zero_workers.py)."""
+    state = dict(state)
+    for k, v in state.items():
+        if k.endswith("in_proj_bias"):
+            third = v.shape[0] // 3
+            state[k] = torch.cat([v[:third], v[2 * third:]])
+    return state
+
+
+def test_descendants_read_by_an_ancestor_zero3_train_like_torch(tmp_path):
+    names = ["multihead_attention", "encoder_layer"]
+    run_ranks(zw.run_zoo, names, STEPS, CHUNK[names[0]], str(tmp_path), timeout_seconds=240)
+    for name in names:
+        want, ref = _reference(name)
+        ref.eval()
+        with torch.no_grad():
+            evaluation = ref(zw.make_data(1, seed=5)[0][0])
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{name}_rank{rank}.pt", weights_only=True)
+            for step, (g, w) in enumerate(zip(got["states"], want)):
+                assert_params_close(_without_key_bias(g), _without_key_bias(w), step=step)
+            torch.testing.assert_close(got["eval"], evaluation, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "static"])
+def test_descendants_read_in_an_evaluation_before_any_training_are_fetched(placement):
+    """The first forward is an evaluation without grad (no warm-up to learn from): the fused
+    attention reads out_proj in it, found at the dispatch level."""
+    model, opt = gemini.initialize(zw.make_zoo("multihead_attention"), gemini.GeminiConfig(
+        device="cpu", chunk_size=CHUNK["multihead_attention"], **PLACEMENTS[placement]), lr=1e-2)
+    ref = zw.make_zoo("multihead_attention").eval()
+    model.eval()
+    x = zw.make_data(1, seed=5)[0][0]
+    reads = _HostReads(opt._rt.manager)
+    with reads, torch.no_grad():
+        reads.active = True
+        for _ in range(2):
+            torch.testing.assert_close(model(x), ref(x), rtol=1e-6, atol=1e-7)
+        reads.active = False
+    assert reads.hits == [], f"ops read parameter chunks with no device copy: {reads.hits[:4]}"
+    opt.close()

@@ -300,12 +300,12 @@ def make_zoo(name: str) -> nn.Module:
     return ZOO[name]()
 
 
-def run_zoo(rank: int, world: int, names: list[str], steps: int, out_dir: str) -> None:
+def run_zoo(rank: int, world: int, names: list[str], steps: int, chunk_size: int, out_dir: str) -> None:
     """ZeRO-3 training of each zoo model, then an evaluation forward without grad (the
     encoder layer's fused fast path); save the states per step and that output."""
     for name in names:
         model, opt = gemini.initialize(make_zoo(name), gemini.GeminiConfig(
-            device="cpu", placement="cpu", chunk_size=200, shard_params=True), lr=1e-2, weight_decay=0.01)
+            device="cpu", placement="cpu", chunk_size=chunk_size, shard_params=True), lr=1e-2, weight_decay=0.01)
         states, _ = train_gemini(model, opt, make_data(steps), rank, world, steps)
         model.eval()
         with torch.no_grad():

@@ -22,6 +22,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.backward_uses import BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of
+from gemini.engine.descendant_reads import DescendantReads, DescendantReadHooks
 from gemini.engine.memory import DeviceBudgetError
 from gemini.engine.residency import Residency
 from offload.profiling import trace_range
@@ -44,7 +45,7 @@ def _weak_method(method: Callable) -> Callable:
     return call
 
 
-class ModuleHooks:
+class ModuleHooks(DescendantReadHooks):
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
     def __init__(
@@ -87,9 +88,14 @@ class ModuleHooks:
         self._periods = PeriodHooks(module, functools.partial(self._announce, on_boundary), root_forward_hook=False)
         self._unentered: list[nn.Module] = []  # calls whose boundary raised, innermost last
 
-        def root_pre(m, args, kwargs) -> None:
+        @torch._disable_dynamo
+        def root_pre_eager(m, args, kwargs, compiling: bool) -> None:
             on_root_forward(args, kwargs)
             self._periods.root_forward()
+            self._begin_descendant_reads(m, compiling)
+
+        def root_pre(m, args, kwargs) -> None:  # traced by dynamo in a compiled model: compiling is True
+            root_pre_eager(m, args, kwargs, torch.compiler.is_compiling())
 
         # always_call: the post-hooks run even when the forward raises, so every module entered
         # is left again. Non-reentrant activation checkpointing stops its recompute with an
@@ -108,13 +114,19 @@ class ModuleHooks:
                 residency.count_uses(groups)
                 self._owners.append((sub, groups))
         self._hooked = {sub for sub, _ in self._owners}  # those with _post_forward (see _announce)
+        self._groups_of = dict(self._owners)  # hooked module -> the groups its hooks fetch
+        # See [Note: parameters of a descendant read by its ancestor]: the kinds of forward
+        # (training, grad enabled) searched already, and the search under way (None: none is).
+        self._reads_searched: set[tuple[bool, bool]] = set()
+        self._reads: DescendantReads | None = None
         # The root's own hooks stay for good: the plan that lets the others go is adopted inside
         # the root's pre-hook (gradient accumulation), while torch iterates over the root's hooks.
         if residency.follows_modules and self._owners and self._owners[0][0] is module:
             self._install(*self._owners.pop(0), into=self._handles)
         self.follow_modules(residency.follows_modules)
-        root_pre = torch._disable_dynamo(root_pre)
-        self._handles.append(module.register_forward_pre_hook(root_pre, with_kwargs=True, prepend=True))
+        self._root, self._root_pre = module, root_pre
+        self._root_pre_handle = module.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True)
+        self._handles.append(self._root_pre_handle)
         # A parameter's hooks live in its C++ tensor, where the garbage collector cannot follow
         # them: one holding these hooks strongly kept the whole engine (every chunk) alive for
         # good, even with the model and the optimizer dropped. So it holds them weakly; the
@@ -248,6 +260,8 @@ class ModuleHooks:
 
     @torch._disable_dynamo
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
+        if self._reads is not None:
+            self._end_descendant_reads(output)
         self._on_root_forward_end()
         self.residency.end_forward()
         # The root's outputs get their gradients before any parameter of the model does (a

@@ -194,7 +194,10 @@ class AutoPlacement(PlacementPolicy):
     # later iterations drop them after each use as the warm-up did: what the plan charged, at
     # no more traffic than the warm-up's for them. Where nothing is ever evicted (periods not
     # followed) they stay. On CUDA a host copy read by a device op fails in the warm-up already
-    # (torch's device mismatch): such reads work on the CPU stand-in only.
+    # (torch's device mismatch): such reads work on the CPU stand-in only. Parameters of a module
+    # never called, read by its ancestor's call (nn.MultiheadAttention's out_proj), are fetched by
+    # that ancestor: [Note: parameters of a descendant read by its ancestor] in
+    # gemini/engine/descendant_reads.py.
     def end_forward(self) -> None:
         if self._host_uses is not None:
             before, self._host_uses = self._host_uses, None

@@ -1,0 +1,221 @@
+"""Parameters of a descendant module read by an ancestor's call without a call of their own.
+
+[Note: parameters of a descendant read by its ancestor]
+The module hooks fetch a module's own parameters around its calls (``recurse=False``). Some
+modules read a child's parameters without calling the child: ``nn.MultiheadAttention`` passes
+``out_proj.weight`` to ``F.multi_head_attention_forward`` (in evaluation to the fused
+``torch._native_multi_head_attention``) and never calls ``out_proj``. Such a read saw a chunk nobody fetched: under ZeRO-3 an empty shard ("mat2 must be a
+matrix"), under cpu/static/auto the host copy (on CUDA a CPU tensor fed to a CUDA op). Nothing
+cheap tells these reads apart before they happen, so the first root forward of each kind
+(training or not, with grad or not: a fused path is an evaluation's) runs under a mode that
+sees every torch call's arguments: a parameter whose owners were not
+called yet in this forward, read inside a call of one of their ancestors, is fetched there and
+then (for that call and its backward), and that ancestor's hooks fetch its chunk group from
+then on, with their own. A forward with grad is watched at the torch function level, where a
+parameter is fetched before autograd records it (under ZeRO-3 a node recording the empty shard's
+shape would refuse its gradient); one without grad at the dispatch level, since a torch function
+mode turns the fused fast paths off (``has_torch_function``), and with them the reads to find.
+(``nn.TransformerEncoderLayer``'s fused path, which calls none of its children, is off anyway
+while modules in it have hooks, as the engine's.) The ancestor is the innermost running module that contains an owner.
+A parameter whose owner ran already is no descendant's read (a root reusing an embedding's
+weight): [Note: parameters read outside their modules] in gemini/policies/auto.py. Reads of
+sizes and attributes (``p.shape``, ``p.device``, ``p.data = ...`` by the engine itself) fetch
+nothing. The mode runs in that one forward; other forwards pay nothing. Not in a model compiled
+with torch.compile, whole or in parts: dynamo guards on the torch function mode stack, so the
+graphs compiled under the mode were compiled again at the next forward (a second compile of
+every graph); such reads there still see the chunk's unfetched copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from chunks import ChunkGroup, ChunkManager
+from gemini.engine.backward_uses import hook_first_grad_of
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DescendantReadHooks", "DescendantReads"]
+
+# Torch calls on a parameter that read no values: attribute access and sizes.
+_METADATA = frozenset({"__get__", "__set__", "__hash__", "size", "dim", "numel", "nelement", "stride",
+                       "element_size", "is_contiguous", "data_ptr", "untyped_storage", "storage_offset",
+                       "register_hook", "register_post_accumulate_grad_hook", "requires_grad_"})
+
+
+class DescendantReads:
+    """One root forward that finds reads of descendants' parameters (see [Note: parameters of a
+    descendant read by its ancestor]). ``fetch(groups)`` / ``release(groups, output)`` bracket a
+    call's extra groups (compute and backward); ``found`` maps each ancestor to the groups its
+    hooks take on."""
+
+    def __init__(self, root: nn.Module, manager: ChunkManager, *, own_groups: Callable[[nn.Module], list[ChunkGroup]],
+                 fetch: Callable[[list[ChunkGroup]], None],
+                 release: Callable[[list[ChunkGroup], object], None]) -> None:
+        self._root = root
+        self._manager = manager
+        self._own_groups = own_groups
+        self._fetch = fetch
+        self._release = release
+        self._owners: dict[int, list[nn.Module]] = {}  # id(parameter) -> modules owning it
+        self._ancestors: dict[int, set[int]] = {}  # id(module) -> ids of the modules containing it
+        self._stack: list[tuple[nn.Module, list[ChunkGroup]]] = []  # running calls, their extra groups
+        self._called: set[int] = set()  # modules called so far in this forward
+        self._handles: list = []
+        self.found: dict[nn.Module, list[ChunkGroup]] = {}
+
+    def begin(self) -> None:
+        """The root's forward begins (in its pre-hook, after the engine's own)."""
+        self._map_tree()
+        self.found = {}
+        self._called = {id(self._root)}
+        self._stack = [(self._root, [])]
+        for sub in self._root.modules():
+            if sub is not self._root:
+                # First: the module's own pre-hooks (weight_norm's) read its parameters, no descendant's.
+                self._handles.append(sub.register_forward_pre_hook(self._enter, prepend=True))
+                self._handles.append(sub.register_forward_hook(self._leave, always_call=True))
+        self._mode = _FunctionReads(self) if torch.is_grad_enabled() else _DispatchReads(self)
+        self._mode.__enter__()
+
+    def end(self, output) -> dict[nn.Module, list[ChunkGroup]]:
+        """The root's forward is over: what was found (``found``)."""
+        self._mode.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        _, extra = self._stack.pop()
+        self._release(extra, output)
+        self._stack.clear()
+        return self.found
+
+    def _map_tree(self) -> None:
+        if self._owners:
+            return
+        parents: dict[int, set[int]] = {id(self._root): set()}
+        for sub in self._root.modules():
+            for child in sub.children():
+                parents.setdefault(id(child), set()).update(parents[id(sub)] | {id(sub)})
+            for p in sub.parameters(recurse=False):
+                self._owners.setdefault(id(p), []).append(sub)
+        self._ancestors = parents
+
+    def _enter(self, module: nn.Module, args) -> None:
+        self._called.add(id(module))
+        self._stack.append((module, []))
+
+    def _leave(self, module: nn.Module, args, output) -> None:
+        if self._stack and self._stack[-1][0] is module:
+            _, extra = self._stack.pop()
+            self._release(extra, output)
+
+    def read_args(self, args, kwargs) -> None:
+        """A torch call with these arguments runs now: fetch what it reads of descendants."""
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, nn.Parameter) and id(t) in self._owners:
+                    self._read(t)
+
+    def _read(self, param: nn.Parameter) -> None:
+        owners = self._owners[id(param)]
+        if any(id(o) in self._called for o in owners):
+            return  # its module runs (or ran): read outside it, if at all
+        for module, extra in reversed(self._stack):
+            if any(id(module) in self._ancestors.get(id(o), ()) for o in owners):
+                break
+        else:
+            return
+        group, _ = self._manager.locate(param)
+        if any(g.index == group.index for g in self._own_groups(module)):
+            return  # fetched by its own hooks already
+        found = self.found.setdefault(module, [])
+        if all(g.index != group.index for g in found):
+            found.append(group)
+        if all(g.index != group.index for g in extra):
+            extra.append(group)
+            self._fetch([group])
+
+
+class _FunctionReads(TorchFunctionMode):
+    def __init__(self, reads: DescendantReads) -> None:
+        super().__init__()
+        self._reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in _METADATA:
+            self._reads.read_args(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _DispatchReads(TorchDispatchMode):
+    def __init__(self, reads: DescendantReads) -> None:
+        super().__init__()
+        self._reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._reads.read_args(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class DescendantReadHooks:
+    """The part of :class:`gemini.engine.hooks.ModuleHooks` that runs the search (a base class of
+    it, using its hooks, residency and bookkeeping): see [Note: parameters of a descendant read by
+    its ancestor]."""
+
+    def _begin_descendant_reads(self, root: nn.Module, compiling: bool) -> None:
+        """In the root's pre-hook: the first forward of its kind is searched (not under
+        torch.compile, see [Note: parameters of a descendant read by its ancestor])."""
+        kind = (root.training, torch.is_grad_enabled())
+        if (kind in self._reads_searched or not self.residency.follows_modules
+                or torch._C._current_graph_task_id() != -1):
+            return
+        self._reads_searched.add(kind)
+        if compiling or any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None)
+                            for m in root.modules()):
+            return
+        self._reads = DescendantReads(root, self.manager, own_groups=lambda m: self._groups_of.get(m, ()),
+                                      fetch=self._fetch_read, release=self._release_read)
+        self._reads.begin()
+
+    def _fetch_read(self, groups: list[ChunkGroup]) -> None:
+        with self._phase("gemini::pre_forward"):
+            self.residency.before_compute(groups)
+
+    def _release_read(self, groups: list[ChunkGroup], output) -> None:
+        if groups:
+            self.residency.after_compute(groups)
+            hook_first_grad_of(output, functools.partial(self._pre_backward, groups, None))
+
+    def _end_descendant_reads(self, output) -> None:
+        """In the root's post-hook: the ancestors found fetch the groups from the next forward on."""
+        reads, self._reads = self._reads, None
+        for module, groups in reads.end(output).items():
+            own = self._groups_of.get(module)
+            if own is None:
+                own = self._groups_of[module] = []
+                self._hooked.add(module)
+                if module is self._root:  # after the root's pre-hook, which goes first again
+                    self._install(module, own, into=self._handles)
+                    self._root_pre_handle.remove()
+                    self._root_pre_handle = module.register_forward_pre_hook(self._root_pre, with_kwargs=True,
+                                                                             prepend=True)
+                    self._handles.append(self._root_pre_handle)
+                else:
+                    self._owners.append((module, own))
+                    if self._module_handles:
+                        self._install(module, own, into=self._module_handles)
+                        self._periods_first()
+            logger.info("gemini: %s reads parameters of its descendants without calling them: its calls fetch "
+                        "them too", type(module).__name__)
+            own.extend(groups)
+            self.residency.count_uses(groups)
