@@ -1,8 +1,11 @@
-"""The errors gemini raises for a budget it cannot keep (raised by the engine and the policies)."""
+"""The errors gemini raises for a budget it cannot keep (raised by the engine and the policies),
+and for copies of what it manages."""
 
 from __future__ import annotations
 
-__all__ = ["DeviceBudgetError"]
+from typing import Any
+
+__all__ = ["DeviceBudgetError", "NotCopyable"]
 
 
 class DeviceBudgetError(MemoryError):
@@ -15,3 +18,21 @@ class DeviceBudgetError(MemoryError):
     def __init__(self, message: str, *, missing_bytes: int) -> None:
         super().__init__(message)
         self.missing_bytes = missing_bytes
+
+
+class NotCopyable:
+    """Refuses ``copy.deepcopy`` and pickling with what to do instead: the wrapped model, and
+    the engine's hooks (so the module given to initialize, which holds them, is refused too)."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(_not_copyable("copy.deepcopy(model)"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_not_copyable("pickling the model (torch.save(model))"))
+
+
+def _not_copyable(what: str) -> str:
+    return (f"{what} is not supported after gemini.initialize: the parameters live in chunks that the engine and "
+            f"the optimizer share. For a copy (an EMA, a frozen teacher), deep-copy the module before initialize, "
+            f"or build a fresh one and load model.state_dict() into it (full fp32 values, the original keys); "
+            f"to save, use torch.save(model.state_dict()) or gemini.save_checkpoint")

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_map
 
 from chunks import ChunkGroup, ChunkState, TensorSlot
 from gemini.engine.load_transaction import LoadTransaction
+from gemini.errors import NotCopyable
 from gemini.optim.clipping import clip_model_grad_norm_
 from gemini.parallel.zero import gather_state
 
@@ -29,15 +30,7 @@ class _IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-def not_copyable(what: str) -> str:
-    """Why ``what`` (a deep copy or pickle of a module gemini manages) is refused, and what to do."""
-    return (f"{what} is not supported after gemini.initialize: the parameters live in chunks that the engine and "
-            f"the optimizer share. For a copy (an EMA, a frozen teacher), deep-copy the module before initialize, "
-            f"or build a fresh one and load model.state_dict() into it (full fp32 values, the original keys); "
-            f"to save, use torch.save(model.state_dict()) or gemini.save_checkpoint")
-
-
-class GeminiModel(nn.Module):
+class GeminiModel(NotCopyable, nn.Module):
     """Runs the wrapped module; ``state_dict`` speaks the wrapped module's keys.
 
     Floating-point inputs are cast to the compute precision (bf16/fp16) on the way in.
@@ -80,13 +73,6 @@ class GeminiModel(nn.Module):
         backward still reduce-scatters its gradients (a sum of means is the mean of sums, so
         the step is the same; only DDP's saving of communication is not had)."""
         yield
-
-    # ------------------------------------------------------------------ copies
-    def __deepcopy__(self, memo: dict) -> GeminiModel:
-        raise TypeError(not_copyable("copy.deepcopy(model)"))
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(not_copyable("pickling the model (torch.save(model))"))
 
     # -------------------------------------------------------------------- gradients
     def zero_grad(self, set_to_none: bool = True) -> None:

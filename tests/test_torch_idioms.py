@@ -405,7 +405,10 @@ def test_copying_or_pickling_the_model_is_refused_with_what_to_do_instead():
     _, (gmodel, opt) = _pair("cpu")
     with pytest.raises(TypeError, match=r"copy\.deepcopy\(model\) is not supported.*before initialize.*state_dict"):
         copy.deepcopy(gmodel)
-    for dump in (lambda: torch.save(gmodel, io.BytesIO()), lambda: pickle.dumps(gmodel)):
+    with pytest.raises(TypeError, match=r"not supported after gemini\.initialize"):
+        copy.deepcopy(gmodel.module)  # the module given to initialize holds the engine's hooks
+    for dump in (lambda: torch.save(gmodel, io.BytesIO()), lambda: pickle.dumps(gmodel),
+                 lambda: torch.save(gmodel.module, io.BytesIO())):
         with pytest.raises(TypeError, match=r"pickling the model.*torch\.save\(model\.state_dict\(\)\)"):
             dump()
     with pytest.raises(ValueError, match=r"keep_vars=True.*copies"):

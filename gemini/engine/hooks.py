@@ -23,8 +23,8 @@ from torch.autograd.graph import get_gradient_edge
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.backward_uses import BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of
 from gemini.engine.descendant_reads import DescendantReads, DescendantReadHooks
-from gemini.engine.memory import DeviceBudgetError
 from gemini.engine.residency import Residency
+from gemini.errors import DeviceBudgetError, NotCopyable
 from offload.profiling import trace_range
 from tracer import Boundary, PeriodHooks, Phase
 
@@ -45,7 +45,7 @@ def _weak_method(method: Callable) -> Callable:
     return call
 
 
-class ModuleHooks(DescendantReadHooks):
+class ModuleHooks(DescendantReadHooks, NotCopyable):
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
     def __init__(
