@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
@@ -111,6 +114,85 @@ def test_the_budget_decides_how_much_stays_on_the_device():
         kept[name] = reports[-1].activation_kept_bytes
         assert reports[-1].activation_kept_bytes + reports[-1].activation_offload_bytes == offloaded
     assert kept["none"] == 0 < kept["some"] < kept["all"] == offloaded
+
+
+class _SavedTwice(nn.Module):
+    """Saves a tensor for backward, changes it in place, saves it again (both legal in torch)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 10)
+        self.stat = None
+        self.xbuf = torch.empty(0)  # set by the test: a static input buffer, refilled in place
+
+    def forward(self, x):
+        h = self.fc1(x) + 0.0
+        stat = (h * h).mean()  # an activation statistic with grad on: its graph saves h
+        if self.case == "statistic kept":
+            self.stat = stat  # that graph lives on: h is saved at two versions at once
+        else:
+            stat.item()
+        h.mul_(0.5)
+        return self.fc2(torch.tanh(h) * h)
+
+
+def _refill_and_train(model, opt, data, val_x, *, keep_val: bool):
+    """A validation forward with grad on (no torch.no_grad()) on a static input buffer, then
+    the buffer refilled with the training batch; per step the first layer's gradient."""
+    grads, kept = [], []
+    for x, y in data:
+        model.xbuf.copy_(val_x)
+        val = F.cross_entropy(model(model.xbuf), y)
+        if keep_val:
+            kept.append(val)  # logged later: the validation graph (and its saved buffer) lives on
+        else:
+            val.item()
+        model.xbuf.copy_(x)
+        loss = F.cross_entropy(model(model.xbuf), y)
+        opt.backward(loss) if hasattr(opt, "backward") else loss.backward()
+        grads.append(model.fc1.weight.grad.detach().cpu().clone())
+        opt.step()
+        opt.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("case", ["statistic dropped", "statistic kept", "buffer refilled",
+                                  "buffer refilled, validation graph kept"])
+def test_a_tensor_changed_in_place_is_saved_again_with_its_new_values(case):
+    """A saved tensor changed in place and saved again is a new value, not a repeat of the
+    first save ([Note: one host copy per saved value]): gradients and AdamW steps equal plain
+    torch's, whether the first save's graph is gone or still alive."""
+    torch.manual_seed(0)
+    base = _SavedTwice(case)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 64, generator=g).to(DEVICE), torch.randint(0, 10, (16,), generator=g).to(DEVICE))
+            for _ in range(3)]
+    val_x = torch.randn(16, 64, generator=g).to(DEVICE)
+
+    def run(model, opt):
+        model.xbuf = torch.empty(16, 64, device=DEVICE)
+        if case.startswith("buffer"):
+            return _refill_and_train(model, opt, data, val_x, keep_val=case.endswith("kept"))
+        grads = []
+        for x, y in data:
+            loss = F.cross_entropy(model(x), y)
+            opt.backward(loss) if hasattr(opt, "backward") else loss.backward()
+            grads.append(model.fc1.weight.grad.detach().cpu().clone())
+            opt.step()
+            opt.zero_grad()
+        return grads
+
+    ref = copy.deepcopy(base).to(DEVICE)
+    want = run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True))
+    gmodel, opt = gemini.initialize(copy.deepcopy(base), gemini.GeminiConfig(
+        device=DEVICE, placement="cpu", offload_activations=True, activation_offload_min_bytes=1024),
+        lr=1e-2, weight_decay=0.1)
+    got = run(gmodel.module, opt)
+    for step, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}: {m}")
+    assert opt.report.activation_offload_bytes > 0
+    assert_params_close(gmodel.state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()})
 
 
 def test_config_fields_are_validated():

@@ -19,7 +19,8 @@ back when autograd unpacks it; the device copy lives as long as autograd needs i
   is recorded in the traced iteration; later iterations start copying the next tensor back
   while the current one is in use (one ahead), when the budget has room for it.
 - The same tensor saved twice (a LayerNorm's input is also the residual) is offloaded once,
-  and both unpacks get one device copy.
+  and both unpacks get one device copy, as long as it holds the same values ([Note: one host
+  copy per saved value]).
 - The budget decides, not a size heuristic: the warm-up offloads every eligible tensor and
   measures that peak. Under placement "auto", the part of the margin that
   ``gpu_margin_mem_ratio`` leaves to activations keeps the *last* saved tensors on the device
@@ -65,14 +66,34 @@ def kept_on_device(sizes: tuple[int, ...], room_bytes: int, *, prefetch: bool) -
     return keep_from, committed, prefetching
 
 
+# [Note: one host copy per saved value]
+# Autograd saves one tensor several times (a LayerNorm's input is also the residual's; x * x
+# saves x twice), and each save would cost a copy out, a host buffer and a copy back: the
+# repeats share the first save's handle. A repeat must be the same tensor *with the same
+# values*, or backward reads stale ones (silently wrong gradients):
+# - in place between the saves (``h.mul_(0.5)`` after an activation statistic with grad on
+#   saved h; a static input buffer refilled with ``copy_`` between a validation forward with
+#   grad and the training forward): the key holds ``t._version``, which every in-place write
+#   bumps, through any view or ``detach()`` of the tensor (they share its counter);
+# - another tensor on the same memory: the handle remembers its source by weak reference,
+#   and only that very object matches (a freed tensor's memory, or its id, handed to a new
+#   one is another tensor; a view at another offset or shape is another tensor);
+# - memory swapped under the same object (``t.data = other``, which bumps no version): the
+#   key holds the storage's address, offset, shape, strides and dtype.
+# Writes autograd cannot see (through ``t.data``) change no key: as with
+# ``torch.autograd.graph.save_on_cpu``, the copy has the values of the moment it was saved.
+
+
 class _Offloaded:
     """A saved tensor in host memory: its buffer, its shape, and its device copy while one lives."""
 
-    __slots__ = ("index", "host", "shape", "stride", "dtype", "nbytes", "device_copy", "event", "__weakref__")
+    __slots__ = ("index", "host", "shape", "stride", "dtype", "nbytes", "device_copy", "event", "source",
+                 "__weakref__")
 
     def __init__(self, index: int, host: torch.Tensor, shape: torch.Size, stride: tuple[int, ...],
                  dtype: torch.dtype, nbytes: int) -> None:
         self.index = index  # position in its iteration's pack order
+        self.source: weakref.ref | None = None  # the tensor saved (see [Note: one host copy per saved value])
         self.host = host  # the pool's 1-D buffer
         self.shape = shape
         self.stride = stride
@@ -102,7 +123,7 @@ class ActivationOffload:
         self._sizes: list[int] = []
         self._packed: dict[int, weakref.ref] = {}
         self._unpack_order: list[int] = []
-        self._seen: dict[tuple, tuple[weakref.ref, _Offloaded]] = {}
+        self._seen: dict[tuple, _Offloaded] = {}
         # The traced iteration's eligible sizes and unpack order, and the plan made from them.
         self.traced_sizes: tuple[int, ...] | None = None
         self.traced_unpack_order: tuple[int, ...] = ()
@@ -168,10 +189,12 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor):
         if not self._eligible(t):
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        # See [Note: one host copy per saved value].
+        key = (id(t), t._version, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
         seen = self._seen.get(key)
-        if seen is not None and seen[0]() is t:
-            return seen[1]
+        if seen is not None and seen.source() is t:
+            return seen
         nbytes = t.numel() * t.element_size()
         index = len(self._sizes)
         self._sizes.append(nbytes)
@@ -182,8 +205,9 @@ class ActivationOffload:
             return t
         with trace_range("gemini::offload_activation"):
             packed = self._copy_out(index, t, nbytes)
+        packed.source = weakref.ref(t)
         self._packed[index] = weakref.ref(packed)
-        self._seen[key] = (weakref.ref(t), packed)
+        self._seen[key] = packed
         return packed
 
     def _copy_out(self, index: int, t: torch.Tensor, nbytes: int) -> _Offloaded:
