@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -193,6 +194,51 @@ def test_a_tensor_changed_in_place_is_saved_again_with_its_new_values(case):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}: {m}")
     assert opt.report.activation_offload_bytes > 0
     assert_params_close(gmodel.state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()})
+
+
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+def test_a_forward_without_backward_gives_its_host_copies_back(placement):
+    """Forwards with grad on whose output is dropped without a backward (an evaluation loop
+    without torch.no_grad()) give their host buffers back at once, as torch frees their saved
+    tensors ([Note: host copies die with their graph]): nothing held after each, the pool does
+    not grow, the graph itself dies (the device copies the plan keeps with it), the next step's host peak is one iteration's, auto's plan (keep everything, under
+    a roomy budget) still holds for the training iteration after them, and training equals AdamW."""
+    cfg = _cfg(False)
+    data = batches(cfg, 3, batch=4, seq=32)
+    evals = batches(cfg, 4, batch=4, seq=32, seed=7)
+    _, ref = clone_pair(cfg)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    base, _ = clone_pair(cfg)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(
+        device=DEVICE, placement=placement, chunk_size=8192, offload_activations=True,
+        activation_offload_min_bytes=MIN_BYTES, device_memory=2**40), lr=1e-2, weight_decay=0.1)
+    ledger, pool = opt._rt.storage.ledger, opt._rt.storage.pool
+    held, reserved, reports, moved = [], [], [], []
+    for step, (x, y) in enumerate(data):
+        if step == 2:  # after the warm-up (auto) and one planned iteration
+            outputs = []  # a block's output in each: with its graph, it must die as in torch
+            hook = gmodel.module.blocks[1].register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+            for ex, ey in evals:
+                GPT.loss(gmodel(ex), ey).item()
+                gc.collect()
+                held.append(ledger.activations.current_bytes)
+                reserved.append(pool.stats().bytes_reserved)
+            hook.remove()
+            assert [r() for r in outputs] == [None] * len(evals)  # [Note: a saved output held without its graph]
+        counted = (ledger.transfers.activation_kept_bytes, ledger.transfers.activation_d2h_bytes)
+        opt.backward(GPT.loss(gmodel(x), y))
+        moved.append((ledger.transfers.activation_kept_bytes - counted[0],
+                      ledger.transfers.activation_d2h_bytes - counted[1]))  # this iteration's: kept, offloaded
+        opt.step()
+        opt.zero_grad()
+        reports.append(opt.report)
+        assert_params_close(gmodel.state_dict(), want[step], step=step)
+    assert held == [0] * len(evals)
+    assert reserved == [reserved[0]] * len(evals)
+    assert reports[2].activation_host_peak_bytes == reports[1].activation_host_peak_bytes
+    assert moved[2] == moved[1]  # the training iteration after them saves as the one before
+    if placement == "auto":  # the budget holds every saved tensor: the plan keeps them all
+        assert moved[1] == (reports[0].activation_offload_bytes, 0) and moved[1][0] > 0
 
 
 def test_config_fields_are_validated():

@@ -21,6 +21,10 @@ back when autograd unpacks it; the device copy lives as long as autograd needs i
 - The same tensor saved twice (a LayerNorm's input is also the residual) is offloaded once,
   and both unpacks get one device copy, as long as it holds the same values ([Note: one host
   copy per saved value]).
+- A host copy lives exactly as long as the graph that saved it: a forward with grad whose
+  output is dropped without a backward (an evaluation loop without ``torch.no_grad()``)
+  gives its buffers back at once, as plain torch frees its saved tensors ([Note: host copies
+  die with their graph]).
 - The budget decides, not a size heuristic: the warm-up offloads every eligible tensor and
   measures that peak. Under placement "auto", the part of the margin that
   ``gpu_margin_mem_ratio`` leaves to activations keeps the *last* saved tensors on the device
@@ -82,6 +86,45 @@ def kept_on_device(sizes: tuple[int, ...], room_bytes: int, *, prefetch: bool) -
 #   key holds the storage's address, offset, shape, strides and dtype.
 # Writes autograd cannot see (through ``t.data``) change no key: as with
 # ``torch.autograd.graph.save_on_cpu``, the copy has the values of the moment it was saved.
+# The table holds its handles weakly ([Note: host copies die with their graph]).
+#
+# [Note: host copies die with their graph]
+# A handle is held by the graph that saved it, and by nothing of ours but weak references:
+# when the graph goes (backward ran, or its output was dropped without one), the handle goes,
+# its finalizer gives the buffer back to the pool and the ledger counts it out. An iteration
+# (pack order, sizes matched against the traced ones, de-duplication) ends with a backward,
+# or, at the next root forward, once nothing it saved is alive: a forward with grad whose
+# graph was dropped (an evaluation loop without ``torch.no_grad()``) is no part of the next
+# iteration, whose saves then follow the traced order and its plan again. Tensors the plan
+# keeps on the device are saved through a small holder (``_Kept``) so that their graph's life
+# is visible too. Checking costs a pass over the iteration's handles at a root forward not
+# preceded by a backward; a training loop (forward, backward, forward...) never pays it.
+
+
+# [Note: a saved output held without its graph]
+# An operator that saves its own output (tanh, softmax, attention's output and logsumexp) hands
+# the pack hook that very tensor, grad_fn and all: a pack hook that returns it, or an object
+# holding it, closes a cycle through C++ (the output -> its grad_fn -> the saved variable ->
+# the packed object -> the output) that the garbage collector cannot see, so a graph that
+# never runs backward (an evaluation forward with grad on) stayed alive with everything
+# upstream of that node: device memory lost for good, a graph per such forward. Without hooks
+# autograd saves an output without its grad_fn for exactly this reason; so do we: what is held
+# is a detached alias (same memory, same version counter), and unpacking it autograd attaches
+# the grad_fn again. Torch's own ``save_on_cpu`` holds a copy, which has no grad_fn either.
+# Cost: a grad_fn read per saved tensor not offloaded, and a detach for those with one (about
+# a microsecond each, under offload_activations only).
+def _without_graph(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a pack hook may hold it (see [Note: a saved output held without its graph])."""
+    return t if t.grad_fn is None else t.detach()
+
+
+class _Kept:
+    """A saved tensor the plan keeps on the device: held only to see when its graph goes."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class _Offloaded:
@@ -119,11 +162,13 @@ class ActivationOffload:
         self._depth = 0  # root forwards entered and not left
         self._iteration_over = True  # a backward ended since the last forward began
         # This iteration: eligible tensors in pack order (their sizes), offloaded ones by
-        # index, the order backward unpacked them, and de-duplication of repeated saves.
+        # index, kept ones, the order backward unpacked them, and de-duplication of repeated
+        # saves. Handles only by weak reference: see [Note: host copies die with their graph].
         self._sizes: list[int] = []
         self._packed: dict[int, weakref.ref] = {}
+        self._kept: list[weakref.ref] = []
         self._unpack_order: list[int] = []
-        self._seen: dict[tuple, _Offloaded] = {}
+        self._seen: weakref.WeakValueDictionary[tuple, _Offloaded] = weakref.WeakValueDictionary()
         # The traced iteration's eligible sizes and unpack order, and the plan made from them.
         self.traced_sizes: tuple[int, ...] | None = None
         self.traced_unpack_order: tuple[int, ...] = ()
@@ -156,9 +201,10 @@ class ActivationOffload:
     # -------------------------------------------------------------------- forward/backward
     def begin_forward(self) -> None:
         """The root module's forward begins: saved tensors from here on are ours to place."""
-        if self._iteration_over:
+        if self._iteration_over or (self._depth == 0 and not self._saved_alive()):
             self._iteration_over = False
-            self._sizes, self._packed, self._unpack_order, self._seen = [], {}, [], {}
+            self._sizes, self._packed, self._kept, self._unpack_order = [], {}, [], []
+            self._seen = weakref.WeakValueDictionary()
             self._following = self.traced_sizes is not None
         if self._depth == 0 and torch.is_grad_enabled():
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -176,7 +222,13 @@ class ActivationOffload:
     def end_backward(self) -> None:
         self._iteration_over = True
         self._reap()
-        self._seen = {}
+        self._seen = weakref.WeakValueDictionary()
+
+    def _saved_alive(self) -> bool:
+        """Whether a graph still holds something this iteration saved (see [Note: host copies
+        die with their graph])."""
+        return (any(ref() is not None for ref in self._packed.values())
+                or any(ref() is not None for ref in self._kept))
 
     # ------------------------------------------------------------------------- hooks
     def _eligible(self, t: torch.Tensor) -> bool:
@@ -188,7 +240,7 @@ class ActivationOffload:
 
     def _pack(self, t: torch.Tensor):
         if not self._eligible(t):
-            return t
+            return _without_graph(t)
         # See [Note: one host copy per saved value].
         key = (id(t), t._version, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                tuple(t.stride()), t.dtype)
@@ -202,7 +254,9 @@ class ActivationOffload:
             self._following = False  # not the traced iteration: offload everything from here
         if self._following and self.keep_from is not None and index >= self.keep_from:
             self.ledger.transfers.activation_kept_bytes += nbytes
-            return t
+            kept = _Kept(_without_graph(t))
+            self._kept.append(weakref.ref(kept))
+            return kept
         with trace_range("gemini::offload_activation"):
             packed = self._copy_out(index, t, nbytes)
         packed.source = weakref.ref(t)
@@ -263,7 +317,7 @@ class ActivationOffload:
 
     def _unpack(self, packed):
         if not isinstance(packed, _Offloaded):
-            return packed
+            return packed.tensor if isinstance(packed, _Kept) else packed
         with trace_range("gemini::restore_activation"):
             self._unpack_order.append(packed.index)
             out = self._device_copy(packed)
