@@ -99,6 +99,12 @@ class DeviceMemory:
     def measuring(self) -> bool:
         return self.monitor is not None
 
+    @property
+    def counts_tensors(self) -> bool:
+        """Whether the measurement counts tensors it is given (the CPU stand-in's monitor; the
+        CUDA allocator sees every byte by itself)."""
+        return self._accounting is not None
+
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
         """Work on host memory that the CPU stand-in's monitor must not count."""

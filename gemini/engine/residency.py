@@ -94,6 +94,7 @@ class Residency(StepMoves):
                 g.param.fetch(keep_host=True)
             elif drop_unkept and self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
                 self._maybe_drop_params(g)
+        self._grads_on_device_from_now()
 
     def rebalance_nvme(self) -> None:
         """After the device's share of optimizer states changed: let the NVMe tier choose again
@@ -367,6 +368,24 @@ class Residency(StepMoves):
         if g.param.state is ChunkState.HOST_AND_DEVICE and not self.policy.keep_params_on_device(g):
             g.param.drop_device_copy()
 
+    # [Note: what every step keeps is there from the first]
+    # A group whose optimizer states update on the device keeps its gradient chunk there after
+    # the step (zero_grad forgets gradients, not storage), so from the second iteration on it
+    # sits on the device through the forward. Allocated by the first backward only, it was
+    # missing from the first forward, whose peak was then lower than every later one (static:
+    # by the whole gradient chunks; cuda under bf16/fp16 by less): a budget between the two
+    # passed the first step, whose check is the promise, and failed the second. So applying
+    # the policy's choice allocates the gradient chunks it keeps on the device (the step's: the
+    # shard under ZeRO) at once, and a pinned group's Adam step counts move there too: a budget
+    # too small for what every step holds fails at the first step, with that figure.
+    # ``initialize``'s check counts these bytes already (``footprint.chunk_bytes``); no per-step cost.
+    def _grads_on_device_from_now(self) -> None:
+        """The gradient chunks the step leaves on the device are there from now on (see [Note:
+        what every step keeps is there from the first])."""
+        for g in self.manager.trainable_groups:
+            if g.step_grad.state is ChunkState.RELEASED and self.policy.keep_grads_on_device(g):
+                g.step_grad.allocate(Tier.DEVICE)
+
     def _pin_on_device(self, g: ChunkGroup) -> None:
         """Keep every flavour of ``g`` on the device only (its optimizer states update there)."""
         if self.nvme is not None:
@@ -374,3 +393,5 @@ class Residency(StepMoves):
         for chunk in g.chunks:
             if chunk.state is not ChunkState.RELEASED:
                 chunk.move_to(Tier.DEVICE)
+        if g.trainable:  # Adam's step counts go with the states (the step would move them)
+            g.steps = g.steps.to(self.manager.storage.tier_device(Tier.DEVICE))

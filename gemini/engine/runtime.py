@@ -275,16 +275,18 @@ class GeminiRuntime:
         if self.memory.monitor is not None and not self.window_open:
             # Not a closure over the runtime: the memory outlives it in the closer's finalizer.
             model_bytes = functools.partial(_device_model_bytes, self.storage.ledger, self.fixed_bytes)
-            self.memory.start(self.device_tensors(), model_bytes)
+            self.memory.start(self.device_tensors() if self.memory.counts_tensors else [], model_bytes)
 
     def end_window(self) -> None:
         if self.window_open:
             self.memory.monitor.stop()
 
     def device_tensors(self) -> list[torch.Tensor]:
-        """Model data on the device: buffers and chunk payloads (for the accounting monitor)."""
+        """Model data on the device: buffers, chunk payloads and the step counts of states there
+        (for the accounting monitor; [Note: step counts are where the states are])."""
         out = [b for b in self.module.buffers() if b.device.type == self.device.type]
         out += [c.payload(Tier.DEVICE) for c in self.manager.chunks() if c.is_on(Tier.DEVICE)]
+        out += [g.steps for g in self.manager.trainable_groups if g.exp_avg.is_on(Tier.DEVICE)]
         return out
 
     def take_timeline(self) -> WarmupTimeline | None:

@@ -76,7 +76,9 @@ class StepTransaction:
     def save_values(self, group: ChunkGroup, chunk: Chunk, start: int, numel: int) -> None:
         """Before ``group`` is updated: copy its step counts, and elements ``start`` .. ``start +
         numel`` of ``chunk`` (in memory: what the update changes there), aside."""
-        self._steps.append((group, group.steps.clone(), group.steps_uniform))
+        observer = self._storage.observer  # host memory (see [Note: step counts are where the states are])
+        with observer.quiet() if observer is not None else contextlib.nullcontext():
+            self._steps.append((group, group.steps.clone(), group.steps_uniform))
         self._finish_write()  # the previous copy is in its file: its memory goes first
         storage = self._storage
         copy = storage.alloc(Tier.HOST, numel, chunk.dtype, kind=UNDO_KIND)

@@ -61,28 +61,9 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
         hp = param_groups[pg]
         device = rt.storage.tier_device(tier)
         batch = AdamBatch(tier=tier, members=members)
-        for g in members:
-            master = g.master_chunk
-            if g.steps.device != master.payload(tier).device:
-                g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
-            if g.all_grads_ready and g.steps_uniform:
-                batch.whole.append(g)
-                views = g.step_views(tier)
-                first, tail = g.count_views()
-                batch.steps.append(first)
-                if len(g.slots) > 1:
-                    batch.tails.append(tail)
-            else:
-                ready = [s for s in g.os_slots if g.grad_ready[s.index]]
-                views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
-                batch.steps.extend(g.steps[s.index] for s in ready)
-                here = {s.index for s in ready}
-                batch.bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
-            for out, got in zip((batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs), views):
-                if isinstance(got, list):
-                    out.extend(got)
-                else:
-                    out.append(got)
+        with _quiet(rt, tier):  # the host's step counts: see [Note: step counts are where the states are]
+            for g in members:
+                _add_member(batch, g, tier)
         beta1, beta2 = hp["betas"]
         batch.kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
                             decoupled_weight_decay=adamw_mode)
@@ -100,6 +81,41 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
                 batch.scratch = torch.empty(max(low), dtype=torch.float32, device=device)
         batches.append(batch)
     return batches
+
+
+# [Note: step counts are where the states are]
+# Adam's step counts (``ChunkGroup.steps``, a small tensor per group) live with the group's
+# optimizer states. On the CPU stand-in a tensor-accounting monitor counts, for good, every
+# device-type storage an operator touches while it runs; host-tier step counts are CPU tensors
+# too, so every operator on them (indexing, the increment, the uniformity check, the step's
+# copy aside) runs quiet, as host-tier payloads do, and those on the device tier are counted
+# from the first window on (``GeminiRuntime.device_tensors``). Counted only once the first
+# step touched them, they were missing from the first iteration's peak and present in every
+# later one (see [Note: what every step keeps is there from the first] in
+# gemini/engine/residency.py).
+def _add_member(batch: AdamBatch, g: ChunkGroup, tier: Tier) -> None:
+    """``g``'s tensors and step counts into ``batch``, updated on ``tier``."""
+    master = g.master_chunk
+    if g.steps.device != master.payload(tier).device:
+        g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
+    if g.all_grads_ready and g.steps_uniform:
+        batch.whole.append(g)
+        views = g.step_views(tier)
+        first, tail = g.count_views()
+        batch.steps.append(first)
+        if len(g.slots) > 1:
+            batch.tails.append(tail)
+    else:
+        ready = [s for s in g.os_slots if g.grad_ready[s.index]]
+        views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
+        batch.steps.extend(g.steps[s.index] for s in ready)
+        here = {s.index for s in ready}
+        batch.bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
+    for out, got in zip((batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs), views):
+        if isinstance(got, list):
+            out.extend(got)
+        else:
+            out.append(got)
 
 
 class AdamClock:
@@ -163,17 +179,19 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
         clock.add_events(*events)
     else:
         clock.add(tier, time.perf_counter() - start)
-    if batch.tails:
-        # The kernel added 1 to each whole group's first count; the others were equal to it.
-        torch._foreach_add_(batch.tails, 1.0)
-    for g, i in batch.bump:
-        g.steps[i] += 1
+    with _quiet(rt, tier):  # see [Note: step counts are where the states are]
+        if batch.tails:
+            # The kernel added 1 to each whole group's first count; the others were equal to it.
+            torch._foreach_add_(batch.tails, 1.0)
+        for g, i in batch.bump:
+            g.steps[i] += 1
 
 
-def recheck_uniform(batch: AdamBatch) -> None:
+def recheck_uniform(rt: GeminiRuntime, batch: AdamBatch) -> None:
     """A group stepped in parts may have become uniform. Reading that waits for the kernel: on
     CUDA, done once every batch is launched (see [Note: both halves of a hybrid step at once])."""
     whole = set(batch.whole)
-    for g in batch.members:
-        if g not in whole:
-            g.steps_uniform = bool((g.steps == g.steps[0]).all())
+    with _quiet(rt, batch.tier):  # see [Note: step counts are where the states are]
+        for g in batch.members:
+            if g not in whole:
+                g.steps_uniform = bool((g.steps == g.steps[0]).all())

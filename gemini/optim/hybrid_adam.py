@@ -218,7 +218,7 @@ class HybridAdam(torch.optim.Optimizer):
                     tx.save_values(g, *self._changed_in_memory(g))
                     for batch in prepare([g], keep_grads=True):
                         run_batch(rt, batch, clock)
-                        recheck_uniform(batch)
+                        recheck_uniform(rt, batch)
                     rt.residency.after_step(g)
             except BaseException:
                 for g in merged:  # the step is undone, its files with it: merge again at the next
@@ -230,7 +230,7 @@ class HybridAdam(torch.optim.Optimizer):
         for batch in batches:
             run_batch(rt, batch, clock)
         for batch in batches:
-            recheck_uniform(batch)
+            recheck_uniform(rt, batch)
         with trace_range("gemini::params_from_masters"):
             for g in resident:
                 rt.residency.after_step(g)
