@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chunks import ChunkKind
 from gemini.config import GeminiConfig
 from gemini.engine.activations import kept_on_device
 from gemini.engine.memory import planned_reserve_bytes
@@ -97,12 +96,10 @@ class PlacementForecast:
         # [Note: the predicted device peak]
         # The activation peak (the end of forward, the start of backward) meets the model data the
         # placement holds then:
-        # - "cuda": the chunks it keeps. With fp16 the gradient chunks come as the gradients do,
-        #   so the first step's activation peak lacks them; otherwise they are there as its
-        #   backward begins;
-        # - "static": the chunks it keeps, and the other groups visiting as under "cpu", replayed
-        #   on meta with the activations; its kept gradient chunks come, in the first step, as
-        #   their gradients do;
+        # - "cuda": the chunks it keeps, its gradient chunks among them from the first step on
+        #   ([Note: what every step keeps is there from the first] in gemini/engine/residency.py);
+        # - "static": the chunks it keeps (the same), and the other groups visiting as under
+        #   "cpu", replayed on meta with the activations;
         # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
         #   [Note: the warm-up replayed on meta] in gemini/tools/meta_replay.py);
         # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
@@ -110,7 +107,7 @@ class PlacementForecast:
         #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
         #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
         steady = self._kept_peak_bytes(plan)
-        return steady - plan.model_bytes_by_tier["device"][ChunkKind.GRAD.value], steady
+        return steady, steady
 
     def step_peak_bytes(self, plan: PlacementPlan) -> tuple[int, int]:
         """The optimizer step's device peak (the first step's, every later one's): the chunks on
@@ -139,18 +136,6 @@ class CudaForecast(PlacementForecast):
     # cuda rejects cpu_memory and nvme_dir (GeminiConfig): the knob is another placement.
     host_advice = "with placement 'cpu', 'auto' or 'static', cpu_memory and nvme_dir move optimizer states to NVMe"
 
-    def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
-        if self.config.precision == "fp16":
-            return super().predict_peaks(plan)
-        # Autograd accumulates into the gradient chunks, allocated as the first backward
-        # begins (see [Note: autograd accumulates into the chunks] in gemini/engine/grad_views.py):
-        # a peak in the forward or the loss comes before them.
-        steady = self._kept_peak_bytes(plan)
-        grads = plan.model_bytes_by_tier["device"][ChunkKind.GRAD.value]
-        first = (steady - plan.non_model_peak_bytes - grads
-                 + max(self.peaks.forward_non_model_bytes, self.peaks.backward_non_model_bytes + grads))
-        return first, steady
-
 
 class StaticForecast(PlacementForecast):
     """The fractions' groups kept on the device; the others visit it for compute."""
@@ -164,9 +149,8 @@ class StaticForecast(PlacementForecast):
     def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
         # The kept chunks, and the peak of what comes and goes beside them (the visiting groups,
         # the activations), replayed on meta at each operator.
-        kept = plan.tier_bytes("device") + plan.buffer_bytes
-        grads = plan.model_bytes_by_tier["device"][ChunkKind.GRAD.value]
-        return kept - grads + self.peaks.resident_first_peak_bytes, kept + self.peaks.resident_peak_bytes
+        steady = plan.tier_bytes("device") + plan.buffer_bytes + self.peaks.resident_peak_bytes
+        return steady, steady
 
 
 class CpuForecast(PlacementForecast):

@@ -54,8 +54,8 @@ __all__ = ["WarmupReplay"]
 # timeline and gives its peak over the chunks that come and go (``resident_peak``), which the
 # forecast adds to the bytes kept. Adding the largest visiting group and the non-model peak to
 # the kept bytes instead, a sum of peaks that never coincide, said 21% too much under
-# "static". The first step has the kept groups' gradient chunks only from their first
-# gradient on (``resident_first_peak``).
+# "static". Their gradient chunks are there from the first step on (see [Note: what every
+# step keeps is there from the first] in gemini/engine/residency.py).
 
 
 class WarmupReplay(TorchDispatchMode):
@@ -67,10 +67,8 @@ class WarmupReplay(TorchDispatchMode):
         super().__init__()
         # See [Note: what stays on the device, replayed].
         self.residents = residents or DeviceGroups()
-        self.grads_started: set[int] = set()  # groups whose gradients began to arrive
-        self.resident_bytes = (0, 0)  # the chunks that come and go: (later steps, the first step)
+        self.resident_bytes = 0  # the chunks that come and go beside the kept ones
         self.resident_peak = 0
-        self.resident_first_peak = 0
         self.monitor = monitor
         self.group_bytes = group_bytes
         self.uses = uses  # group -> module calls using it in one forward
@@ -90,9 +88,8 @@ class WarmupReplay(TorchDispatchMode):
         held = set(g for g, n in self.refs.items() if n) | set(g for g, n in (self.uses_left or {}).items() if n) \
             | set(g for g, n in self.backward_open.items() if n)
         self.held_bytes = self._bytes(held) + self._bytes(self.grad_chunks)
-        kept, whole = self.residents.params | self.residents.whole, self.residents.whole
-        visiting = self._bytes(held - kept) + self._bytes(self.grad_chunks - whole)
-        self.resident_bytes = (visiting, visiting + self._bytes(self.grads_started & whole))
+        kept = self.residents.params | self.residents.whole
+        self.resident_bytes = self._bytes(held - kept) + self._bytes(self.grad_chunks - self.residents.whole)
         self._measure()
 
     def _bytes(self, groups: set[int]) -> int:
@@ -101,8 +98,7 @@ class WarmupReplay(TorchDispatchMode):
     def _measure(self) -> None:
         now = self.monitor.current_bytes()
         self.warmup_peak = max(self.warmup_peak, now + self.held_bytes)
-        self.resident_peak = max(self.resident_peak, now + self.resident_bytes[0])
-        self.resident_first_peak = max(self.resident_first_peak, now + self.resident_bytes[1])
+        self.resident_peak = max(self.resident_peak, now + self.resident_bytes)
         self.period_non_model = max(self.period_non_model, now)
         self.period_held = max(self.period_held, self.held_bytes)
 
@@ -158,7 +154,6 @@ class WarmupReplay(TorchDispatchMode):
             # The engine marks a decision here (a new segment), then the gradient chunk arrives.
             self.new_period()
         self.grad_chunks.add(group)
-        self.grads_started.add(group)
         self._update()
 
     def grad_taken(self, group: int) -> None:

@@ -92,10 +92,9 @@ class MetaPeaks:
     warmup_peak_bytes: int
     planned_peak_bytes: int
     # With ``residents``: the peak of the non-model bytes and the chunks that come and go while
-    # those groups stay on the device, in later steps and in the first (see [Note: what stays on
-    # the device, replayed] in gemini/tools/meta_replay.py). 0 without.
+    # those groups stay on the device (see [Note: what stays on the device, replayed] in
+    # gemini/tools/meta_replay.py). 0 without.
     resident_peak_bytes: int = 0
-    resident_first_peak_bytes: int = 0
     # With ``offload_min_bytes``: the bytes of each saved tensor offloaded, in the order saved.
     offloaded_sizes: tuple[int, ...] = ()
 
@@ -167,7 +166,7 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
     return MetaPeaks(non_model_bytes=max(forward_peak, backward_peak), forward_non_model_bytes=forward_peak,
                      backward_non_model_bytes=backward_peak,
                      warmup_peak_bytes=replay.warmup_peak, planned_peak_bytes=max(replay.planned_peak, replay.warmup_peak),
-                     resident_peak_bytes=replay.resident_peak, resident_first_peak_bytes=replay.resident_first_peak,
+                     resident_peak_bytes=replay.resident_peak,
                      offloaded_sizes=tuple(offload.sizes) if offload is not None else ())
 
 
