@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from chunks import ChunkGroup, ChunkState, TensorSlot
+from gemini.engine.descendant_reads import run_uncompiled, skip_call_frame
 from gemini.engine.load_transaction import LoadTransaction
 from gemini.errors import NotCopyable
 from gemini.optim.clipping import clip_model_grad_norm_
@@ -56,6 +57,15 @@ class GeminiModel(NotCopyable, nn.Module):
         self.module = module
         self._runtime = runtime
         self._compute_dtype = runtime.config.param_dtype
+        skip_call_frame(GeminiModel.__call__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The forward that searches for parameters of a descendant read by its ancestor runs
+        # uncompiled, decided here in plain Python: see [Note: the search forward runs uncompiled].
+        hooks = self._runtime.hooks
+        if hooks is not None and hooks.search_due():
+            return run_uncompiled(super().__call__, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -20,10 +20,26 @@ while modules in it have hooks, as the engine's.) The ancestor is the innermost 
 A parameter whose owner ran already is no descendant's read (a root reusing an embedding's
 weight): [Note: parameters read outside their modules] in gemini/policies/auto.py. Reads of
 sizes and attributes (``p.shape``, ``p.device``, ``p.data = ...`` by the engine itself) fetch
-nothing. The mode runs in that one forward; other forwards pay nothing. Not in a model compiled
-with torch.compile, whole or in parts: dynamo guards on the torch function mode stack, so the
-graphs compiled under the mode were compiled again at the next forward (a second compile of
-every graph); such reads there still see the chunk's unfetched copy.
+nothing. The mode runs in that one forward; other forwards pay nothing.
+
+[Note: the search forward runs uncompiled]
+A model compiled with torch.compile (whole, after or before initialize, or block by block) has
+its reads searched too: the search forward runs eagerly, and the forwards after it compile as
+they would have. Under the mode, dynamo either compiled every graph with a guard on the torch
+function mode stack, compiled again at the next forward (a second compile of every graph), or,
+under a dispatch mode, marked every frame it met "skip" for good (nothing compiled ever after).
+So that forward runs with dynamo's callback off (``torch._disable_dynamo``) and the compiler's
+stance "force_eager", which the entry of every compiled function reads (a block compiled in
+place, an ``OptimizedModule``): no frame is seen, so none is compiled or marked. The stance is
+taken where the forward begins eagerly: in ``GeminiModel.__call__``, whose frame dynamo skips
+(``skip_call_frame``) so that it decides in plain Python, without a guard on the engine's state,
+even where the wrapped model itself is compiled (``torch.compile(model)`` after initialize: its
+root pre-hook runs inside the traced frame, too late to turn the rest of it eager); and in the
+root's pre-hook, for a forward begun elsewhere that reached it eagerly. A root pre-hook reached
+inside a traced frame (the inner module called under compile, not the model initialize
+returned) cannot search: such reads there still see the chunk's unfetched copy. The price: the
+first forward of each kind is not compiled (the graphs compile at the next), and under auto the
+warm-up measures eager code.
 """
 
 from __future__ import annotations
@@ -43,7 +59,7 @@ from gemini.engine.backward_uses import hook_first_grad_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DescendantReadHooks", "DescendantReads"]
+__all__ = ["DescendantReadHooks", "DescendantReads", "run_uncompiled", "skip_call_frame"]
 
 # Torch calls on a parameter that read no values: attribute access and sizes.
 _METADATA = frozenset({"__get__", "__set__", "__hash__", "size", "dim", "numel", "nelement", "stride",
@@ -167,22 +183,48 @@ class _DispatchReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@torch._disable_dynamo
+def run_uncompiled(call: Callable, args: tuple, kwargs: dict):
+    """``call(*args, **kwargs)`` with no frame compiled, in compiled functions it calls too (see
+    [Note: the search forward runs uncompiled])."""
+    with torch.compiler.set_stance("force_eager"):
+        return call(*args, **kwargs)
+
+
+@functools.cache
+def skip_call_frame(function: Callable) -> None:
+    """Dynamo runs ``function``'s frame as plain Python and compiles the frames it calls (see
+    [Note: the search forward runs uncompiled]); once, at the first wrapped model (dynamo is
+    imported by then)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(function.__code__)
+
+
 class DescendantReadHooks:
     """The part of :class:`gemini.engine.hooks.ModuleHooks` that runs the search (a base class of
     it, using its hooks, residency and bookkeeping): see [Note: parameters of a descendant read by
     its ancestor]."""
 
+    @torch._disable_dynamo  # never compiled: the frame calling it is not (a guard on the state it reads)
+    def search_due(self) -> bool:
+        """Whether the next forward of the root (in this grad mode) is searched: the first of its
+        kind (training, grad enabled), while modules are followed, outside backward."""
+        return ((self._root.training, torch.is_grad_enabled()) not in self._reads_searched
+                and self.residency.follows_modules and torch._C._current_graph_task_id() == -1)
+
     def _begin_descendant_reads(self, root: nn.Module, compiling: bool) -> None:
-        """In the root's pre-hook: the first forward of its kind is searched (not under
-        torch.compile, see [Note: parameters of a descendant read by its ancestor])."""
-        kind = (root.training, torch.is_grad_enabled())
-        if (kind in self._reads_searched or not self.residency.follows_modules
-                or torch._C._current_graph_task_id() != -1):
+        """In the root's pre-hook: the first forward of its kind is searched, uncompiled (see
+        [Note: the search forward runs uncompiled])."""
+        if not self.search_due():
             return
-        self._reads_searched.add(kind)
-        if compiling or any(type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None)
-                            for m in root.modules()):
+        self._reads_searched.add((root.training, torch.is_grad_enabled()))
+        if compiling:
+            logger.info("gemini: the first forward runs inside a compiled frame (%s called under torch.compile, "
+                        "not the model initialize returned): reads of parameters of a descendant by its "
+                        "ancestor are not searched", type(root).__name__)
             return
+        self._stance = torch.compiler.set_stance("force_eager")  # compiled parts run eagerly until the end
         self._reads = DescendantReads(root, self.manager, own_groups=lambda m: self._groups_of.get(m, ()),
                                       fetch=self._fetch_read, release=self._release_read)
         self._reads.begin()
@@ -199,6 +241,8 @@ class DescendantReadHooks:
     def _end_descendant_reads(self, output) -> None:
         """In the root's post-hook: the ancestors found fetch the groups from the next forward on."""
         reads, self._reads = self._reads, None
+        stance, self._stance = self._stance, None
+        stance.__exit__(None, None, None)  # the stance before the search
         for module, groups in reads.end(output).items():
             own = self._groups_of.get(module)
             if own is None:

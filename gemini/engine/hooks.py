@@ -119,6 +119,7 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
         # (training, grad enabled) searched already, and the search under way (None: none is).
         self._reads_searched: set[tuple[bool, bool]] = set()
         self._reads: DescendantReads | None = None
+        self._stance = None  # the compiler's stance the search forward replaced (torch.compiler.set_stance)
         # The root's own hooks stay for good: the plan that lets the others go is adopted inside
         # the root's pre-hook (gradient accumulation), while torch iterates over the root's hooks.
         if residency.follows_modules and self._owners and self._owners[0][0] is module:
