@@ -1,5 +1,6 @@
 """Module outputs modified in place after the call: the call's backward still fetches its
-parameters ([Note: a call's outputs hooked through in-place ops] in gemini/engine/backward_uses.py).
+parameters, and under auto its backward period is announced ([Note: a call's outputs hooked
+through in-place ops] in tracer/grad_nodes.py).
 
 A Linear on a 3-D input returns a view; ``nn.ReLU(inplace=True)`` after it, or a residual
 ``out = self.proj(h); out += h``, made autograd drop the tensor hooks that announced the
@@ -19,6 +20,7 @@ from torch import nn
 
 import gemini
 from helpers import DEVICE, assert_params_close
+from tracer import Phase
 
 V, D, STEPS = 50, 32, 3
 # chunk_size: one Linear's weight per chunk, so that every call's chunk is fetched on its own.
@@ -99,3 +101,59 @@ def test_outputs_modified_in_place_train_like_torch(name, slice_in_place):
         assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
     if name == "auto-evicting":
         assert opt._rt.residency.evictions > 0  # the budget made chunks move
+
+
+class _Residuals(nn.Module):
+    """Linears on 3-D inputs (each returns a view) whose outputs get residuals, in place or not."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.emb = nn.Embedding(V, D)
+        self.relu_after = nn.Sequential(nn.Linear(D, D), nn.ReLU(inplace=in_place))
+        self.proj = nn.Linear(D, D)
+        self.mlp = nn.Linear(D, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, idx):
+        h = self.relu_after(self.emb(idx))
+        out = self.proj(h)
+        if self.in_place:
+            out += h
+        else:
+            out = out + h
+        m = self.mlp(out)
+        if self.in_place:
+            m += out
+        else:
+            m = m + out
+        return self.head(m)
+
+
+@pytest.mark.standin
+def test_outputs_modified_in_place_keep_their_backward_periods_under_auto():
+    """auto's period hooks announced each call's backward through hooks on its output tensors,
+    dropped by ``out += h`` on a Linear's view: proj's and mlp's backward periods were missing
+    from the plan (a coarser plan). In place or not, the same periods, and training as torch."""
+    keys = {}
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        net = _Residuals(in_place)
+        ref = copy.deepcopy(net)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        gmodel, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", **CONFIGS["auto-evicting"]),
+                                        lr=1e-2, weight_decay=0.1)
+        for step, (x, y) in enumerate(_data()):
+            _loss(ref, x, y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            opt.backward(_loss(gmodel, x, y))
+            opt.step()
+            opt.zero_grad()
+            assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
+        assert opt._rt.residency.evictions > 0
+        keys[in_place] = opt._rt.plan.keys
+        opt.close()
+    assert keys[True] == keys[False]
+    backward = [name for phase, name in keys[True] if phase is Phase.BACKWARD]
+    assert {"proj", "mlp"} <= set(backward), backward

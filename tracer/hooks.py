@@ -4,7 +4,9 @@ A new period begins
 
 - before each module's forward (its forward pre-hook), in the forward pass;
 - before each module's backward: when the first gradient of any of its outputs is ready
-  (a multi-grad hook, mode "any", put on the outputs by the module's forward hook);
+  (pre-hooks on the autograd nodes receiving the outputs' gradients, put there by the module's
+  forward hook, which in-place ops on the outputs keep: see [Note: a call's outputs hooked
+  through in-place ops] in tracer/grad_nodes.py);
 - before each module's forward when it runs again inside the autograd engine, which is
   activation checkpointing's re-forward (``torch.utils.checkpoint``, non-reentrant).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import logging
 import weakref
 from collections.abc import Callable
@@ -26,6 +29,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
+
+from tracer.grad_nodes import gradient_node, hook_first_grad
 
 logger = logging.getLogger(__name__)
 
@@ -54,15 +59,23 @@ def in_autograd_engine() -> bool:
 
 @dataclass(eq=False)
 class _GradHook:
-    """One multi-grad hook on a forward's outputs, announcing one or more backward periods."""
+    """One hook on the gradients of a forward's outputs, announcing one or more backward periods."""
 
-    handle: RemovableHandle
+    handles: list[RemovableHandle]  # one per autograd node (or leaf) receiving an output's gradient
     outputs: tuple[weakref.ref, ...]
+    nodes: tuple[int | None, ...]  # ids of the outputs' gradient nodes when hooked (None: a leaf)
     announces: tuple[tuple[str, nn.Module], ...]  # (module name, module), outermost first
 
-    def guards(self, outputs: list[torch.Tensor]) -> bool:
-        """Whether this hook sits on exactly these tensors (not on dead ones whose ids were reused)."""
-        return len(outputs) == len(self.outputs) and all(r() is t for r, t in zip(self.outputs, outputs))
+    def guards(self, outputs: list[torch.Tensor], nodes: tuple[int | None, ...]) -> bool:
+        """Whether this hook sits on exactly these tensors (not on dead ones whose ids were
+        reused) and their gradient nodes (not modified in place since: see [Note: shared
+        outputs])."""
+        return (len(outputs) == len(self.outputs) and all(r() is t for r, t in zip(self.outputs, outputs))
+                and nodes == self.nodes)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class PeriodHooks:
@@ -87,8 +100,9 @@ class PeriodHooks:
         self._on_boundary = on_boundary
         self._root_forward_hook = root_forward_hook
         self._module_handles: list[RemovableHandle] = []
-        # Live multi-grad hooks by id(handle); see [Note: pruning grad hooks].
+        # Live gradient hooks by serial number; see [Note: pruning grad hooks].
         self._grad_hooks: dict[int, _GradHook] = {}
+        self._serials = itertools.count()
         self._fired_ids: list[int] = []
         # This forward's hooks by the ids of the outputs they sit on; see [Note: shared outputs].
         self._by_outputs: dict[tuple[int, ...], int] = {}
@@ -117,7 +131,7 @@ class PeriodHooks:
             handle.remove()
         self._module_handles.clear()
         for hook in self._grad_hooks.values():
-            hook.handle.remove()
+            hook.remove()
         self._grad_hooks.clear()
         self._fired_ids.clear()
         self._by_outputs.clear()
@@ -154,12 +168,14 @@ class PeriodHooks:
     # [Note: shared outputs]
     # A module that returns its child's output unchanged (a Sequential and its last layer,
     # a model and its head, an attention block and its output projection) puts its hook on
-    # the very tensor its child hooked a moment earlier. Hooks on one tensor run in
+    # the very tensor its child hooked a moment earlier. Hooks on one autograd node run in
     # registration order, child first, so the parent's backward period would begin after
     # the child's and swallow the child's backward: its chunks would look unused while
     # they are being used. So the parent takes the child's hook over: the old one is
     # removed and one hook announces the parent, then the child. Outputs that only partly
-    # overlap keep separate hooks (and the child-first order).
+    # overlap keep separate hooks (and the child-first order), as do outputs the parent
+    # modified in place (``nn.ReLU(inplace=True)`` returning its input): their gradient node
+    # is then the in-place op's, which runs before the child's.
 
     @torch._disable_dynamo
     def _forward_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -172,39 +188,36 @@ class PeriodHooks:
         if not outputs:
             return
         key = tuple(id(t) for t in outputs)
+        nodes = tuple(None if t.grad_fn is None else id(gradient_node(t)) for t in outputs)
         announces: tuple[tuple[str, nn.Module], ...] = ((name, module),)
-        inner = self._grad_hooks.get(self._by_outputs.get(key, -1))
-        if inner is not None and inner.guards(outputs):
-            inner.handle.remove()
-            del self._grad_hooks[id(inner.handle)]
+        inner_serial = self._by_outputs.get(key, -1)
+        inner = self._grad_hooks.get(inner_serial)
+        if inner is not None and inner.guards(outputs, nodes):
+            inner.remove()
+            del self._grad_hooks[inner_serial]
             announces += inner.announces
-        box: list[int] = []
-        handle = torch.autograd.graph.register_multi_grad_hook(
-            outputs, functools.partial(self._backward_pre, box, announces), mode="any"
+        serial = next(self._serials)
+        handles = hook_first_grad(outputs, functools.partial(self._backward_pre, serial, announces))
+        self._grad_hooks[serial] = _GradHook(
+            handles=handles, outputs=tuple(weakref.ref(t) for t in outputs), nodes=nodes, announces=announces
         )
-        box.append(id(handle))
-        self._grad_hooks[id(handle)] = _GradHook(
-            handle=handle, outputs=tuple(weakref.ref(t) for t in outputs), announces=announces
-        )
-        self._by_outputs[key] = id(handle)
+        self._by_outputs[key] = serial
 
-    def _backward_pre(
-        self, box: list[int], announces: tuple[tuple[str, nn.Module], ...], grad: torch.Tensor
-    ) -> None:
-        self._fired_ids.append(box[0])
+    def _backward_pre(self, serial: int, announces: tuple[tuple[str, nn.Module], ...]) -> None:
+        self._fired_ids.append(serial)
         for name, module in announces:
             self._on_boundary(Boundary(phase=Phase.BACKWARD, module_name=name, module=module))
 
     # [Note: pruning grad hooks]
-    # Every forward puts a multi-grad hook on its outputs. Kept forever, their handles would
+    # Every forward puts hooks on its outputs' gradient nodes. Kept forever, their handles would
     # pile up when the hooks stay installed across iterations; removed inside the hook, they
-    # would mutate the tensor's hook dict while autograd iterates over it. So a hook that
+    # would mutate the node's hook dict while autograd iterates over it. So a hook that
     # has fired is removed at the next module forward outside backward. A retained graph
     # backwarded again before that announces its backward boundaries again (a real
     # backward); after it, it does not.
     def _prune_fired(self) -> None:
-        for hid in self._fired_ids:
-            hook = self._grad_hooks.pop(hid, None)
+        for serial in self._fired_ids:
+            hook = self._grad_hooks.pop(serial, None)
             if hook is not None:
-                hook.handle.remove()
+                hook.remove()
         self._fired_ids.clear()

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.autograd.graph import Node
 from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup
+from tracer.grad_nodes import gradient_node, hook_each, hook_first_grad
 
 __all__ = ["BackwardUse", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of"]
 
@@ -68,58 +68,14 @@ def needing_grad(tree) -> list[torch.Tensor]:
     return list(tensors.values())
 
 
-# [Note: a call's outputs hooked through in-place ops]
-# A call's backward begins when the first gradient of its outputs arrives. Hooks on the output
-# tensors themselves (``register_multi_grad_hook``) are lost when an output that is a view is
-# modified in place: autograd rebases the view onto its base's new history and drops the view's
-# tensor hooks. A Linear on a 3-D input returns a view (``addmm`` then ``view``), so
-# ``nn.ReLU(inplace=True)`` after it, or a residual ``out = self.proj(h); out += h``, left its
-# pre-backward hook unfired: its parameters were never fetched for backward, and backward read
-# freed storage ("setStorage: ... storage of size 0"). So the hook goes on the autograd node that
-# receives each output's gradient, as that node is when the call returns, which no later in-place
-# op takes out of the graph: an in-place op puts its own node in front of it. For a view that is
-# its base's node: every gradient of a view flows into its base's history (through a
-# ``CopySlices`` once the view is modified in place), while the view's own ``ViewBackward`` node
-# is dropped from the graph by the rebase. The node runs once per graph task; the first of a
-# call's nodes to run fires the hook, once per task (as mode "any" did).
-def gradient_node(t: torch.Tensor) -> Node:
-    """The node whose run means ``t``'s gradient arrives, kept through in-place ops on ``t``
-    (see [Note: a call's outputs hooked through in-place ops]); ``t`` is no leaf."""
-    if t._is_view() and t._base.grad_fn is not None:
-        return t._base.grad_fn
-    return t.grad_fn
-
-
-def _hook_each(tensors: list[torch.Tensor], make: Callable[[int], Callable]) -> None:
-    """``make(n)(...)`` as a hook on the node receiving the gradient of each of ``tensors`` (its
-    ``n`` distinct nodes), or on the tensor itself for a leaf: a leaf's gradient accumulator is
-    held weakly until a graph uses it, and the node ``get_gradient_edge`` makes for a leaf no
-    graph uses yet is gone with its hooks by then; a leaf is never a view modified in place."""
-    nodes = {gradient_node(t) for t in tensors if t.grad_fn is not None}
-    leaves = [t for t in tensors if t.grad_fn is None]
-    hook = make(len(nodes) + len(leaves))
-    for node in nodes:
-        node.register_prehook(hook)
-    for t in leaves:
-        t.register_hook(hook)
-
-
 def hook_first_grad_of(tree, hook: Callable[[], None]) -> bool:
     """``hook()`` once per graph task, when the first gradient of the tensors in ``tree`` that
-    need one arrives (see [Note: a call's outputs hooked through in-place ops]); False if none
-    needs one."""
+    need one arrives (see [Note: a call's outputs hooked through in-place ops] in
+    tracer/grad_nodes.py); False if none needs one."""
     tensors = needing_grad(tree)
     if not tensors:
         return False
-    last_task = [None]
-
-    def first(_grad) -> None:
-        task = torch._C._current_graph_task_id()
-        if last_task[0] != task:
-            last_task[0] = task
-            hook()
-
-    _hook_each(tensors, lambda n: first)
+    hook_first_grad(tensors, hook)
     return True
 
 
@@ -147,10 +103,10 @@ def _countdown(n: int, hook: Callable[[], None]) -> Callable:
 # for good). This hook counts instead: each hooked node adds one when it runs, and ``hook`` runs
 # when all have, holding nothing of the graph. The hooks go on the nodes that receive the
 # inputs' gradients (``gradient_node``; a leaf's go on the leaf), which run once those
-# gradients are complete: a tensor
-# hook on an input that is a view is dropped when the view is modified in place after the call
-# (see [Note: a call's outputs hooked through in-place ops]), and torch 2.13 crashes (SIGSEGV)
-# registering one on a view of a Linear's output after ``s.mul_(2); s[:, 0].add_(1)``. An
+# gradients are complete: a tensor hook on an input that is a view is dropped when the view is
+# modified in place after the call (see [Note: a call's outputs hooked through in-place ops] in
+# tracer/grad_nodes.py), and torch 2.13 crashes (SIGSEGV) registering one on a view of a
+# Linear's output after ``s.mul_(2); s[:, 0].add_(1)``. An
 # input whose gradient this backward never computes (a partial backward) leaves the count short:
 # the call is then never reported done and its groups are held until their gradients are in,
 # the conservative path (see [Note: a group between its uses in backward] in
@@ -162,7 +118,7 @@ def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
     tensors = needing_grad(tree)
     if not tensors:
         return False
-    _hook_each(tensors, lambda n: _countdown(n, hook))
+    hook_each(tensors, lambda n: _countdown(n, hook))
     return True
 
 

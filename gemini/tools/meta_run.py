@@ -39,6 +39,7 @@ from gemini.tools.meta_attention import attention_as_on
 from gemini.tools.meta_device import as_on_device
 from gemini.tools.meta_offload import MetaOffload
 from gemini.tools.meta_replay import WarmupReplay
+from tracer.grad_nodes import hook_first_grad
 from tracer.hooks import PeriodHooks
 from tracer.monitors import TensorAccountingMonitor
 
@@ -267,13 +268,16 @@ def _forward_backward(model: nn.Module, *args: Any, loss_fn: Callable[[Any], tor
     # gradient chunks come then): the loss and its backward belong to the first part.
     split = [None]
 
-    def output_grad(_grad: torch.Tensor) -> None:
+    def output_grad() -> None:
         split[0] = monitor.peak_bytes()
         monitor.reset_peak()
 
+    # On the outputs' gradient nodes, as the engine's hook beginning its backward: a loss_fn
+    # modifying the output in place keeps them (see [Note: a call's outputs hooked through
+    # in-place ops] in tracer/grad_nodes.py).
     outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if outputs:
-        torch.autograd.graph.register_multi_grad_hook(outputs, output_grad, mode="any")
+        hook_first_grad(outputs, output_grad)
     loss = loss_fn(output) if loss_fn is not None else _first_output(output).float().sum()
     del output, outputs
     if train:

@@ -88,3 +88,37 @@ def test_fired_grad_hooks_do_not_pile_up_across_iterations():
             model(x).sum().backward()
             live.append(len(hooks._grad_hooks))
     assert live[1] == live[2] <= live[0]
+
+
+class Residuals(nn.Module):
+    """Linears on a 3-D input (each returns a view), then ops on their outputs in place or not."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=in_place))
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        out = self.proj(h)
+        if self.in_place:
+            out += h
+        else:
+            out = out + h
+        return self.head(out)
+
+
+def test_outputs_modified_in_place_keep_their_backward_boundaries():
+    """A tensor hook on a view is dropped when the view is modified in place: ``out += h`` took
+    proj's backward boundary away (see [Note: a call's outputs hooked through in-place ops] in
+    tracer/grad_nodes.py). In place or not, the same boundaries in the same order."""
+    x = torch.randn(2, 3, 8)
+    seen = {}
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        model = Residuals(in_place)
+        seen[in_place] = _record(model, lambda: model(x).sum().backward())
+    assert seen[True] == seen[False]
+    assert [n for phase, n in seen[True] if phase is B] == ["", "head", "proj", "a", "a.1", "a.0"]
