@@ -1,19 +1,19 @@
-"""The engine's one set of module hooks: chunks resident before compute, gradients into chunk
-storage, and the period boundaries the warm-up traces and the auto policy counts.
+"""The engine's one set of module hooks: chunks resident before compute, gradients into chunk storage,
+and the period boundaries the warm-up traces and the auto policy counts.
 
-Only real PyTorch hooks are used: forward pre/post hooks on every module that owns
-parameters, a pre-hook on the autograd nodes of each call's outputs as its pre-backward hook
-(``hook_first_grad_of``), a post-accumulate-grad hook on every trainable parameter, an autograd-engine callback at the
-end of each backward pass, and, while boundaries are wanted, :class:`tracer.PeriodHooks` on
-every module, feeding the warm-up's tracer and then the policy through one callback.
+Only real PyTorch hooks are used: forward pre/post hooks on every module that owns parameters, a
+pre-hook on the autograd nodes of each call's outputs as its pre-backward hook (``hook_first_grad_of``),
+a post-accumulate-grad hook on every trainable parameter, an autograd-engine callback at the end of each
+backward pass, and, while boundaries are wanted, :class:`tracer.PeriodHooks` on every module, feeding the
+warm-up's tracer and then the policy through one callback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -49,9 +49,7 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
     def __init__(
-        self,
-        module: nn.Module,
-        manager: ChunkManager,
+        self, module: nn.Module, manager: ChunkManager,
         residency: Residency,
         *,
         on_root_forward: Callable[[tuple, dict], None],
