@@ -164,6 +164,11 @@ class Residency(StepMoves):
         """A decision point inside a period: a group's first gradient arrives, or a module's
         backward is done (see [Note: segments of a period] in tracer/runtime.py)."""
         self.policy.mark()
+        self._room_for_segment()
+
+    def _room_for_segment(self) -> None:  # see [Note: every mark decides] in gemini/policies/auto.py
+        if (wanted := self.policy.needed_now()) is not None:
+            self.make_room(0, keep=set(), wanted=wanted)
 
     def make_room(self, nbytes: int, keep: set[int], wanted: set[int] = frozenset()) -> None:
         """Before ``nbytes`` more land on the device: evict what the policy names (``wanted`` last)."""
@@ -302,7 +307,7 @@ class Residency(StepMoves):
 
     def backward_use_done(self, groups: list[ChunkGroup]) -> None:
         """A module call using ``groups`` whose backward began has finished it."""
-        self.mark()
+        self.policy.mark()  # its decision comes below, once the released groups may go
         released = False
         for g in groups:
             left = self._backward_uses_open.get(g.index, 0) - 1
@@ -318,9 +323,7 @@ class Residency(StepMoves):
             # the next call; but when the next call began first (hooks on one tensor: the head's
             # inputs are the final norm's outputs), what it does not use is dropped now.
             self._drop_released(self._latest_backward_groups)
-            # The rest of the period may need what the released groups hold.
-            if (wanted := self.policy.needed_now()) is not None:
-                self.make_room(0, keep=set(), wanted=wanted)
+        self._room_for_segment()  # released or not: the new segment's peak may be larger
 
     def _drop_released(self, needed: list[ChunkGroup]) -> None:
         """Drop the groups released in backward that the compute beginning now does not use.

@@ -241,9 +241,22 @@ class AutoPlacement(PlacementPolicy):
         if self.plan is not None:
             self._segment += 1
 
+    # [Note: every mark decides]
+    # The plan charges each segment of a period the model data the warm-up held at its mark
+    # plus the segment's non-model peak ([Note: segments of a period] in tracer/runtime.py), so
+    # every mark must be a decision: evict for the new segment's peak. The engine made room at
+    # a mark only when something landed (a gradient chunk) or a module's backward released
+    # groups. A group whose gradients were all in before its module's backward was done had
+    # gone already (after_backward: dropped in the warm-up, cached after it), so that mark
+    # released nothing and decided nothing; the warm-up held no chunk there and met its
+    # largest non-model peak (GELU's backward on an activation copied back from the host),
+    # while later steps held the cached groups too: with the margin's groups filling what
+    # the plan leaves (ratio 1, offload_activations, 8 MB on the tests' GPT) the second step
+    # needed 8.36 MB, 0.42 MB over budget - reserve. Cost: one budget check per mark (a sum
+    # of a few integers), in iterations whose periods are followed.
     def needed_now(self) -> set[int] | None:
-        # The rest of the period may need what the released groups hold (an activation peak
-        # the warm-up reached after dropping them): evict for the new segment now.
+        # The rest of the period may need what the cached groups hold (an activation peak the
+        # warm-up reached after dropping them): evict for the new segment now.
         if self.plan is not None and not self._diverged and 0 <= self.period < len(self.plan.access):
             return set(self.plan.access[self.period])
         return None

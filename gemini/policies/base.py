@@ -145,7 +145,7 @@ class PlacementPolicy:
         return []
 
     def needed_now(self) -> set[int] | None:
-        """After groups were released inside a period: what the period needs, evicted only when
+        """At a decision inside a period (a mark): what the period needs, evicted only when
         nothing else makes room for the rest of it (None: make no room)."""
         return None
 
