@@ -326,7 +326,7 @@ def test_auto_with_offload_keeps_every_later_step_within_the_plan(ratio):
     _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
     warm, _, _ = _train(cfg, data[:1], offload=True, placement="auto", device_memory=2**40)
     need = warm[0].device_peak_bytes + warm[0].timeline.reserve_bytes
-    for extra in (-8192, 0, 300_000, 1_000_000, 2_500_000, 4_500_000):
+    for extra in (-8192, 0, 1_000_000, 4_500_000):
         peaks, states, error = _auto_steps_at(cfg, data, need + extra, ratio)
         assert not peaks or error is None, f"refused after step {len(peaks) - 1} (budget {need + extra}): {error}"
         assert (error is not None) == (extra < 0), (extra, peaks, error)
