@@ -117,3 +117,15 @@ def assert_params_close(got: dict, want: dict, *, rtol: float = 1e-6, atol: floa
 def clone_pair(cfg: GPTConfig = TINY, seed: int = 0):
     base = make_gpt(cfg, seed)
     return base, copy.deepcopy(base)
+
+
+def placement_configs(model_data_bytes: int) -> dict[str, dict]:
+    """GeminiConfig fields of each placement the loop tests run, chunks of 8192 elements;
+    "auto-evicting"'s budget (model data / 2.5) is sized for the CPU stand-in's exact counting."""
+    return {
+        "cuda": dict(placement="cuda", chunk_size=8192),
+        "cpu": dict(placement="cpu", chunk_size=8192),
+        "static": dict(placement="static", chunk_size=8192, static_param_device_fraction=0.5,
+                       static_optimizer_offload_fraction=0.5),
+        "auto-evicting": dict(placement="auto", chunk_size=8192, device_memory=int(model_data_bytes / 2.5)),
+    }

@@ -14,19 +14,12 @@ from torch import nn
 
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig
-from helpers import DEVICE, assert_params_close, batches, clone_pair
+from helpers import DEVICE, assert_params_close, batches, clone_pair, placement_configs
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 MODEL_DATA_BYTES = 16 * CFG.num_params()
 
-CONFIGS = {
-    "cuda": dict(placement="cuda", chunk_size=8192),
-    "cpu": dict(placement="cpu", chunk_size=8192),
-    "static": dict(placement="static", chunk_size=8192, static_param_device_fraction=0.5,
-                   static_optimizer_offload_fraction=0.5),
-    # Sized in bytes for the CPU stand-in (see tests/test_torch_idioms.py): chunks are evicted.
-    "auto-evicting": dict(placement="auto", chunk_size=8192, device_memory=int(MODEL_DATA_BYTES / 2.5)),
-}
+CONFIGS = placement_configs(MODEL_DATA_BYTES)  # auto-evicting: see tests/test_torch_idioms.py
 NAMES = [pytest.param(n, marks=pytest.mark.standin) if n == "auto-evicting" else n for n in CONFIGS]
 STEPS = 3
 

@@ -16,19 +16,13 @@ import gemini
 from gemini.tools.gpt import GPT, GPTConfig
 from gemini.engine.grad_views import UnavailableGrad
 from tracer import Phase
-from helpers import DEVICE, assert_params_close, batches, clone_pair
+from helpers import DEVICE, assert_params_close, batches, clone_pair, placement_configs
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
 MODEL_DATA_BYTES = 16 * CFG.num_params()  # fp32 params, grads, m and v
 
 CONFIGS = {
-    "cuda": dict(placement="cuda", chunk_size=8192),
-    "cpu": dict(placement="cpu", chunk_size=8192),
-    "static": dict(placement="static", chunk_size=8192, static_param_device_fraction=0.5,
-                   static_optimizer_offload_fraction=0.5),
-    # Parameters stay cached on the device while gradients go to the host: p.grad needs the
-    # parameter pointed at its host copy (see [Note: gradients exposed as p.grad]).
-    "auto-evicting": dict(placement="auto", chunk_size=8192, device_memory=int(MODEL_DATA_BYTES / 2.5)),
+    **placement_configs(MODEL_DATA_BYTES),
     "auto-margin": dict(placement="auto", chunk_size=8192, gpu_margin_mem_ratio=0.5),
 }
 # auto-evicting's budget is sized in bytes for the CPU stand-in, which counts exactly the
