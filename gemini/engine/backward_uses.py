@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup
 from tracer.grad_nodes import gradient_node, hook_each, hook_first_grad
 
-__all__ = ["BackwardUse", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of"]
+__all__ = ["BackwardUse", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of", "task_computes_gradient_of"]
 
 # A call whose inputs need no gradient reports done through the autograd nodes of its graph;
 # beyond this many nodes, hooking them all costs more than holding its chunks until its
@@ -145,3 +146,46 @@ def hook_nodes_of(output, hook: Callable[[], None]) -> bool:
     for node in nodes:
         node.register_hook(one)
     return True
+
+
+# [Note: the graph's own gradient accumulators]
+# Whether a graph task computes a parameter's gradient, torch says of the parameter's
+# AccumulateGrad node (``torch._C._will_engine_execute_node``). The node to ask is the one the
+# graph holds, which ``get_gradient_edge(p)`` does not always give: a tensor caches its
+# accumulator weakly, and ``p.data = t`` with ``t`` on another device drops the cache (torch's
+# ``VariableHooks::set_data``). On a GPU every fetch and release of an offloaded parameter moves
+# ``p.data`` between the device copy and the host copy, so after the forward
+# ``get_gradient_edge(p)`` made a new accumulator that no graph uses and none executes: no
+# backward was taken for the iteration's (under auto "optimizer.step() before any backward pass",
+# p.grad never exposed, fp16 counting no scaled pass). On the CPU stand-in both copies are on
+# the CPU and the cache stays, which hid it. So the accumulators are looked up in the graph
+# itself, from the node whose hook begins the pass (``torch._C._current_autograd_node``), depth
+# first: the first accumulator of a trainable parameter decides (a few nodes away from the
+# loss in an ordinary backward; the whole graph is walked only by a task that computes input
+# gradients alone, where none executes).
+def task_computes_gradient_of(params: list[torch.nn.Parameter]) -> bool:
+    """Whether the running graph task will compute the gradient of one of ``params`` (see
+    [Note: the graph's own gradient accumulators])."""
+    start = torch._C._current_autograd_node()
+    if start is None:  # a leaf's tensor hook: its accumulator is the one the graph holds
+        return any(_will_execute(get_gradient_edge(p).node) for p in params if p.requires_grad)
+    wanted = {id(p) for p in params}
+    seen, stack = set(), [start]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's
+        if variable is None:
+            stack.extend(fn for fn, _ in node.next_functions)
+        elif id(variable) in wanted and _will_execute(node):
+            return True
+    return False
+
+
+def _will_execute(node) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured for the caller to
+        return True  # assign to p.grad, the step's gradient all the same

@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from chunks import ChunkGroup, ChunkManager
-from gemini.engine.backward_uses import BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of
+from gemini.engine.backward_uses import (BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of,
+                                         task_computes_gradient_of)
 from gemini.engine.descendant_reads import DescendantReads, DescendantReadHooks
 from gemini.engine.residency import Residency
 from gemini.errors import DeviceBudgetError, NotCopyable
@@ -280,9 +280,10 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
     # refused the step (a second, unscaled pass), and the real backward after it was no longer
     # the pass. (Under create_graph its groups are held past its end: [Note: parameters a
     # create_graph pass saved] in residency.py.) Whether the running task will accumulate, torch
-    # says node by node: a parameter's AccumulateGrad node is asked at the first hook of each
-    # task, until one says yes (one question in an ordinary backward; the task's id spares its
-    # later hooks even that). A task nested in one that accumulates nothing (reentrant
+    # says node by node: the graph's AccumulateGrad nodes of parameters are asked at the first hook
+    # of each task, until one says yes (a few nodes from the loss in an ordinary backward; the
+    # task's id spares its later hooks even that; see [Note: the graph's own gradient
+    # accumulators] in backward_uses.py). A task nested in one that accumulates nothing (reentrant
     # checkpointing runs a segment's backward inside the outer task) that does accumulate makes
     # the outer pass the iteration's backward: its end callback is queued already.
     def _begin_backward_pass(self) -> None:
@@ -298,17 +299,9 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
             self._on_backward_begin()
 
     def _computes_parameter_gradients(self) -> bool:
-        """Whether the running graph task will compute a gradient of a trainable parameter."""
-        for group in self.manager.trainable_groups:
-            for p in group.params:
-                if not p.requires_grad:
-                    continue
-                try:
-                    if torch._C._will_engine_execute_node(get_gradient_edge(p).node):
-                        return True
-                except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured for the caller to
-                    return True  # assign to p.grad, the step's gradient all the same
-        return False
+        """Whether the running graph task will compute a gradient of a trainable parameter (see
+        [Note: the graph's own gradient accumulators] in gemini/engine/backward_uses.py)."""
+        return task_computes_gradient_of([p for group in self.manager.trainable_groups for p in group.params])
 
     # [Note: a backward pass that raised]
     # Autograd runs a queued callback only when its graph task completes: when the backward
