@@ -30,7 +30,7 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["gradient_node", "hook_each", "hook_first_grad"]
+__all__ = ["gradient_node", "hook_each", "hook_first_grad", "node_key"]
 
 
 def gradient_node(t: torch.Tensor) -> Node:
@@ -39,6 +39,16 @@ def gradient_node(t: torch.Tensor) -> Node:
     if t._is_view() and t._base.grad_fn is not None:
         return t._base.grad_fn
     return t.grad_fn
+
+
+def node_key(node: Node) -> tuple[str, int]:
+    """Who ``node`` is, comparable after its Python object is gone. Before torch 2.12 the object
+    that ``t.grad_fn`` returns lives only as long as a Python reference to it: ``id()`` of one
+    that was let go says nothing of the next (two ids of one node differed, and the period hooks
+    of a model and its head, which share an output, no longer merged into one). The sequence
+    number autograd gave the node when the forward made it tells it apart from every other node
+    that thread made."""
+    return type(node).__name__, node._sequence_nr()
 
 
 def hook_each(tensors: list[torch.Tensor], make: Callable[[int], Callable]) -> list[RemovableHandle]:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from tracer.grad_nodes import gradient_node, hook_first_grad
+from tracer.grad_nodes import gradient_node, hook_first_grad, node_key
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,10 @@ class _GradHook:
 
     handles: list[RemovableHandle]  # one per autograd node (or leaf) receiving an output's gradient
     outputs: tuple[weakref.ref, ...]
-    nodes: tuple[int | None, ...]  # ids of the outputs' gradient nodes when hooked (None: a leaf)
+    nodes: tuple[tuple[str, int] | None, ...]  # node_key of the outputs' gradient nodes when hooked (None: a leaf)
     announces: tuple[tuple[str, nn.Module], ...]  # (module name, module), outermost first
 
-    def guards(self, outputs: list[torch.Tensor], nodes: tuple[int | None, ...]) -> bool:
+    def guards(self, outputs: list[torch.Tensor], nodes: tuple[tuple[str, int] | None, ...]) -> bool:
         """Whether this hook sits on exactly these tensors (not on dead ones whose ids were
         reused) and their gradient nodes (not modified in place since: see [Note: shared
         outputs])."""
@@ -188,7 +188,7 @@ class PeriodHooks:
         if not outputs:
             return
         key = tuple(id(t) for t in outputs)
-        nodes = tuple(None if t.grad_fn is None else id(gradient_node(t)) for t in outputs)
+        nodes = tuple(None if t.grad_fn is None else node_key(gradient_node(t)) for t in outputs)
         announces: tuple[tuple[str, nn.Module], ...] = ((name, module),)
         inner_serial = self._by_outputs.get(key, -1)
         inner = self._grad_hooks.get(inner_serial)
