@@ -105,10 +105,27 @@ def train_gemini(model, data, config: gemini.GeminiConfig, *, micro_batches: int
     return losses, snapshots, gmodel, opt
 
 
+# [Note: equal to torch on a GPU]
+# On the CPU gemini's training is bit-identical to fused AdamW. On a GPU it is not, and neither
+# is plain torch against itself: cuBLAS chooses a matrix product's kernel by the alignment of its
+# operands, and a parameter that is a view into a chunk lies at another alignment than one
+# allocated alone. Measured on an H200 (scripts/gpu_diag.py, 2026-11-26): the tiny GPT trained by
+# fused AdamW for 3 steps at lr 1e-2, once with standalone parameters and once with every
+# parameter a view at an odd offset of one flat buffer, differed in all 29 tensors, by up to
+# 2.1e-5 on the attention's key bias, whose gradient is rounding noise only (softmax ignores a
+# bias added to every key) and which Adam's normalisation turns into steps of the learning
+# rate's order. Gemini against torch differed by less (9.6e-6). So on CUDA the comparisons allow
+# that much: a few thousandths of the learning rate, far below what a wrong step would change.
+CUDA_RTOL, CUDA_ATOL = 1e-3, 2e-4
+
+
 def assert_params_close(got: dict, want: dict, *, rtol: float = 1e-6, atol: float = 1e-7, step: int | None = None):
     """Every entry equal to ``rtol`` / ``atol``, compared on the CPU (a reference on the device
-    against gemini's ``state_dict()``, which is on the CPU)."""
+    against gemini's ``state_dict()``, which is on the CPU); on CUDA at least to CUDA_RTOL /
+    CUDA_ATOL (see [Note: equal to torch on a GPU])."""
     assert got.keys() == want.keys(), f"keys differ: {set(got) ^ set(want)}"
+    if DEVICE == "cuda":
+        rtol, atol = max(rtol, CUDA_RTOL), max(atol, CUDA_ATOL)
     for k in want:
         torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=rtol, atol=atol,
                                    msg=lambda m: f"step {step}, {k}: {m}")

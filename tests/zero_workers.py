@@ -150,7 +150,8 @@ def run_low_precision(rank: int, world: int, out_dir: str) -> None:
     skipped, scales = [], []
     for batch in data:
         x, y = local(batch, rank, world)
-        opt.backward(loss_fn(model(x), y))
+        # .float(): torch 2.11's mse_loss backward refuses a half input beside a float target.
+        opt.backward(loss_fn(model(x).float(), y))
         opt.step()
         opt.zero_grad()
         skipped.append(opt.report.skipped)
@@ -162,7 +163,7 @@ def run_low_precision(rank: int, world: int, out_dir: str) -> None:
     losses = []
     for _ in range(8):
         x, y = local(data[0], rank, world)
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x).float(), y)
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
