@@ -34,7 +34,10 @@ NamedParams = Sequence[tuple[str, nn.Parameter]]
 # next group is built. So a source that reads from disk (gemini/pretrained/) or initializes
 # module by module holds one group's values at a time, and a group is complete — and can be
 # spilled to NVMe by ``on_group`` — before the next one is read. The default source is the
-# parameters' own data.
+# parameters' own data. With ``sync`` (ZeRO: rank 0's values broadcast, see [Note: ranks agree
+# at initialize] in gemini/parallel/agreement.py) every rank reads whole tensors, packs the
+# group's values into one fp32 buffer (what the chunks keep at most: fp32 parameters or
+# masters) and ``sync`` makes it equal on every rank before any chunk is filled from it.
 ValueSource = Callable[[nn.Parameter, "TensorSlot", int, int], torch.Tensor]
 
 
@@ -92,6 +95,7 @@ class ChunkManager:
         initial_tier: Callable[[ChunkKind], Tier],
         on_group: Callable[[ChunkGroup], None] = lambda group: None,
         source: ValueSource = values_of_params,
+        sync: Callable[[torch.Tensor], object] | None = None,
     ) -> None:
         """Pack each param group (and the frozen parameters) into chunk groups.
 
@@ -101,7 +105,8 @@ class ChunkManager:
         group as soon as it is built (the NVMe tier spills it then, so that a model's states
         never need to fit in host memory all at once). ``source`` gives the values, one group
         at a time (see [Note: where a chunk's first values come from]); parameters on the meta
-        device are given storage as their group is built (see :meth:`_materialize`).
+        device are given storage as their group is built (see :meth:`_materialize`). ``sync``
+        (optional) makes each group's values, one flat fp32 tensor, equal across ranks.
         """
         if self.groups:
             raise RuntimeError("register() was already called")
@@ -113,7 +118,7 @@ class ChunkManager:
                 slots.append(TensorSlot(len(slots), offset, p.numel(), p.shape, name))
                 offset += p.numel()
             self._build_group(tuple(slots), tuple(named[i][1] for i in members), capacity, pg_index, initial_tier,
-                              source)
+                              source, sync)
             on_group(self.groups[-1])
         logger.info(
             "registered %d chunk groups of %d elements (%d trainable); host %d B, device %d B",
@@ -136,7 +141,7 @@ class ChunkManager:
                 out.append((members, pg_index, chunk_capacity(used, self.chunk_size, world=self.world)))
         return out
 
-    def _build_group(self, slots, params, capacity, pg_index, initial_tier, source: ValueSource) -> None:
+    def _build_group(self, slots, params, capacity, pg_index, initial_tier, source: ValueSource, sync) -> None:
         index = len(self.groups)
         trainable = pg_index >= 0
         low_precision = self.param_dtype != torch.float32
@@ -163,7 +168,7 @@ class ChunkManager:
         if low_precision:
             group.master = new_state(ChunkKind.MASTER, torch.float32)
             filled.append(group.master)
-        values = self._read_values(filled, params, source)
+        values = self._read_values(filled, params, source) if sync is None else self._synced_values(group, source, sync)
         self._fill(filled[0], values, initial_tier(ChunkKind.PARAM))
         if low_precision:
             # Frozen parameters keep an fp32 copy on the host too, so that the model's
@@ -210,6 +215,18 @@ class ChunkManager:
                                      f"expected {hi - lo}")
                 values[index] = (lo, value.reshape(-1))
         return values
+
+    @classmethod
+    def _synced_values(cls, group: ChunkGroup, source: ValueSource, sync) -> dict[int, tuple[int, torch.Tensor]]:
+        """``_read_values`` of every whole tensor of ``group``, made equal across ranks by ``sync``
+        (see [Note: where a chunk's first values come from])."""
+        slots = group.param.slots
+        flat = torch.empty(slots[-1].end if slots else 0, dtype=torch.float32)
+        with torch.no_grad():
+            for index, (_, value) in cls._read_values([group.param], group.params, source).items():
+                flat[slots[index].offset : slots[index].end] = value
+        sync(flat)
+        return {s.index: (0, flat[s.offset : s.end]) for s in slots}
 
     @staticmethod
     def _fill(chunk: Chunk, values: dict[int, tuple[int, torch.Tensor]], tier: Tier) -> None:

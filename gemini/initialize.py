@@ -29,6 +29,7 @@ from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
 from gemini.policies import check_supported, device_groups, make_placement, placement_type
 from gemini.report import ReportWriter
 from gemini.engine.runtime import GeminiRuntime
+from gemini.parallel.agreement import check_ranks_agree, describe, sync_buffers
 from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
 
 logger = logging.getLogger(__name__)
@@ -136,15 +137,21 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     manager = ChunkManager(storage, chunk_size=chunk_size, param_dtype=config.param_dtype, rank=rank, world=world,
                            shard_params=config.shard_params)
     layout = manager.layout(named_groups, frozen)  # what register() will build; nothing allocated yet
+    if zero is not None:  # before any collective sized by the layout: [Note: ranks agree at initialize]
+        check_ranks_agree(zero, describe(config, chunk_size=chunk_size, named_groups=named_groups, frozen=frozen,
+                                         model=model))
     _check_device_budget(config, layout, manager)
     fixed_bytes = _move_buffers(model, device, config.param_dtype)
+    if zero is not None:
+        sync_buffers(zero, model)  # rank 0's, as DDP's
     placement = make_placement(config, manager, budget_bytes=memory.budget_bytes, fixed_bytes=fixed_bytes)
     residency = Residency(manager, placement, quiet=memory.quiet)
     nvme = _make_nvme_tier(config, manager, layout)
     residency.nvme = nvme
     try:
         manager.register(named_groups, frozen, initial_tier=placement.initial_tier,
-                         on_group=nvme.admit if nvme is not None else lambda group: None, source=values.source)
+                         on_group=nvme.admit if nvme is not None else lambda group: None, source=values.source,
+                         sync=_sync_values(zero, values))
         if nvme is not None:
             nvme.finish_registration()
         if config.device_memory is not None:
@@ -194,6 +201,12 @@ def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]], *, world: 
     logger.info("chunk size %d elements: %d chunks, %d elements of padding (%d sizes scored)",
                 found.chunk_size, found.n_chunks, found.waste, found.candidates)
     return round_up(found.chunk_size, world)
+
+
+def _sync_values(zero, values: PreparedValues):
+    """Under ZeRO, rank 0's first values for every rank (DDP's broadcast); not for a ``weights``
+    file, which every rank reads alike (see [Note: ranks agree at initialize])."""
+    return zero.broadcast if zero is not None and values.checkpoint is None else None
 
 
 def _attach_zero(zero, manager: ChunkManager, residency: Residency, *, quiet) -> None:

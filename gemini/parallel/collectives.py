@@ -87,5 +87,15 @@ class Collectives:
             t.copy_(s)
         return t
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` set to the group's rank 0's ``t``, in place (blocking); returns ``t``."""
+        s = self._staged(t)
+        if s.dtype == torch.bool:
+            s = s.view(torch.uint8)  # not every backend takes bool
+        dist.broadcast(s, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if s.data_ptr() != t.data_ptr():
+            t.copy_(s.view(t.dtype))
+        return t
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)
