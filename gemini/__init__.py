@@ -9,7 +9,8 @@ from gemini.optim.hybrid_adam import HybridAdam
 from gemini.tools.planner import PlacementPlan, plan_placement
 from gemini.tools.plots import plot_memory, plot_timeline
 from gemini.pretrained import save_pretrained
-from gemini.report import MemoryReport, ReportRun, TimelinePeriod, WarmupTimeline, read_report_runs, read_reports
+from gemini.report import (MemoryReport, ReportRun, TimelinePeriod, WarmupTimeline, rank_report_path, read_report_runs,
+                           read_reports)
 from gemini.tools.summary import run_summary, summary_line
 from gemini.tools.tune import MarginTrial, MarginTuning, Measurement, tune_margin
 
@@ -31,6 +32,7 @@ __all__ = [
     "plan_placement",
     "plot_memory",
     "plot_timeline",
+    "rank_report_path",
     "read_report_runs",
     "read_reports",
     "run_summary",

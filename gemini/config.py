@@ -104,7 +104,11 @@ class GeminiConfig:
     than it frees), an int >= 1."""
 
     report_path: str | os.PathLike | None = None
-    """JSON Lines file receiving one MemoryReport per step; None writes no file."""
+    """JSON Lines file receiving one MemoryReport per step; None writes no file. In a job of several
+    processes (torch.distributed initialized, world size > 1) every rank reports to a file of its
+    own: rank 0 to this path, so ``read_reports(path)`` and ``gemini report`` show rank 0 as
+    DeepSpeed and Colossal-AI log from rank 0; rank N to ``<stem>.rankN<ext>`` beside it
+    (``reports.rank1.jsonl``; ``gemini.rank_report_path(path, N)``)."""
 
     process_group: Any = None
     """torch.distributed group for ZeRO sharding; None = no sharding (or WORLD when initialized).

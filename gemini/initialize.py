@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from chunks import ChunkManager, ChunkStorage, Tier, missing_bytes, round_up, search_chunk_size
@@ -27,7 +28,7 @@ from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
 from gemini.policies import check_supported, device_groups, make_placement, placement_type
-from gemini.report import ReportWriter
+from gemini.report import ReportWriter, rank_report_path
 from gemini.engine.runtime import GeminiRuntime
 from gemini.parallel.agreement import check_ranks_agree, describe, sync_buffers
 from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
@@ -94,11 +95,20 @@ def _open_report(config: GeminiConfig) -> ReportWriter | None:
     tell without opening it (a read-only file system, a path made a folder since) fails here."""
     if config.report_path is None:
         return None
+    path = rank_report_path(config.report_path, _job_rank())
+    shown = "" if path == os.fspath(config.report_path) else f" (this rank's file {path!r})"
     try:
-        return ReportWriter(config.report_path)
+        return ReportWriter(path)
     except OSError as e:
-        raise ValueError(f"GeminiConfig.report_path={config.report_path!r} is invalid: expected a file this process "
-                         f"can create or append to, but opening it failed: [Errno {e.errno}] {e.strerror}") from e
+        raise ValueError(f"GeminiConfig.report_path={config.report_path!r}{shown} is invalid: expected a file this "
+                         f"process can create or append to, but opening it failed: [Errno {e.errno}] {e.strerror}"
+                         ) from e
+
+
+def _job_rank() -> int:
+    """This process's global rank (0 outside torch.distributed): unique in the job, unlike a
+    rank within ``process_group``, so that ranks of different groups never share a report file."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _run_header(config: GeminiConfig, *, chunk_size: int, world: int, rank: int) -> dict[str, Any]:

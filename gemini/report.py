@@ -14,8 +14,8 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["MemoryReport", "ReportRun", "ReportWriter", "TimelinePeriod", "WarmupTimeline", "read_report_runs",
-           "read_reports"]
+__all__ = ["MemoryReport", "ReportRun", "ReportWriter", "TimelinePeriod", "WarmupTimeline", "rank_report_path",
+           "read_report_runs", "read_reports"]
 
 
 @dataclass(kw_only=True)
@@ -196,6 +196,18 @@ class ReportWriter:
             _write_all(fd, (report.to_json() + "\n").encode())
         finally:
             os.close(fd)
+
+
+def rank_report_path(path: str | os.PathLike, rank: int) -> str:
+    """The file ``GeminiConfig.report_path=path`` names on global rank ``rank`` of a job of several
+    processes: ``path`` itself on rank 0 (so ``read_reports(path)`` and ``gemini report path``
+    show rank 0, as DeepSpeed and Colossal-AI log from rank 0), ``<stem>.rank<N><ext>`` beside it
+    on rank N (``reports.rank1.jsonl``), so that no two ranks append to one file."""
+    path = os.fspath(path)
+    if rank == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"
 
 
 def _write_all(fd: int, data: bytes) -> None:

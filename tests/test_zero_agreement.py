@@ -1,5 +1,6 @@
 """ZeRO ranks that start apart: initialize makes them train rank 0's model (DDP's broadcast),
-and refuses a different layout on every rank with a ValueError naming it. 2 gloo ranks (tests/multiprocess.py; see [Note: ranks agree at
+refuses a different layout on every rank with a ValueError naming it, and gives each rank a
+report file of its own. 2 gloo ranks (tests/multiprocess.py; see [Note: ranks agree at
 initialize] in gemini/parallel/agreement.py)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import gemini
 import zero_agreement_workers as aw
 import zero_workers as zw
 from multiprocess import run_ranks
@@ -66,3 +68,21 @@ def test_ranks_disagreeing_on_the_layout_raise_on_every_rank(tmp_path):
         message = got[0][case]
         assert message is not None, f"{case}: no error"
         assert "ranks of GeminiConfig.process_group disagree" in message and text in message, (case, message)
+
+
+def test_shared_report_path_gives_each_rank_its_file(tmp_path):
+    """One report_path on both ranks: rank 0's run in the file itself (what read_reports and
+    `gemini report` show), rank 1's in reports.rank1.jsonl; no file mixes ranks."""
+    path = tmp_path / "reports.jsonl"
+    run_ranks(aw.run_shared_report_path, str(path), 2, timeout_seconds=120)
+    for rank, file in enumerate([path, tmp_path / "reports.rank1.jsonl"]):
+        assert gemini.rank_report_path(path, rank) == str(file)
+        runs = gemini.read_report_runs(file)
+        assert len(runs) == 1 and runs[0].header["rank"] == rank
+        assert [(r.rank, r.step) for r in runs[0].reports] == [(rank, 0), (rank, 1)]
+
+
+def test_rank_report_path_names():
+    assert gemini.rank_report_path("out/reports.jsonl", 0) == "out/reports.jsonl"
+    assert gemini.rank_report_path("out/reports.jsonl", 3) == "out/reports.rank3.jsonl"
+    assert gemini.rank_report_path("out/reports", 1) == "out/reports.rank1"

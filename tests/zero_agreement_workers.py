@@ -1,5 +1,5 @@
 """What each rank runs in tests/test_zero_agreement.py: ranks that start apart (different
-seeds, configurations or models)."""
+seeds, configurations or models) and ranks that share one report path."""
 
 from __future__ import annotations
 
@@ -59,3 +59,10 @@ def run_mismatches(rank: int, world: int, out_dir: str) -> None:
         opt.step()
         got[name] = None
     torch.save(got, f"{out_dir}/mismatch_rank{rank}.pt")
+
+
+def run_shared_report_path(rank: int, world: int, path: str, steps: int) -> None:
+    """Both ranks given one report_path, as one GeminiConfig for every rank gives it."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK, report_path=path)
+    model, opt = gemini.initialize(zw.make_net(), cfg, lr=1e-2)
+    zw.train_gemini(model, opt, zw.make_data(steps), rank, world, steps)
