@@ -86,3 +86,39 @@ def test_rank_report_path_names():
     assert gemini.rank_report_path("out/reports.jsonl", 0) == "out/reports.jsonl"
     assert gemini.rank_report_path("out/reports.jsonl", 3) == "out/reports.rank3.jsonl"
     assert gemini.rank_report_path("out/reports", 1) == "out/reports.rank1"
+
+
+def test_a_rank_that_skips_backward_contributes_zeros(tmp_path):
+    """Rank 1 calls step() without a backward at iteration 1: it reduces zeros, so both ranks
+    equal plain AdamW on rank 0's half of the batch / 2 there (the mean over ranks, as an unused
+    parameter gets) and on the global batch elsewhere (before: gloo aborted the process)."""
+    run_ranks(aw.run_uneven_iterations, str(tmp_path), "skip_backward", STEPS, timeout_seconds=120)
+    torch.manual_seed(0)
+    model = zw.Net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01,
+                            fused=True)
+    want = []
+    for step, batch in enumerate(zw.make_data(STEPS)):
+        x, y = zw.local(batch, 0, 2) if step == 1 else batch
+        (zw.loss_fn(model(x), y) / (2 if step == 1 else 1)).backward()
+        opt.step()
+        opt.zero_grad()
+        want.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    for rank in range(2):
+        got = torch.load(tmp_path / f"skip_backward_rank{rank}.pt", weights_only=True)
+        assert len(got) == STEPS
+        for step in range(STEPS):
+            _assert_close(got[step], want[step], f"rank {rank} step {step}")
+
+
+def test_a_forward_error_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 1's forward raises at iteration 1 and its loop goes on: the next step's agreement
+    raises "out of step" on both ranks (rank 0's iteration 1, rank 1's iteration 2), instead of
+    reducing rank 0's batch 1 with rank 1's batch 2 and hanging at the end."""
+    run_ranks(aw.run_uneven_iterations, str(tmp_path), "forward_error", STEPS, timeout_seconds=120)
+    got = [torch.load(tmp_path / f"forward_error_rank{r}.pt", weights_only=True) for r in range(2)]
+    assert isinstance(got[0][0], dict) and isinstance(got[1][0], dict)
+    assert len(got[0]) == 2 and "out of step" in got[0][1], got[0][1:]
+    assert got[1][1] == "a bad sample on this rank"
+    assert len(got[1]) == 3 and "out of step" in got[1][2], got[1][1:]
+    assert "1 training forward pass(es) raised since initialize, on another 0" in got[0][1]

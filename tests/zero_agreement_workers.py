@@ -66,3 +66,43 @@ def run_shared_report_path(rank: int, world: int, path: str, steps: int) -> None
     cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK, report_path=path)
     model, opt = gemini.initialize(zw.make_net(), cfg, lr=1e-2)
     zw.train_gemini(model, opt, zw.make_data(steps), rank, world, steps)
+
+
+class RaisingNet(zw.Net):
+    """``zw.Net`` whose forward raises inside the model while ``fail`` is set."""
+
+    fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.fail:
+            raise RuntimeError("a bad sample on this rank")
+        return out
+
+
+def run_uneven_iterations(rank: int, world: int, out_dir: str, case: str, steps: int) -> None:
+    """Rank 1's iteration 1 goes its own way: ``skip_backward``: it calls step() without a
+    backward; ``forward_error``: its forward raises and the loop goes on, as after a bad sample.
+    Per iteration: the consolidated state, or the error's text (the loop stops at one of gemini's)."""
+    torch.manual_seed(0)
+    net = RaisingNet()
+    model, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK),
+                                   lr=1e-2, weight_decay=0.01)
+    got = []
+    for step, batch in enumerate(zw.make_data(steps)):
+        odd = rank == 1 and step == 1
+        net.fail = odd and case == "forward_error"
+        x, y = zw.local(batch, rank, world)
+        try:
+            if not (odd and case == "skip_backward"):
+                opt.backward(zw.loss_fn(model(x), y))
+            opt.step()
+        except RuntimeError as e:
+            got.append(str(e))
+            opt.zero_grad()
+            if "out of step" in str(e):
+                break
+            continue
+        opt.zero_grad()
+        got.append(model.state_dict())
+    torch.save(got, f"{out_dir}/{case}_rank{rank}.pt")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -75,6 +76,7 @@ class GeminiRuntime:
     _signature: InputSignature | None = None  # the traced iteration's inputs
     _backward_passes_at_trace: int = 0
     grads_cleared_at_pass: int = 0  # the hooks' backward-pass count at the last zero_grad
+    forwards_raised: int = 0  # training forwards that raised: see [Note: ranks out of step] in gemini/parallel/zero.py
     _evaluation_window: bool = False  # this forward opened the window without grad (see on_root_forward_end)
     state: IterationState = IterationState.FIXED  # UNTRACED under auto (set in __post_init__)
 
@@ -149,7 +151,10 @@ class GeminiRuntime:
             self.activations.begin_forward()
 
     def on_root_forward_end(self) -> None:
-        """The root module's forward is over (also when it raised)."""
+        """The root module's forward is over (also when it raised: always_call hooks run inside
+        torch's ``except``, where ``sys.exc_info()`` is the forward's error)."""
+        if torch.is_grad_enabled() and sys.exc_info()[1] is not None:
+            self.forwards_raised += 1
         if self.activations is not None:
             self.activations.end_forward()
         # [Note: an evaluation forward's window] A forward without grad between steps (a

@@ -83,7 +83,8 @@ def clip_model_grad_norm_(rt: GeminiRuntime, max_norm: float, norm_type: float =
     with torch.no_grad():
         groups = rt.manager.trainable_groups
         if rt.zero is not None:
-            agree_grad_ready(rt.zero, groups)  # see [Note: the order of collectives]
+            agree_grad_ready(rt.zero, groups, rt.residency.reducer,  # see [Note: the order of collectives]
+                             forwards_raised=rt.forwards_raised, step=False)
         groups = [g for g in groups if g.any_grad_ready]
         tiers = {g.index: g.step_grad.primary_tier for g in groups}
         norm = grad_norm(groups, tiers, rt.param_order, zero=rt.zero, norm_type=norm_type)

@@ -174,7 +174,8 @@ class HybridAdam(torch.optim.Optimizer):
         rt = self._rt
         zero = rt.zero
         if zero is not None:
-            agree_grad_ready(zero, rt.manager.trainable_groups)  # see [Note: the order of collectives]
+            agree_grad_ready(zero, rt.manager.trainable_groups, rt.residency.reducer,  # [Note: the order of collectives]
+                             forwards_raised=rt.forwards_raised, step=True)
         groups = [g for g in rt.manager.trainable_groups if g.any_grad_ready]
         nvme = rt.nvme
         streamed = [g for g in groups if nvme is not None and nvme.holds(g)]

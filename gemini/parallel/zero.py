@@ -18,10 +18,28 @@ issue the same ones in the same order, whatever its data, its timing or its memo
   rank).
 - Which tensors had a gradient since ``zero_grad`` is agreed at the step (an all-reduce of
   per-tensor flags), so every rank updates, counts steps for, and gathers the same tensors.
+- A rank that runs no backward pass between two steps (it skipped its batch) reduces zeros for
+  every group when its step (or ``model.clip_grad_norm_``) comes, so that its collectives pair
+  with the other ranks' backward: it contributes a zero gradient to the mean, as an unused
+  parameter does. See [Note: ranks out of step] for what cannot pair.
 - Parameters (ZeRO-3) are gathered in the order modules ask for them (the same on every rank:
   the same model runs the same modules) and prefetched one group ahead in the order recorded
   in the first iteration. Gathered parameters are never evicted by memory pressure, only
   released after use, so whether a gather happens never depends on a rank's own memory.
+
+[Note: ranks out of step]
+Collectives pair by order, not by iteration, so a rank that drops an iteration the others run
+is one iteration behind from then on: its batches are reduced with the others' next ones, and
+the run hangs (or gloo reports a mismatch) only when the first rank ends. What is cheap to see
+is checked in the step's agreement all-reduce, which runs anyway: each rank's count of training
+forward passes that raised (a rank recovering from its own error in forward: under ZeRO-1/2
+the forward has no collective, so nothing else notices). Counts that differ raise the same
+RuntimeError on every rank at that step and at each one after it, instead of training on. Not
+seen: an iteration a rank skips before calling the model, a backward that raises half-way or a
+different number of backward passes per step (their reductions already paired wrongly), and
+under ZeRO-3 the forward's gathers of the other ranks after an error in forward, or while a rank
+skips its forward (they hang). Under ZeRO every rank must skip
+the same iterations: agree on an error (e.g. ``all_reduce`` a flag) before skipping.
 """
 
 from __future__ import annotations
@@ -80,6 +98,8 @@ class GradReducer:
         self._ready: set[int] = set()
         self._next = 0  # position in ``order`` of the next group to launch
         self._in_flight: deque[tuple[ChunkGroup, torch.Tensor, Pending]] = deque()
+        self.rounds = 0  # backward passes reduced (each every group once)
+        self.rounds_at_step = 0  # ``rounds`` at the last step's agreement
 
     def group_done(self, group: ChunkGroup) -> None:
         """``group``'s backward is over on this rank: reduce it when its turn comes."""
@@ -98,6 +118,13 @@ class GradReducer:
                 self._finish(*self._in_flight.popleft())
         self._ready.clear()
         self._next = 0
+        self.rounds += 1
+
+    def reduce_if_idle(self) -> None:
+        """Before the step's agreement: no backward since the last step on this rank, so zeros
+        for every group (see [Note: the order of collectives])."""
+        if self.rounds == self.rounds_at_step:
+            self.end_backward()
 
     def _launch(self, g: ChunkGroup) -> None:
         with trace_range("gemini::reduce_scatter"):
@@ -230,13 +257,29 @@ class ParamGatherer:
                 self.release(g)
 
 
-def agree_grad_ready(comm: Collectives, groups: Sequence[ChunkGroup]) -> None:
-    """Make each tensor's "had a gradient since zero_grad" flag the OR over ranks."""
-    flags = torch.tensor([f for g in groups for f in g.grad_ready], dtype=torch.int32)
-    if flags.numel() == 0:
-        return
+def agree_grad_ready(comm: Collectives, groups: Sequence[ChunkGroup], reducer: GradReducer, *, forwards_raised: int,
+                     step: bool) -> None:
+    """Make each tensor's "had a gradient since zero_grad" flag the OR over ranks, after this
+    rank's zeros if it ran no backward since the last step; check that no rank's training forward
+    raised where another's did not ([Note: ranks out of step]). ``step``: the step's agreement
+    (``model.clip_grad_norm_`` agrees too, before it)."""
+    reducer.reduce_if_idle()
+    if step:
+        reducer.rounds_at_step = reducer.rounds
+    # [max, -min] of the count over ranks, then the flags: one all-reduce (MAX).
+    flags = torch.tensor([forwards_raised, -forwards_raised, *(f for g in groups for f in g.grad_ready)],
+                         dtype=torch.int32)
     comm.all_reduce(flags, dist.ReduceOp.MAX)
-    it = iter(flags.tolist())
+    most, fewest, *ready = flags.tolist()
+    if most != -fewest:
+        raise RuntimeError(
+            f"the ranks of GeminiConfig.process_group are out of step: on one rank {most} training forward "
+            f"pass(es) raised since initialize, on another {-fewest}. A rank that goes on after its own error "
+            f"runs one iteration fewer, so its gradients are reduced with the other ranks' next batch and the run "
+            f"hangs when they finish. Under ZeRO every rank must skip the same iterations: agree on an error "
+            f"across ranks (e.g. torch.distributed.all_reduce of a flag) before skipping, or let it end the run "
+            f"(see [Note: ranks out of step] in gemini/parallel/zero.py)")
+    it = iter(ready)
     for g in groups:
         g.grad_ready = [bool(next(it)) for _ in g.slots]
 
