@@ -227,6 +227,7 @@ def _attach_zero(zero, manager: ChunkManager, residency: Residency, *, quiet) ->
         residency.gatherer = ParamGatherer(zero, manager)
         placement.gathers_params = True
         placement.prefetch_reserve_bytes = max((g.param.nbytes for g in manager.groups), default=0)
+        placement.prefetched = residency.gatherer.prefetched
     logger.info("ZeRO-%d: rank %d of %d keeps 1/%d of every chunk's optimizer states%s", 3 if manager.shard_params
                 else 2, zero.rank, zero.world, zero.world, " and parameters" if manager.shard_params else "")
 

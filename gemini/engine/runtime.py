@@ -209,7 +209,8 @@ class GeminiRuntime:
         self._move(IterationState.TRACING, IterationState.UNTRACED, IterationState.PLANNED, IterationState.UNPLANNED)
         self._signature = input_signature(args, kwargs)
         self._backward_passes_at_trace = self.hooks.backward_passes
-        self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes)
+        self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes,
+                             prefetch_bytes=self.placement.prefetch_reserve_bytes)
         self.placement.begin_trace(self.warmup.tracer)
         self.hooks.follow_periods(True)
         self.warmup.begin()

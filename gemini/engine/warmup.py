@@ -30,12 +30,23 @@ class Warmup:
     (``ChunkStorage.swap_move_watcher``), so model data is subtracted exactly where it changed.
     """
 
-    def __init__(self, module: nn.Module, storage: ChunkStorage, memory: DeviceMemory, fixed_bytes: int) -> None:
+    # [Note: the warm-up plans the prefetch]
+    # Under ZeRO-3 every iteration after the warm-up gathers the next group of the recorded
+    # order ahead of its use (gemini/parallel/zero.py's ParamGatherer); the warm-up records
+    # that order and gathers nothing ahead, so each of its decisions held one group less than
+    # the same decision will hold later. Whether a rank gathers ahead cannot depend on its own
+    # memory (the gathers are collectives: [Note: the order of collectives]), so the plan
+    # charges every later decision room for the largest group's parameters (``prefetch_bytes``,
+    # in ``MemoryPlan.planned_peak_bytes``): a budget that cannot hold them fails here, at the
+    # first step, not at the second step's backward, and the margin is what is left beside them.
+    def __init__(self, module: nn.Module, storage: ChunkStorage, memory: DeviceMemory, fixed_bytes: int, *,
+                 prefetch_bytes: int = 0) -> None:
         if memory.monitor is None:
             raise RuntimeError("warm-up tracing needs a device memory monitor")
         self.storage = storage
         self.memory = memory
         self.fixed_bytes = fixed_bytes
+        self.prefetch_bytes = prefetch_bytes  # see [Note: the warm-up plans the prefetch]
         self.tracer = RuntimeTracer(
             module,
             memory.monitor,
@@ -81,6 +92,7 @@ class Warmup:
                 fixed_bytes=self.fixed_bytes,
                 reserve_bytes=self.memory.reserve_bytes(max(p.non_model_peak_bytes for p in periods), warmup_peak),
                 budget_bytes=self.memory.budget_bytes,
+                prefetch_bytes=self.prefetch_bytes,
             )
         logger.info(
             "warm-up: %d periods, peak %d bytes (chunks %d, max non-model %d, reserve %d) of a %d-byte budget; margin %d",
@@ -90,9 +102,11 @@ class Warmup:
         # Later iterations keep the reserve free on top of what the warm-up's schedule needs at
         # each of its decisions (they can always fall back to that schedule: see
         # MemoryPlan.planned_peak_bytes), so the promise is checked with both, here.
+        prefetch = (f" and room for the {plan.prefetch_bytes} bytes of parameters ZeRO-3 gathers ahead of their use "
+                    f"from the next iteration on" if plan.prefetch_bytes else "")
         check_peak(plan.planned_peak_bytes + plan.reserve_bytes, self.memory.budget_bytes,
                    advice=AutoPlacement.budget_advice,
-                   what=f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve)",
+                   what=f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve{prefetch})",
                    chunk_peak_bytes=plan.warmup_model_peak_bytes)
         return plan
 

@@ -168,7 +168,8 @@ class ParamGatherer:
         self.comm = comm
         self.manager = manager
         self._pending: dict[int, Pending] = {}
-        self.prefetched: set[int] = set()  # gathered ahead of use, not yet used
+        # Gathered ahead of use, not yet used; the placement reads this very set (never rebind it).
+        self.prefetched: set[int] = set()
         self.order: list[int] | None = None  # gather order of one iteration, once recorded
         self._recording: list[int] | None = None
         self._pos = 0

@@ -302,7 +302,17 @@ class AutoPlacement(PlacementPolicy):
         reserve = self.plan.reserve_bytes if self.plan is not None else 0
         return missing_bytes(self.budget_bytes, self.manager.storage.ledger.bytes_on(Tier.DEVICE),
                              self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
-                             self.prefetch_reserve_bytes)
+                             self._prefetch_room_bytes())
+
+    def _prefetch_room_bytes(self) -> int:
+        """ZeRO-3: the room the next gather ahead needs beyond what the device holds now. A group
+        gathered ahead and not used yet is in the ledger already and holds (part of) the reserve:
+        counted twice, a later iteration needed a group more than the plan charged, and its
+        backward raised DeviceBudgetError under a budget the warm-up had accepted."""
+        if not self.prefetch_reserve_bytes:
+            return 0
+        ahead = sum(self.manager.groups[i].param.nbytes for i in self.prefetched)
+        return max(0, self.prefetch_reserve_bytes - ahead)
 
     def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]],
                 wanted: set[int] = frozenset()) -> list[int]:
@@ -325,11 +335,17 @@ class AutoPlacement(PlacementPolicy):
                 victims = self._any_victims(candidates, over, wanted)
         except EvictionError as e:
             short = over - sum(candidates.values())
+            held = self.manager.storage.ledger.bytes_on(Tier.DEVICE)
             # Raised in forward or backward, before the step: parameters, optimizer states and
-            # step counts are untouched; only this iteration's gradients are partial.
+            # step counts are untouched; only this iteration's gradients are partial. What the
+            # device holds is said whole: the candidates exclude what is in use, so their count
+            # alone ("0 chunks hold 0 bytes") read as if the device were empty.
             raise DeviceBudgetError(
                 f"the device budget cannot hold this period: {short} bytes are missing even after evicting every "
-                f"chunk not in use ({e}). Nothing was updated: parameters and optimizer states are as before this "
+                f"chunk not in use (the device holds {held} bytes of chunks, {held - sum(candidates.values())} of "
+                f"them in use now: parameters of running or pending computations, gathered or prefetched "
+                f"parameters, gradient buckets, the margin's groups; {e}). Nothing was updated: parameters and "
+                f"optimizer states are as before this "
                 f"iteration (call optimizer.zero_grad() before retrying: its gradients are partial). Raise "
                 f"GeminiConfig.device_memory, lower gpu_margin_mem_ratio, or use a smaller chunk_size or batch.",
                 missing_bytes=short,

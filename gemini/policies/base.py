@@ -15,7 +15,7 @@ go (``gathers_params`` tells a policy that ZeRO-3 gathers parameters around each
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from chunks import ChunkGroup, ChunkKind, ChunkManager, Tier
 from gemini.config import GeminiConfig
@@ -52,8 +52,10 @@ class PlacementPolicy:
         # ZeRO-3 gathers each module's parameters around its call (set by initialize).
         self.gathers_params = False
         # Under ZeRO-3, room for one prefetched group's gathered parameters (set by initialize;
-        # a policy that keeps to a budget counts it).
+        # a policy that keeps to a budget counts it), and the groups gathered ahead of their use
+        # now (the gatherer's own set, read live: it holds one while the reserve is in use).
         self.prefetch_reserve_bytes = 0
+        self.prefetched: Collection[int] = frozenset()
 
     @classmethod
     def from_config(cls, config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,

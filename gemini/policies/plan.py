@@ -32,6 +32,10 @@ class MemoryPlan:
     fixed_bytes: int  # device model data outside chunks (buffers)
     reserve_bytes: int
     budget_bytes: int
+    # ZeRO-3: one chunk group's gathered parameters, which every iteration after the warm-up
+    # gathers ahead of their use (the warm-up records the order and gathers nothing ahead):
+    # see [Note: the warm-up plans the prefetch] in gemini/engine/warmup.py.
+    prefetch_bytes: int = 0
 
     @classmethod
     def from_trace(cls, periods: tuple[PeriodRecord, ...], **kwargs) -> MemoryPlan:
@@ -59,10 +63,11 @@ class MemoryPlan:
         every chunk not in use, holds what the warm-up held there: per segment, the model data
         the warm-up held plus the segment's non-model peak (never below the measured peak).
         Each is charged at its own decision, so a budget that holds this trains every later
-        iteration, not only the warm-up (see [Note: segments of a period])."""
+        iteration, not only the warm-up (see [Note: segments of a period]); under ZeRO-3 with
+        room for the group those iterations gather ahead (:attr:`prefetch_bytes`)."""
         planned = max((m + n for ms, ns in zip(self.segment_model_bytes, self.segment_non_model_bytes)
                        for m, n in zip(ms, ns)), default=0)
-        return max(planned, self.warmup_peak_bytes)
+        return max(planned, self.warmup_peak_bytes) + self.prefetch_bytes
 
     @property
     def margin_bytes(self) -> int:
