@@ -74,6 +74,10 @@ class TransferStats:
     nvme_write_bytes: int = 0  # confirmed writes to NVMe files
     nvme_wait_seconds: float = 0.0  # time the caller waited for NVMe I/O to finish
     grad_reduce_bytes: int = 0  # gradient buckets reduce-scattered across ranks (ZeRO)
+    # ZeRO: parameter chunks all-gathered across ranks (ZeRO-3 before compute, prefetches
+    # included; ZeRO-1/2 after the step) and their bytes, whole chunks as the gathers fill them.
+    param_gathers: int = 0
+    param_gather_bytes: int = 0
     activation_d2h_bytes: int = 0  # saved activations copied to host memory
     activation_h2d_bytes: int = 0  # ... and back to the device for backward
     activation_kept_bytes: int = 0  # saved activations the budget kept on the device instead
@@ -81,7 +85,7 @@ class TransferStats:
     def reset(self) -> None:
         self.h2d_bytes = self.d2h_bytes = 0
         self.nvme_read_bytes = self.nvme_write_bytes = 0
-        self.grad_reduce_bytes = 0
+        self.grad_reduce_bytes = self.param_gathers = self.param_gather_bytes = 0
         self.activation_d2h_bytes = self.activation_h2d_bytes = self.activation_kept_bytes = 0
         self.seconds = self.nvme_wait_seconds = 0.0
 
@@ -122,6 +126,11 @@ class MemoryLedger:
             self.transfers.h2d_bytes += nbytes
         elif src is Tier.DEVICE and dst is Tier.HOST:
             self.transfers.d2h_bytes += nbytes
+
+    def count_gather(self, nbytes: int) -> None:
+        """A parameter chunk of ``nbytes`` was all-gathered across ranks (ZeRO)."""
+        self.transfers.param_gathers += 1
+        self.transfers.param_gather_bytes += nbytes
 
     def count_nvme_io(self, nbytes: int, *, write: bool) -> None:
         """A read (or write) of ``nbytes`` from (to) an NVMe file was confirmed."""

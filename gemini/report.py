@@ -108,11 +108,15 @@ class MemoryReport:
     # allocator's cache, peak over the step; None without a GPU or NVML.
     device_used_peak_bytes: int | None = None
     # ZeRO: this rank among ``world_size`` data-parallel ranks (the bytes above are this
-    # rank's), gradient bytes it reduce-scattered and parameter chunks it all-gathered this step.
+    # rank's), gradient bytes it reduce-scattered, and the parameter chunks it all-gathered this
+    # step with their bytes (ZeRO-3: before each module's compute, prefetches included; ZeRO-1/2:
+    # after the step). ZeRO-3's own range of a chunk whose shard is in host memory counts in
+    # h2d_bytes too (see [Note: what a gather counts] in gemini/parallel/zero.py).
     world_size: int = 1
     rank: int = 0
     grad_reduce_bytes: int = 0
     param_gathers: int = 0
+    param_gather_bytes: int = 0
     # GeminiConfig.offload_activations: saved activations copied to host memory this step (each
     # comes back once for backward), the most held there at once, and the bytes the budget
     # kept on the device instead (see gemini/engine/activations.py).

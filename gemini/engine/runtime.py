@@ -383,8 +383,6 @@ class GeminiRuntime:
                 self.report_writer.write(report)
             except OSError as e:  # the step has landed: raising would invite a retry that steps twice
                 logger.error("step %d landed, but its report could not be written: %s", report.step, e)
-        if self.residency.gatherer is not None:
-            self.residency.gatherer.gathers = 0
         self.start_new_step()
 
 

@@ -31,7 +31,6 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
     """The report of step number ``step``, read before the counters start again."""
     ledger = rt.storage.ledger
     transfers = ledger.transfers
-    gatherer = rt.residency.gatherer
     return MemoryReport(
         step=step,
         device_peak_bytes=device_peak_bytes(rt),
@@ -66,7 +65,8 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
         world_size=rt.manager.world,
         rank=rt.manager.rank,
         grad_reduce_bytes=transfers.grad_reduce_bytes,
-        param_gathers=gatherer.gathers if gatherer is not None else 0,
+        param_gathers=transfers.param_gathers,
+        param_gather_bytes=transfers.param_gather_bytes,
         activation_offload_bytes=transfers.activation_d2h_bytes,
         activation_host_peak_bytes=ledger.activations.peak_bytes,
         activation_kept_bytes=transfers.activation_kept_bytes,

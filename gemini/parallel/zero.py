@@ -173,7 +173,6 @@ class ParamGatherer:
         self.order: list[int] | None = None  # gather order of one iteration, once recorded
         self._recording: list[int] | None = None
         self._pos = 0
-        self.gathers = 0
 
     def begin_iteration(self) -> None:
         """The root module's forward begins."""
@@ -219,8 +218,18 @@ class ParamGatherer:
 
     def _start(self, g: ChunkGroup) -> None:
         g.param.allocate(Tier.DEVICE, zero=False)
-        self._pending[g.index] = self.comm.all_gather(g.param.payload(Tier.DEVICE), g.param_shard.payload())
-        self.gathers += 1
+        shard = g.param_shard
+        self._pending[g.index] = self.comm.all_gather(g.param.payload(Tier.DEVICE), shard.payload())
+        # [Note: what a gather counts] The report's param_gathers and param_gather_bytes count
+        # every gathered chunk (prefetches too), whole; h2d_bytes this rank's range where its
+        # shard is in host memory: it crosses to the device (NCCL's staging copy on CUDA, the
+        # collective's own copy on the CPU stand-in), the other ranks' ranges arrive over the
+        # network. Staging copies a backend needs beyond that (gloo with CUDA tensors: [Note:
+        # which tensors a backend takes]) are not counted.
+        ledger = self.manager.storage.ledger
+        ledger.count_gather(g.param.nbytes)
+        if not shard.is_on(Tier.DEVICE):
+            ledger.count_copy(Tier.HOST, Tier.DEVICE, shard.nbytes, 0.0)
 
     def _wait(self, g: ChunkGroup) -> None:
         pending = self._pending.pop(g.index, None)
@@ -325,6 +334,7 @@ def gather_params(comm: Collectives, groups: Sequence[ChunkGroup], storage, *, m
             primary = g.param.primary_tier
             full = g.param.payload(primary)
             in_flight.append((g, primary, comm.all_gather(full, full[g.shard.start : g.shard.end])))
+            storage.ledger.count_gather(g.param.nbytes)  # in place on its tier: no h2d or d2h
             while len(in_flight) > max_in_flight:
                 finish(*in_flight.popleft())
         while in_flight:

@@ -60,7 +60,8 @@ def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str =
     ]
     if r.world_size > 1:
         parts.append(f"ZeRO rank {r.rank}/{r.world_size}: reduced {gib(r.grad_reduce_bytes, unit)}"
-                     + (f", {r.param_gathers} param gathers" if r.param_gathers else ""))
+                     + (f", gathered {r.param_gathers} param chunks ({gib(r.param_gather_bytes, unit)})"
+                        if r.param_gathers else ""))
     if r.skipped:
         parts.append(f"SKIPPED (fp16 overflow; loss scale {r.loss_scale:g})")
     return " | ".join(parts)

@@ -1,0 +1,71 @@
+"""What each rank runs in tests/test_zero_loop.py: a ZeRO training loop's budget over later steps,
+writes into the parameters between steps, and the report's counters. Model and data are
+tests/zero_workers.py's."""
+
+from __future__ import annotations
+
+import torch
+
+import gemini
+from gemini.errors import DeviceBudgetError
+from zero_workers import local, loss_fn, make_data, make_net
+
+CHUNK = 600
+
+
+def run_budgets(rank: int, world: int, budgets: list[int], steps: int, out_dir: str) -> None:
+    """ZeRO-3 under auto at each budget: per budget, the step (from 0) a DeviceBudgetError came at
+    (None: none did) with its message, and each landed step's state and measured peak."""
+    results = {}
+    for budget in budgets:
+        cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, shard_params=True,
+                                  device_memory=budget)
+        model, opt = gemini.initialize(make_net(), cfg, lr=1e-2, weight_decay=0.01)
+        out = {"failed_at": None, "message": "", "states": [], "peaks": []}
+        for step, batch in enumerate(make_data(steps)):
+            x, y = local(batch, rank, world)
+            try:
+                opt.backward(loss_fn(model(x), y))
+                opt.step()
+            except DeviceBudgetError as e:
+                out["failed_at"], out["message"] = step, str(e)
+                break
+            opt.zero_grad()
+            out["states"].append(model.state_dict())
+            out["peaks"].append(opt.report.device_peak_bytes)
+        results[budget] = out
+        opt.close()
+    torch.save(results, f"{out_dir}/budgets_rank{rank}.pt")
+
+
+def run_counters(rank: int, world: int, out_dir: str, steps: int) -> None:
+    """ZeRO-2 and ZeRO-3 under placement cpu: per step, the report and what the all-gathers that
+    torch.distributed ran moved (counted around the collective itself, independently of the
+    engine's counters): calls, bytes gathered, bytes of this rank's input."""
+    import gemini.parallel.collectives as collectives
+
+    seen = {"calls": 0, "out": 0, "in": 0}
+    real = collectives._all_gather
+
+    def counting(out, inp, **kwargs):
+        seen["calls"] += 1
+        seen["out"] += out.numel() * out.element_size()
+        seen["in"] += inp.numel() * inp.element_size()
+        return real(out, inp, **kwargs)
+
+    collectives._all_gather = counting  # this rank's process only
+    results = {}
+    for shard in (False, True):
+        cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK, shard_params=shard)
+        model, opt = gemini.initialize(make_net(), cfg, lr=1e-2, weight_decay=0.01)
+        per_step = []
+        for batch in make_data(steps):
+            x, y = local(batch, rank, world)
+            seen.update({"calls": 0, "out": 0, "in": 0})
+            opt.backward(loss_fn(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            per_step.append({"report": opt.report.to_dict(), "gathers": dict(seen)})
+        results[3 if shard else 2] = per_step
+        opt.close()
+    torch.save(results, f"{out_dir}/counters_rank{rank}.pt")
