@@ -303,7 +303,36 @@ class ChunkManager:
                 if (p.data_ptr() - offset not in bases) if bases else p.numel():
                     self._adopt(g, slot, p.data)
             self.repoint(g.param)
+        if self.shard_params:
+            self._refuse_lost_writes(adopted)
         return adopted
+
+    # [Note: writes between steps under ZeRO-3]
+    # Under ZeRO-3 a parameter holds its values only around the module calls that use it (its
+    # chunk gathered); between them, and so between steps, it is an empty stand-in, and each
+    # rank keeps a shard of it. A write in place there (``with torch.no_grad(): p.mul_(0.5)``,
+    # ``nn.init.*``) reached the stand-in: it was lost, silently, and training went on from the
+    # unwritten values. Carrying it would need the whole parameter on every rank between steps
+    # (what ZeRO-3 exists to avoid), so it is refused, loudly: the write still bumped the
+    # parameter's version counter ([Note: writes through the parameters] in chunks/edits.py),
+    # which is read here, where the next forward, step or state_dict begins, before any gather.
+    # What works instead: assigning ``p.data`` (copied into each rank's shard, see [Note:
+    # parameters whose .data was assigned]) and writes inside forward (the chunk is gathered;
+    # each rank keeps its range of the write). Cost: one sum of version counters per gathered-
+    # on-use group and call, under ZeRO-3 only. Not seen: an in-place write to one parameter of
+    # a group another of whose parameters was assigned at the same time (the sum is per group).
+    def _refuse_lost_writes(self, adopted: list[ChunkGroup]) -> None:
+        for g in self.groups:
+            edits = g.param.edits
+            if g.param.state is not ChunkState.RELEASED or edits is None or not edits.new() or g in adopted:
+                continue
+            raise RuntimeError(
+                f"parameters {[s.name for s in g.slots]} (one or more) were written in place between their uses "
+                f"(p.mul_(), p.copy_(), nn.init.*), but under ZeRO-3 (GeminiConfig(shard_params=True)) a parameter "
+                f"holds no values between the module calls that use it (each rank keeps a shard): the write reached "
+                f"an empty tensor and is lost; nothing else changed. Assign instead (p.data = new_value, a tensor of "
+                f"the parameter's shape, e.g. from model.state_dict(): each rank copies its range into its shard), "
+                f"write inside the module's forward, or use shard_params=False")
 
     @staticmethod
     @torch.no_grad()

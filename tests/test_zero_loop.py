@@ -67,3 +67,29 @@ def test_report_counts_every_parameter_gather_and_its_host_bytes(tmp_path):
                 assert report["param_gather_bytes"] == gathers["out"], (zero, step)
                 if zero == 3:
                     assert report["h2d_bytes"] == gathers["in"], (rank, step, report["h2d_bytes"], gathers)
+
+
+def test_zero3_write_between_steps_is_refused_and_an_assignment_trains(tmp_path):
+    """Under ZeRO-3 a parameter is an empty stand-in between steps: ``p.mul_(0.5)`` there was lost
+    silently (training went on from the unhalved weight). Now the next forward raises, naming the
+    parameters, with the training state as it was; ``p.data = value`` (each rank copies its range)
+    trains as plain AdamW with the write."""
+    run_ranks(zl.run_zero3_writes, str(tmp_path), STEPS, timeout_seconds=120)
+    model = zw.make_net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01,
+                            fused=True)
+    want = []
+    for step, (x, y) in enumerate(zw.make_data(STEPS)):
+        zw.loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            with torch.no_grad():
+                model.hidden.weight.mul_(0.5)
+        want.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    for rank in range(2):
+        got = torch.load(tmp_path / f"writes_rank{rank}.pt", weights_only=True)
+        assert "hidden.weight" in got["message"] and "shard_params" in got["message"], got["message"]
+        _assert_close(got["after_refusal"], got["before"], f"rank {rank}: the refusal changed nothing")
+        for step in range(STEPS):
+            _assert_close(got["states"][step], want[step], f"rank {rank} step {step}")

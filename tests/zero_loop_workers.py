@@ -69,3 +69,38 @@ def run_counters(rank: int, world: int, out_dir: str, steps: int) -> None:
         results[3 if shard else 2] = per_step
         opt.close()
     torch.save(results, f"{out_dir}/counters_rank{rank}.pt")
+
+
+def run_zero3_writes(rank: int, world: int, out_dir: str, steps: int) -> None:
+    """ZeRO-3 between steps 0 and 1: an in-place write (lost on the empty stand-in) is refused at the
+    next forward; assigning ``p.data`` trains as the write would in one process."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK, shard_params=True)
+    net = make_net()
+    model, opt = gemini.initialize(net, cfg, lr=1e-2, weight_decay=0.01)
+    x, y = local(make_data(1)[0], rank, world)
+    opt.backward(loss_fn(model(x), y))
+    opt.step()
+    opt.zero_grad()
+    before = model.state_dict()
+    with torch.no_grad():
+        net.hidden.weight.mul_(0.5)
+    try:
+        model(x)
+        message = ""
+    except RuntimeError as e:
+        message = str(e)
+    out = {"message": message, "before": before, "after_refusal": model.state_dict()}
+    opt.close()
+    net = make_net()  # the same run again, the write as an assignment
+    model, opt = gemini.initialize(net, cfg, lr=1e-2, weight_decay=0.01)
+    out["states"] = []
+    for step, batch in enumerate(make_data(steps)):
+        x, y = local(batch, rank, world)
+        opt.backward(loss_fn(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            net.hidden.weight.data = model.state_dict()["hidden.weight"] * 0.5
+        out["states"].append(model.state_dict())
+    opt.close()
+    torch.save(out, f"{out_dir}/writes_rank{rank}.pt")
