@@ -270,8 +270,12 @@ class AutoPlacement(PlacementPolicy):
 
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
         # Released groups are dropped in the warm-up and evictable after it; with nothing ever
-        # evicted (periods not followed) there is nothing to gain.
-        return self.plan is None or self.track_periods
+        # evicted (periods not followed) there is nothing to gain. Under ZeRO-3 a released group's
+        # gathered parameters are freed and gathered again at its next use: a collective, so
+        # the choice cannot follow this rank's own plan (each rank measures its own; ranks that
+        # chose differently issued gathers and reductions in different orders and hung), and it
+        # is the warm-up's choice, which the plan charged.
+        return self.plan is None or self.track_periods or self.gathers_params
 
     # ------------------------------------------------------------------------- eviction
     # [Note: what a decision keeps]
