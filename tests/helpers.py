@@ -121,10 +121,11 @@ CUDA_RTOL, CUDA_ATOL = 1e-3, 2e-4
 
 def assert_params_close(got: dict, want: dict, *, rtol: float = 1e-6, atol: float = 1e-7, step: int | None = None):
     """Every entry equal to ``rtol`` / ``atol``, compared on the CPU (a reference on the device
-    against gemini's ``state_dict()``, which is on the CPU); on CUDA at least to CUDA_RTOL /
-    CUDA_ATOL (see [Note: equal to torch on a GPU])."""
+    against gemini's ``state_dict()``, which is on the CPU); in a process that trained on CUDA
+    (GEMINI_TEST_DEVICE=cuda, or a test marked cuda) at least to CUDA_RTOL / CUDA_ATOL (see
+    [Note: equal to torch on a GPU])."""
     assert got.keys() == want.keys(), f"keys differ: {set(got) ^ set(want)}"
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized()):
         rtol, atol = max(rtol, CUDA_RTOL), max(atol, CUDA_ATOL)
     for k in want:
         torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=rtol, atol=atol,

@@ -1,0 +1,107 @@
+"""Diagnostics for the first CUDA run's findings (not a test): why the engine sees no backward
+pass on CUDA, and whether plain torch on CUDA is bit-reproducible across copies of the model.
+
+    python scripts/gpu_diag.py
+"""
+import copy
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import gemini  # noqa: E402
+from gemini.engine import hooks as H  # noqa: E402
+from gemini.tools.gpt import GPT  # noqa: E402
+from helpers import TINY, batches, clone_pair  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+log = []
+orig_begin, orig_comp, orig_end = (H.ModuleHooks._begin_backward_pass, H.ModuleHooks._computes_parameter_gradients,
+                                   H.ModuleHooks._end_of_backward)
+
+
+def begin(self):
+    if torch._C._current_graph_task_id() != self._task_seen:
+        log.append(("begin", torch._C._current_graph_task_id(), self._task_seen, self._backward_task, self._iteration_pass))
+    return orig_begin(self)
+
+
+def comp(self):
+    out = []
+    for group in self.manager.trainable_groups:
+        for p in group.params[:2]:
+            try:
+                node = torch.autograd.graph.get_gradient_edge(p).node
+                out.append((type(node).__name__, torch._C._will_engine_execute_node(node), p.is_leaf, p.device))
+            except Exception as e:
+                out.append(repr(e)[:200])
+    r = orig_comp(self)
+    log.append(("computes", r, out[:4]))
+    return r
+
+
+def end(self):
+    log.append(("end", self._iteration_pass, torch._C._current_graph_task_id()))
+    return orig_end(self)
+
+
+H.ModuleHooks._begin_backward_pass, H.ModuleHooks._computes_parameter_gradients, H.ModuleHooks._end_of_backward = \
+    begin, comp, end
+
+for placement in ("cpu", "auto", "cuda"):
+    log.clear()
+    try:
+        base, _ = clone_pair()
+        model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEV, placement=placement, chunk_size=8192),
+                                       lr=1e-2)
+        for x, y in batches(TINY, 2, device=DEV):
+            loss = GPT.loss(model(x), y)
+            log.append(("loss", type(loss.grad_fn).__name__))
+            opt.backward(loss)
+            log.append(("after backward", opt._rt.hooks.backward_passes))
+            opt.step()
+            opt.zero_grad()
+        print(placement, "OK")
+    except Exception:
+        print(placement, "FAILED:", traceback.format_exc()[-600:])
+    for e in log:
+        print("   ", e)
+
+# Plain torch on CUDA, two copies of one model: bit-equal after 3 steps? And with every
+# parameter a view at an odd offset of one flat buffer (what chunks do)?
+def train(model, data):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for x, y in data:
+        GPT.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+data = batches(TINY, 3, device="cuda")
+base, _ = clone_pair()
+a = train(copy.deepcopy(base).cuda(), data)
+b = train(copy.deepcopy(base).cuda(), data)
+flat_model = copy.deepcopy(base).cuda()
+n = sum(p.numel() + 3 for p in flat_model.parameters())
+flat = torch.zeros(n, device="cuda")
+off = 1
+for p in flat_model.parameters():
+    view = flat[off:off + p.numel()].view_as(p)
+    view.copy_(p.data)
+    p.data = view
+    off += p.numel() + 3
+c = train(flat_model, data)
+for name, other in (("copy", b), ("flat views", c)):
+    diffs = {k: (a[k] - other[k]).abs().max().item() for k in a}
+    worst = max(diffs, key=diffs.get)
+    print(f"torch vs torch ({name}): {sum(v > 0 for v in diffs.values())}/{len(diffs)} tensors differ; worst {worst} "
+          f"{diffs[worst]:.3g}")
+torch.use_deterministic_algorithms(True, warn_only=True)
+d = train(copy.deepcopy(base).cuda(), data)
+e = train(copy.deepcopy(base).cuda(), data)
+diffs = {k: (d[k] - e[k]).abs().max().item() for k in d}
+print("deterministic, two copies:", sum(v > 0 for v in diffs.values()), "differ")

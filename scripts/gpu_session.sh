@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The lent GPU's checks (issue 18, docs/gpu_session.md) as one command, stage by stage:
+#
+#   bash scripts/gpu_session.sh info suite+capacity pinned fit peers   # about 7 minutes
+#
+# Each stage has its own time limit (the machine lends 10 minutes a command), writes its log
+# and results under benchmarks/results/ (gpu_*), and packs them into $OUT/gpu_results.tgz when
+# it ends, so a call cut short still brings back what the finished stages found. A failing
+# stage is a finding, not the end of the call.
+#   cuda_tests       the tests marked cuda alone
+#   suite+capacity   the whole suite on the GPU, the cuda tests included (pytest-xdist, 10 workers),
+#                    beside the capacity search (an 8 GiB budget, states on the host, from 56
+#                    layers); the search's figure is memory (its step times are taken beside the
+#                    suite: not timings)
+#   rerun            the tests named in $RERUN (node ids), on the GPU
+#   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+R=benchmarks/results
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfE)
+
+pack() { tar czf "$OUT/gpu_results.tgz" $R/gpu_* 2>/dev/null; }
+
+stage() {  # name seconds command...: the command under a limit, its output in $R/gpu_<name>.log
+    local name=$1 limit=$2
+    shift 2
+    local begin=$SECONDS
+    timeout -s INT -k 10 "$limit" "$@" >"$R/gpu_$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - begin)) s (limit $limit s); last lines:"
+    tail -n 25 "$R/gpu_$name.log" | cut -c1-300
+    pack
+}
+
+for s in "$@"; do
+    case $s in
+        info)
+            { date -u; nvidia-smi; "$PY" -c "import torch, sys; print(sys.version); print('torch', torch.__version__, \
+'cuda', torch.version.cuda, torch.cuda.get_device_name(0), torch.cuda.mem_get_info())"; nproc; free -g; df -h /tmp; } \
+                >"$R/gpu_info.log" 2>&1
+            cat "$R/gpu_info.log" | head -40; pack ;;
+        cuda_tests)
+            stage cuda_tests 90 "${PYTEST[@]}" -m cuda --timeout 60 tests ;;
+        suite+capacity)
+            stage capacity 150 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --start-layers 56 --time-limit 140 &
+            GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage suite 150 "${PYTEST[@]}" -n 10 --timeout 120 \
+                --junitxml="$R/gpu_suite.xml" tests
+            wait ;;
+        pinned)
+            stage pinned 45 "$PY" benchmarks/bench_pinned_copies.py --rounds 5 ;;
+        fit)
+            stage fit 70 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --fit --budget 4GiB --embd 1024 --steps 4 \
+                --time-limit 64 ;;
+        nvme)
+            mkdir -p /tmp/nvme
+            stage nvme 200 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --nvme-dir /tmp/nvme --cpu-memory 16GiB \
+                --start-layers 56 --time-limit 185 ;;
+        peers)
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+                >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"
+            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 170 "$PY" benchmarks/bench_peers.py --device cuda \
+                --model gpt-350m --steps 5 --warmup 2 --timeout 75 ;;
+        rerun)
+            GEMINI_TEST_DEVICE=cuda stage rerun 120 "${PYTEST[@]}" --timeout 60 ${RERUN:-tests/test_equivalence.py} ;;
+        *)
+            echo "unknown stage $s"; exit 2 ;;
+    esac
+done
+pack
+ls -la "$OUT"
