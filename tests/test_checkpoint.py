@@ -21,7 +21,8 @@ import torch
 import gemini
 from gemini.checkpoint import CheckpointCorruptionError, CheckpointDiskFullError
 from gemini.tools.gpt import GPT
-from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, cpu_copy, make_gpt, train_reference
+from helpers import (DEVICE, STATE_CUDA_ATOL, TINY, assert_params_close, batches, clone_pair, cpu_copy, make_gpt,
+                     tolerance, train_reference)
 
 
 def _run(gmodel, opt, data):
@@ -95,7 +96,8 @@ def test_state_dicts_match_plain_pytorch():
     for i in ref_sd["state"]:
         assert float(sd["state"][i]["step"]) == float(ref_sd["state"][i]["step"])
         for name in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(sd["state"][i][name], ref_sd["state"][i][name], rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(sd["state"][i][name], ref_sd["state"][i][name],
+                                       **tolerance(1e-6, 1e-9, cuda_atol=STATE_CUDA_ATOL))
     # The plain model loads gemini's state_dict and computes the same thing.
     plain = make_gpt(seed=99)
     plain.load_state_dict(ours)
@@ -139,7 +141,8 @@ def test_load_state_lacking_parameters_resets_them_like_torch(placement):
         for i in theirs:
             assert float(ours[i]["step"]) == float(theirs[i]["step"]), i
             for name in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(ours[i][name], theirs[i][name], rtol=1e-6, atol=1e-9,
+                torch.testing.assert_close(ours[i][name], theirs[i][name],
+                                           **tolerance(1e-6, 1e-9, cuda_atol=STATE_CUDA_ATOL),
                                            msg=lambda m: f"param {i} {name}: {m}")
 
     assert_same_state()

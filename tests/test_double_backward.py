@@ -21,7 +21,7 @@ from torch import nn
 
 import gemini
 from gemini.engine.memory import DeviceBudgetError
-from helpers import DEVICE, assert_params_close
+from helpers import DEVICE, assert_params_close, tolerance
 
 WIDTH = 256
 STEPS = 3
@@ -143,7 +143,7 @@ def test_input_gradients_train_like_torch(name, loop):
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, w, step=step)
     for step, (g, w) in enumerate(zip(got_outs, want_outs)):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(g, w, **tolerance(1e-6, 1e-7), msg=lambda m: f"step {step}: {m}")
     rt = opt._rt
     assert rt.hooks.backward_passes == STEPS * (2 if loop == "r1" else 1)  # torch.autograd.grad is none
     assert not rt.residency._held and not any(rt.residency._compute_refs.values())  # released by the step

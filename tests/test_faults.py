@@ -31,7 +31,7 @@ from gemini.engine.nvme_tier import NvmeTier
 from gemini.engine.transaction import UNDO_KIND
 from offload import NvmeStoreError, Tier
 
-from helpers import DEVICE, TINY, batches, clone_pair, cpu_copy, train_reference
+from helpers import DEVICE, STATE_CUDA_ATOL, TINY, batches, clone_pair, cpu_copy, tolerance, train_reference
 
 STEPS = 4
 FAULT_STEP = 2  # the fault strikes during this step (or the checkpoint saved after it)
@@ -156,11 +156,12 @@ def _assert_close_to_reference(model, opt, reference):
     want_params, want_state = reference
     params, state = _values(model, opt)
     for name, w in want_params.items():
-        torch.testing.assert_close(params[name], w, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(params[name], w, **tolerance(1e-6, 1e-7), msg=name)
     for i, entry in want_state["state"].items():
         assert int(state["state"][i]["step"]) == int(entry["step"])
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(state["state"][i][key], entry[key], rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(state["state"][i][key], entry[key],
+                                       **tolerance(1e-6, 1e-9, cuda_atol=STATE_CUDA_ATOL))
 
 
 def _arm_at(moment: str, fault: Fault, model, monkeypatch, step_box: list[int]) -> None:

@@ -15,7 +15,8 @@ import gemini
 import gemini.optim.adam_batches as adam_batches
 from gemini.engine.interrupts import HeldInterrupt
 from gemini.tools.gpt import GPT
-from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, cpu_copy, train_reference
+from helpers import (DEVICE, STATE_CUDA_ATOL, TINY, assert_params_close, batches, clone_pair, cpu_copy, tolerance,
+                     train_reference)
 
 LR = 1e-2
 
@@ -47,7 +48,8 @@ def _assert_adamw(model, opt, ref, ref_opt) -> None:
     state = opt.state_dict()["state"]
     for i, p in enumerate(p for group in ref_opt.param_groups for p in group["params"]):  # torch's numbering
         assert int(state[i]["step"]) == int(ref_opt.state[p]["step"])
-        torch.testing.assert_close(state[i]["exp_avg"], ref_opt.state[p]["exp_avg"].cpu(), rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(state[i]["exp_avg"], ref_opt.state[p]["exp_avg"].cpu(),
+                                   **tolerance(1e-6, 1e-9, cuda_atol=STATE_CUDA_ATOL))
 
 
 @pytest.mark.parametrize("placement, extra", [("cpu", {}), ("static", dict(static_optimizer_offload_fraction=0.5))])

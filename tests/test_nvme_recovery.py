@@ -16,7 +16,8 @@ import gemini.optim.hybrid_adam as hybrid_adam
 from chunks.storage import ChunkStorage
 from gemini.checkpoint import load_checkpoint, save_checkpoint
 from gemini.tools.gpt import GPT
-from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, cpu_copy, roomy_budget, train_reference
+from helpers import (DEVICE, STATE_CUDA_ATOL, TINY, assert_params_close, batches, clone_pair, cpu_copy, roomy_budget,
+                     tolerance, train_reference)
 from offload import NvmeStoreError
 
 LR = 1e-2
@@ -57,7 +58,8 @@ def _assert_adamw(model, opt, ref, ref_opt) -> None:
         want = ref_opt.state[p]
         assert int(state[i]["step"]) == int(want["step"])
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(state[i][key], want[key].cpu(), rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(state[i][key], want[key].cpu(),
+                                       **tolerance(1e-6, 1e-9, cuda_atol=STATE_CUDA_ATOL))
 
 
 def _fail_in_prefetch(monkeypatch):

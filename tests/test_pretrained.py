@@ -23,7 +23,7 @@ import gemini
 from chunks import ChunkManager, ChunkState
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.pretrained import SafetensorsCheckpoint, WeightsError, load_pretrained_into
-from helpers import DEVICE
+from helpers import DEVICE, tolerance
 
 hf_logging.disable_progress_bar()
 
@@ -82,7 +82,7 @@ def _assert_state_equal(got: dict, want: dict, *, rtol=0.0, atol=0.0, what=""):
     """Equal entries, compared on the CPU (gemini's state_dict is there; a reference may not be)."""
     assert got.keys() == want.keys(), f"{what}: keys differ: {set(got) ^ set(want)}"
     for k in want:
-        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=rtol, atol=atol,
+        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), **tolerance(rtol, atol),
                                    msg=lambda m: f"{what} {k}: {m}")
 
 

@@ -114,7 +114,9 @@ def run_specs(rank: int, world: int, specs: list[dict], out_dir: str) -> None:
     for i, spec in enumerate(specs):
         mb = spec.get("micro_batches", 1)
         model, opt = gemini.initialize(make_net(), config(spec, out_dir), lr=1e-2, weight_decay=0.01)
-        states, reports = train_gemini(model, opt, make_data(spec["steps"], mb), rank, world, spec["steps"],
+        device = spec.get("device", "cpu")  # the batches where the model computes
+        data = [tuple(t.to(device) for t in batch) for batch in make_data(spec["steps"], mb)]
+        states, reports = train_gemini(model, opt, data, rank, world, spec["steps"],
                                        micro_batches=mb, model_clip=spec.get("model_clip", 0.0))
         torch.save({"states": states, "reports": reports}, f"{out_dir}/spec{i}_rank{rank}.pt")
         opt.close()
