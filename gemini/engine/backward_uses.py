@@ -21,13 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup
 from tracer.grad_nodes import gradient_node, hook_each, hook_first_grad
 
-__all__ = ["BackwardUse", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of", "task_computes_gradient_of"]
+__all__ = ["BackwardUse", "graph_inputs", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of",
+           "task_computes_gradient_of"]
 
 # A call whose inputs need no gradient reports done through the autograd nodes of its graph;
 # beyond this many nodes, hooking them all costs more than holding its chunks until its
@@ -189,3 +190,28 @@ def _will_execute(node) -> bool:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured for the caller to
         return True  # assign to p.grad, the step's gradient all the same
+
+
+def graph_inputs(root: torch.Tensor, inputs: list, params: list[torch.nn.Parameter]) -> list:
+    """``inputs`` of ``backward(inputs=...)`` with each of ``params`` among them replaced by the
+    gradient edges of its accumulators in ``root``'s graph, the ones that graph runs (see [Note:
+    the graph's own gradient accumulators]: ``p`` itself names the accumulator it has now, which
+    after a device move is none of them, and torch would compute no gradient for it, silently).
+    A parameter the graph does not use stays as it is (torch ignores it)."""
+    managed = {id(p) for p in params}
+    wanted = {id(t) for t in inputs if id(t) in managed}
+    if not wanted or root.grad_fn is None:
+        return inputs
+    edges: dict[int, list] = {}
+    seen, stack = set(), [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is None:
+            stack.extend(fn for fn, _ in node.next_functions)
+        elif id(variable) in wanted:
+            edges.setdefault(id(variable), []).append(GradientEdge(node, 0))
+    return [e for t in inputs for e in edges.get(id(t), [t])]

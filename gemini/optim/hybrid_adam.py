@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from chunks import Chunk, ChunkGroup
+from gemini.engine.backward_uses import graph_inputs
 from gemini.engine.interrupts import HeldInterrupt
 from gemini.engine.load_transaction import LoadTransaction
 from gemini.engine.step_report import StepOutcome
@@ -92,6 +93,9 @@ class HybridAdam(torch.optim.Optimizer):
         of the device budget, a ``DeviceBudgetError`` saying what is missing (as the model's
         forward does). (``create_graph`` through the parameters is not supported: see
         README's input gradients.)"""
+        if inputs is not None:  # the graph's own accumulators of parameters (see graph_inputs)
+            inputs = graph_inputs(loss, [inputs] if isinstance(inputs, torch.Tensor) else list(inputs),
+                                  [p for g in self._rt.manager.trainable_groups for p in g.params])
         with self._rt.budget_errors("the backward pass"):
             self._scaled_backwards.backward(loss, retain_graph=retain_graph, inputs=inputs)
 
