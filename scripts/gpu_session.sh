@@ -8,6 +8,8 @@
 # it ends, so a call cut short still brings back what the finished stages found. A failing
 # stage is a finding, not the end of the call.
 #   cuda_tests       the tests marked cuda alone
+#   suite            the whole suite on the GPU alone (12 workers)
+#   capacity         the capacity search alone, from 56 layers, 300 s
 #   suite+capacity   the whole suite on the GPU, the cuda tests included (pytest-xdist, 10 workers),
 #                    beside the capacity search (an 8 GiB budget, states on the host, from 56
 #                    layers); the search's figure is memory (its step times are taken beside the
@@ -50,6 +52,11 @@ for s in "$@"; do
             GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage suite 150 "${PYTEST[@]}" -n 10 --timeout 120 \
                 --junitxml="$R/gpu_suite.xml" tests
             wait ;;
+        suite)
+            GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage suite 200 "${PYTEST[@]}" -n 12 --timeout 120 \
+                --junitxml="$R/gpu_suite.xml" tests ;;
+        capacity)
+            stage capacity 310 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --start-layers 56 --time-limit 300 ;;
         pinned)
             stage pinned 45 "$PY" benchmarks/bench_pinned_copies.py --rounds 5 ;;
         fit)
