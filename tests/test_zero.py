@@ -221,17 +221,8 @@ def test_writes_into_parameters_under_zero(tmp_path, zero):
     """A weight clipped in place inside forward, and (ZeRO-2) a ``p.data`` assigned between steps,
     train as in one process with plain AdamW: under ZeRO-3 each rank keeps its range of the write."""
     run_ranks(zw.run_param_writes, str(tmp_path), STEPS, timeout_seconds=120)
-    model = zw.clamping_net()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01,
-                            fused=True)
-    want = []
-    for step, (x, y) in enumerate(zw.make_data(STEPS)):
-        zw.loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        if zero == 2:
-            zw.edit_between_steps(model, step)
-        want.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    want, _, _ = zw.train_reference(STEPS, model=zw.clamping_net(),
+                                    after_step=zw.edit_between_steps if zero == 2 else None)
     for rank in range(2):
         got = torch.load(tmp_path / f"writes_zero{zero}_rank{rank}.pt", weights_only=True)
         for step in range(STEPS):

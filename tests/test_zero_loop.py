@@ -75,18 +75,12 @@ def test_zero3_write_between_steps_is_refused_and_an_assignment_trains(tmp_path)
     parameters, with the training state as it was; ``p.data = value`` (each rank copies its range)
     trains as plain AdamW with the write."""
     run_ranks(zl.run_zero3_writes, str(tmp_path), STEPS, timeout_seconds=120)
-    model = zw.make_net()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01,
-                            fused=True)
-    want = []
-    for step, (x, y) in enumerate(zw.make_data(STEPS)):
-        zw.loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    def halve_after_the_first(model, step):
         if step == 0:
             with torch.no_grad():
                 model.hidden.weight.mul_(0.5)
-        want.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    want, _, _ = zw.train_reference(STEPS, after_step=halve_after_the_first)
     for rank in range(2):
         got = torch.load(tmp_path / f"writes_rank{rank}.pt", weights_only=True)
         assert "hidden.weight" in got["message"] and "shard_params" in got["message"], got["message"]

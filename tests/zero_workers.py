@@ -58,8 +58,10 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train_reference(steps: int, *, micro_batches: int = 1, clip: float = 0.0, lr: float = 1e-2,
-                    weight_decay: float = 0.01, model: nn.Module | None = None, data=None, opt_state=None):
-    """One process, plain torch.optim.AdamW on the global batch. Returns per-step state_dicts."""
+                    weight_decay: float = 0.01, model: nn.Module | None = None, data=None, opt_state=None,
+                    after_step=None):
+    """One process, plain torch.optim.AdamW on the global batch; ``after_step(model, step)``, when
+    given, edits the model after each step. Returns per-step state_dicts."""
     model = make_net() if model is None else model
     data = make_data(steps, micro_batches) if data is None else data
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
@@ -74,6 +76,8 @@ def train_reference(steps: int, *, micro_batches: int = 1, clip: float = 0.0, lr
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model, s)
         out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return out, model, opt
 
