@@ -167,22 +167,33 @@ def hook_nodes_of(output, hook: Callable[[], None]) -> bool:
 def task_computes_gradient_of(params: list[torch.nn.Parameter]) -> bool:
     """Whether the running graph task will compute the gradient of one of ``params`` (see
     [Note: the graph's own gradient accumulators])."""
-    start = torch._C._current_autograd_node()
-    if start is None:  # a leaf's tensor hook: its accumulator is the one the graph holds
-        return any(_will_execute(get_gradient_edge(p).node) for p in params if p.requires_grad)
     wanted = {id(p) for p in params}
+    start = torch._C._current_autograd_node()
+    found = False
+    for node in _accumulators(start):
+        if id(node.variable) in wanted:
+            found = True
+            if _will_execute(node):
+                return True
+    if found:
+        return False
+    # No hook's node to start from (a leaf's tensor hook), or a graph holding none of them: the
+    # accumulators the parameters name now, which no move has replaced in that case.
+    return any(_will_execute(get_gradient_edge(p).node) for p in params if p.requires_grad)
+
+
+def _accumulators(start):
+    """The AccumulateGrad nodes reachable from ``start`` (a leaf's), depth first; none from None."""
     seen, stack = set(), [start]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf's
-        if variable is None:
+        if getattr(node, "variable", None) is not None:
+            yield node
+        else:
             stack.extend(fn for fn, _ in node.next_functions)
-        elif id(variable) in wanted and _will_execute(node):
-            return True
-    return False
 
 
 def _will_execute(node) -> bool:
@@ -200,18 +211,10 @@ def graph_inputs(root: torch.Tensor, inputs: list, params: list[torch.nn.Paramet
     A parameter the graph does not use stays as it is (torch ignores it)."""
     managed = {id(p) for p in params}
     wanted = {id(t) for t in inputs if id(t) in managed}
-    if not wanted or root.grad_fn is None:
+    if not wanted:
         return inputs
     edges: dict[int, list] = {}
-    seen, stack = set(), [root.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is None:
-            stack.extend(fn for fn, _ in node.next_functions)
-        elif id(variable) in wanted:
-            edges.setdefault(id(variable), []).append(GradientEdge(node, 0))
+    for node in _accumulators(root.grad_fn):
+        if id(node.variable) in wanted:
+            edges.setdefault(id(node.variable), []).append(GradientEdge(node, 0))
     return [e for t in inputs for e in edges.get(id(t), [t])]
