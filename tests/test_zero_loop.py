@@ -87,3 +87,15 @@ def test_zero3_write_between_steps_is_refused_and_an_assignment_trains(tmp_path)
         _assert_close(got["after_refusal"], got["before"], f"rank {rank}: the refusal changed nothing")
         for step in range(STEPS):
             _assert_close(got["states"][step], want[step], f"rank {rank} step {step}")
+
+
+def test_a_rank_short_of_its_budget_stops_every_rank_together(tmp_path):
+    """Budgets may differ between ranks. Rank 1's is far under the warm-up's need, rank 0's
+    roomy: rank 1 refused the first step alone while rank 0 went on into the step's collectives,
+    and both hung until gloo's timeout. Now every rank refuses the first step, nothing updated
+    anywhere, rank 0 saying another rank was short (see [Note: ranks agree on the budget])."""
+    run_ranks(zl.run_one_rank_short, [2**30, 60_000], STEPS, str(tmp_path), timeout_seconds=100)
+    short = [torch.load(tmp_path / f"short_rank{r}.pt", weights_only=True) for r in range(2)]
+    assert [s["failed_at"] for s in short] == [0, 0], short
+    assert all(s["unchanged"] for s in short), short
+    assert "another rank" in short[0]["message"] and "bytes are missing" in short[1]["message"], short

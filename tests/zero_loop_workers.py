@@ -104,3 +104,27 @@ def run_zero3_writes(rank: int, world: int, out_dir: str, steps: int) -> None:
         out["states"].append(model.state_dict())
     opt.close()
     torch.save(out, f"{out_dir}/writes_rank{rank}.pt")
+
+
+def run_one_rank_short(rank: int, world: int, budgets: list[int], steps: int, out_dir: str) -> None:
+    """ZeRO-3 under auto with ``budgets[rank]`` as this rank's device_memory: the step (from 0)
+    a DeviceBudgetError came at (None: none did), its message, and whether the parameters were
+    still the initial ones after it."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, shard_params=True,
+                              device_memory=budgets[rank])
+    model, opt = gemini.initialize(make_net(), cfg, lr=1e-2, weight_decay=0.01)
+    initial = model.state_dict()
+    out = {"failed_at": None, "message": "", "unchanged": None}
+    for step, batch in enumerate(make_data(steps)):
+        x, y = local(batch, rank, world)
+        try:
+            opt.backward(loss_fn(model(x), y))
+            opt.step()
+        except DeviceBudgetError as e:
+            out["failed_at"], out["message"] = step, str(e)
+            after = model.state_dict()
+            out["unchanged"] = all(torch.equal(after[k], initial[k]) for k in initial)
+            break
+        opt.zero_grad()
+    opt.close()
+    torch.save(out, f"{out_dir}/short_rank{rank}.pt")

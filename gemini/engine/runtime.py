@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from chunks import ChunkGroup, ChunkManager, ChunkState, ChunkStorage, MemoryLedger, Tier
+from chunks import ChunkGroup, ChunkManager, ChunkState, ChunkStorage, MemoryLedger, Tier, missing_bytes
 from gemini.engine.activations import ActivationOffload
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
@@ -29,7 +29,7 @@ from gemini.engine.step_report import StepOutcome, step_report
 from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, check_peak
-from gemini.parallel.zero import gather_params
+from gemini.parallel.zero import agree_on_budget, gather_params
 from gemini.engine.iteration_state import IterationState
 from tracer import Boundary, InputSignature, input_signature
 
@@ -220,7 +220,8 @@ class GeminiRuntime:
         self._move(IterationState.UNPLANNED, IterationState.TRACING)  # PLANNED once the plan is adopted
         self.placement.end_trace()
         try:
-            self.plan = self.warmup.end()
+            agree = functools.partial(agree_on_budget, self.zero, reducer=self.residency.reducer)
+            self.plan = self.warmup.end(agree=agree)
         except Exception:
             self.end_window()
             self.hooks.follow_periods(False)  # UNPLANNED: no period to trace or count
@@ -319,12 +320,14 @@ class GeminiRuntime:
         tensor the caller keeps alive counts too); the warm-up's step also with its safety
         reserve where the trace ends (here: what ran after that, a second round of R1)."""
         peak_bytes = self.memory.peak_bytes()
-        if peak_bytes is None:  # a step before any forward: nothing ran, nothing to check
-            return
-        first, self._first_step_checked = not self._first_step_checked, True
-        if self.config.device_memory is None or not self.memory.measuring:
-            return
+        first = peak_bytes is not None and not self._first_step_checked  # None: no forward ran, nothing to check
+        self._first_step_checked |= peak_bytes is not None
+        checked = peak_bytes is not None and self.config.device_memory is not None and self.memory.measuring
         try:
+            agree_on_budget(self.zero, missing_bytes(self.memory.budget_bytes, peak_bytes) if checked else 0,
+                            what="the first iteration" if first else "this iteration", reducer=self.residency.reducer)
+            if not checked:
+                return
             check_peak(peak_bytes, self.memory.budget_bytes,
                        what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
                        chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 from torch import nn
 
@@ -76,8 +77,10 @@ class Warmup:
             self.storage.swap_move_watcher(self._outer_watcher)
             trace.__exit__(RuntimeError, RuntimeError("the traced iteration raised"), None)
 
-    def end(self) -> MemoryPlan:
-        """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget."""
+    def end(self, *, agree: Callable[..., None] = lambda missing_bytes, *, what: None) -> MemoryPlan:
+        """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget
+        (``agree``: on every rank of a ZeRO group when one did, see [Note: ranks agree on the
+        budget] in gemini/parallel/zero.py)."""
         assert self._trace is not None, "warm-up is not tracing"
         trace, self._trace = self._trace, None
         self.storage.swap_move_watcher(self._outer_watcher)
@@ -104,10 +107,11 @@ class Warmup:
         # MemoryPlan.planned_peak_bytes), so the promise is checked with both, here.
         prefetch = (f" and room for the {plan.prefetch_bytes} bytes of parameters ZeRO-3 gathers ahead of their use "
                     f"from the next iteration on" if plan.prefetch_bytes else "")
-        check_peak(plan.planned_peak_bytes + plan.reserve_bytes, self.memory.budget_bytes,
-                   advice=AutoPlacement.budget_advice,
-                   what=f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve{prefetch})",
-                   chunk_peak_bytes=plan.warmup_model_peak_bytes)
+        what = f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve{prefetch})"
+        need = plan.planned_peak_bytes + plan.reserve_bytes
+        agree(missing_bytes(self.memory.budget_bytes, need), what=what)
+        check_peak(need, self.memory.budget_bytes,
+                   advice=AutoPlacement.budget_advice, what=what, chunk_peak_bytes=plan.warmup_model_peak_bytes)
         return plan
 
 

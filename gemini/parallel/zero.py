@@ -53,13 +53,14 @@ import torch
 import torch.distributed as dist
 
 from chunks import ChunkGroup, ChunkManager, ChunkState, Tier
+from gemini.errors import DeviceBudgetError
 from gemini.parallel.collectives import Collectives, Pending
 from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradReducer", "ParamGatherer", "agree_grad_ready", "gather_params", "gather_state", "resolve_group",
-           "sharded_grad_norm"]
+__all__ = ["GradReducer", "ParamGatherer", "agree_grad_ready", "agree_on_budget", "gather_params", "gather_state",
+           "resolve_group", "sharded_grad_norm"]
 
 
 def resolve_group(process_group) -> Collectives | None:
@@ -348,3 +349,30 @@ def gather_state(comm: Collectives, g: ChunkGroup, chunk, offset: int = 0) -> to
     full = torch.empty(g.shard.numel * comm.world, dtype=chunk.dtype, device=mine.device)
     comm.all_gather(full, mine).wait()
     return full.cpu()
+
+
+# [Note: ranks agree on the budget]
+# Each rank checks its own measured peak against its own budget, at the warm-up's end and at
+# every step. The peaks differ between ranks by a few hundred bytes to a few KB (gloo frees its
+# buffers on its own thread), so a budget near the need could be refused on one rank and pass on
+# the other: the refusing rank left the step while the other went on into its collectives, and
+# both hung (the ZeRO-3 budget test, about once in ten CI runs). So the ranks all-reduce how many
+# bytes each is missing before any of them raises: a rank short of its budget raises its own
+# error, every other rank one saying another rank was short, and nothing is updated anywhere.
+# One 8-byte all-reduce per check, every step under ZeRO (budget or not: ranks may differ there),
+# after a rank with no backward since the last step has reduced its zeros (the other ranks'
+# backward reduced theirs before: see [Note: the order of collectives]).
+def agree_on_budget(zero: Collectives | None, missing_bytes: int, *, what: str,
+                    reducer: GradReducer | None = None) -> None:
+    """Raise DeviceBudgetError on this rank when another rank of ``zero`` is short of its budget
+    for ``what`` (this rank's own shortfall is its caller's to raise, after this returns)."""
+    if zero is None:
+        return
+    if reducer is not None:
+        reducer.reduce_if_idle()
+    worst = int(zero.all_reduce(torch.tensor([missing_bytes], dtype=torch.int64), op=dist.ReduceOp.MAX).item())
+    if worst > 0 and missing_bytes == 0:
+        raise DeviceBudgetError(
+            f"another rank of the ZeRO group lacked {worst} bytes of its device budget for {what}; every rank "
+            f"refuses the step together (see [Note: ranks agree on the budget] in gemini/parallel/zero.py). "
+            f"Nothing was updated: raise that rank's GeminiConfig.device_memory.", missing_bytes=worst)
