@@ -28,8 +28,8 @@ def test_auto_zero3_budget_is_refused_at_the_first_step_or_holds_every_later_one
     (93,000 to 96,000 bytes here). Now each budget, from under the warm-up's need to above it,
     is refused before any update, or trains every step within it and equals AdamW. The budgets
     keep 2 KB from the warm-up's need (96,676 bytes): each rank measures its own, to a few
-    hundred bytes (gloo frees its buffers on its own thread), and ranks that disagree whether a
-    budget fits hang each other."""
+    hundred bytes (gloo frees its buffers on its own thread); the ranks agree on the refusal (see
+    [Note: ranks agree on the budget]), so one short by a few bytes stops both."""
     budgets = [92_000, 93_000, 94_000, 99_000, 104_000]
     run_ranks(zl.run_budgets, budgets, STEPS, str(tmp_path), timeout_seconds=240)
     want, _, _ = zw.train_reference(STEPS)
@@ -40,8 +40,10 @@ def test_auto_zero3_budget_is_refused_at_the_first_step_or_holds_every_later_one
         assert not late, f"rank {rank}: refused after the first step: {late}"
         for budget in budgets:
             run = results[budget]
-            if run["failed_at"] is not None:  # says what it charged
-                assert "bytes are missing" in run["message"] and "gathers ahead" in run["message"], run["message"]
+            if run["failed_at"] is not None:  # says what it charged (or that the other rank was short)
+                message = run["message"]
+                assert ("bytes are missing" in message or "another rank" in message) and "gathers ahead" in message, \
+                    message
                 continue
             trained += 1
             for step, (got, peak) in enumerate(zip(run["states"], run["peaks"], strict=True)):
