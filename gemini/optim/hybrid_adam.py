@@ -91,8 +91,10 @@ class HybridAdam(torch.optim.Optimizer):
                  inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
         """``loss.backward(retain_graph=..., inputs=...)``, with the loss scaled under fp16; out
         of the device budget, a ``DeviceBudgetError`` saying what is missing (as the model's
-        forward does). (``create_graph`` through the parameters is not supported: see
-        README's input gradients.)"""
+        forward does). Parameters among ``inputs`` are given to autograd as the graph's own
+        accumulators of them, which a GPU's moves of ``p.data`` leave torch unable to find from
+        ``p`` (see ``graph_inputs``). (``create_graph`` through the parameters is not supported:
+        see README's input gradients.)"""
         if inputs is not None:  # the graph's own accumulators of parameters (see graph_inputs)
             inputs = graph_inputs(loss, [inputs] if isinstance(inputs, torch.Tensor) else list(inputs),
                                   [p for g in self._rt.manager.trainable_groups for p in g.params])
