@@ -36,14 +36,14 @@ def moves_like_a_gpu(monkeypatch):
     repoint = ChunkManager.repoint
 
     def repoint_across_devices(self, chunk):
-        repoint(self, chunk)
         on_device = chunk.state is not ChunkState.RELEASED and chunk.primary_tier is Tier.DEVICE
         for p in self.groups[chunk.index].params:
             before, where[id(p)] = where.get(id(p)), "device" if on_device else "host"
             if before not in (None, where[id(p)]) and p.requires_grad:
-                data = p.data
-                p.data = torch.empty(0, dtype=torch.float64)  # another type: the cache goes, as on a move
-                p.data = data
+                # Another type: the cache goes, as on a move; repoint then sets the new view. (Reading
+                # p.data here would be a read of p to the engine's search for parameters read.)
+                p.data = torch.empty(0, dtype=torch.float64)
+        repoint(self, chunk)
 
     monkeypatch.setattr(ChunkManager, "repoint", repoint_across_devices)
 
