@@ -13,27 +13,37 @@ from zero_workers import local, loss_fn, make_data, make_net
 CHUNK = 600
 
 
+def _zero3_auto(budget: int):
+    """ZeRO-3 under placement auto with ``budget`` as device_memory: (model, optimizer)."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, shard_params=True,
+                              device_memory=budget)
+    return gemini.initialize(make_net(), cfg, lr=1e-2, weight_decay=0.01)
+
+
+def _train_until_refused(model, opt, rank: int, world: int, steps: int) -> dict:
+    """Train up to ``steps`` steps: the step (from 0) a DeviceBudgetError came at (None: none
+    did) with its message, and each landed step's state and measured peak."""
+    out = {"failed_at": None, "message": "", "states": [], "peaks": []}
+    for step, batch in enumerate(make_data(steps)):
+        x, y = local(batch, rank, world)
+        try:
+            opt.backward(loss_fn(model(x), y))
+            opt.step()
+        except DeviceBudgetError as e:
+            out["failed_at"], out["message"] = step, str(e)
+            break
+        opt.zero_grad()
+        out["states"].append(model.state_dict())
+        out["peaks"].append(opt.report.device_peak_bytes)
+    return out
+
+
 def run_budgets(rank: int, world: int, budgets: list[int], steps: int, out_dir: str) -> None:
-    """ZeRO-3 under auto at each budget: per budget, the step (from 0) a DeviceBudgetError came at
-    (None: none did) with its message, and each landed step's state and measured peak."""
+    """ZeRO-3 under auto at each budget: per budget, :func:`_train_until_refused`'s record."""
     results = {}
     for budget in budgets:
-        cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, shard_params=True,
-                                  device_memory=budget)
-        model, opt = gemini.initialize(make_net(), cfg, lr=1e-2, weight_decay=0.01)
-        out = {"failed_at": None, "message": "", "states": [], "peaks": []}
-        for step, batch in enumerate(make_data(steps)):
-            x, y = local(batch, rank, world)
-            try:
-                opt.backward(loss_fn(model(x), y))
-                opt.step()
-            except DeviceBudgetError as e:
-                out["failed_at"], out["message"] = step, str(e)
-                break
-            opt.zero_grad()
-            out["states"].append(model.state_dict())
-            out["peaks"].append(opt.report.device_peak_bytes)
-        results[budget] = out
+        model, opt = _zero3_auto(budget)
+        results[budget] = _train_until_refused(model, opt, rank, world, steps)
         opt.close()
     torch.save(results, f"{out_dir}/budgets_rank{rank}.pt")
 
@@ -107,24 +117,14 @@ def run_zero3_writes(rank: int, world: int, out_dir: str, steps: int) -> None:
 
 
 def run_one_rank_short(rank: int, world: int, budgets: list[int], steps: int, out_dir: str) -> None:
-    """ZeRO-3 under auto with ``budgets[rank]`` as this rank's device_memory: the step (from 0)
-    a DeviceBudgetError came at (None: none did), its message, and whether the parameters were
-    still the initial ones after it."""
-    cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, shard_params=True,
-                              device_memory=budgets[rank])
-    model, opt = gemini.initialize(make_net(), cfg, lr=1e-2, weight_decay=0.01)
+    """ZeRO-3 under auto with ``budgets[rank]`` as this rank's device_memory:
+    :func:`_train_until_refused`'s record, and whether the parameters were still the initial
+    ones after a refusal."""
+    model, opt = _zero3_auto(budgets[rank])
     initial = model.state_dict()
-    out = {"failed_at": None, "message": "", "unchanged": None}
-    for step, batch in enumerate(make_data(steps)):
-        x, y = local(batch, rank, world)
-        try:
-            opt.backward(loss_fn(model(x), y))
-            opt.step()
-        except DeviceBudgetError as e:
-            out["failed_at"], out["message"] = step, str(e)
-            after = model.state_dict()
-            out["unchanged"] = all(torch.equal(after[k], initial[k]) for k in initial)
-            break
-        opt.zero_grad()
+    out = _train_until_refused(model, opt, rank, world, steps)
+    if out["failed_at"] is not None:
+        after = model.state_dict()
+        out["unchanged"] = all(torch.equal(after[k], initial[k]) for k in initial)
     opt.close()
     torch.save(out, f"{out_dir}/short_rank{rank}.pt")
