@@ -15,6 +15,8 @@
 #                    layers); the search's figure is memory (its step times are taken beside the
 #                    suite: not timings)
 #   rerun            the tests named in $RERUN (node ids), on the GPU
+#   diag             scripts/gpu_diag.py: the backward detection per placement, and whether torch on
+#                    parameter views aligned like the allocator's tensors is bit-equal to torch
 #   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -71,6 +73,8 @@ for s in "$@"; do
                 >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"
             PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 170 "$PY" benchmarks/bench_peers.py --device cuda \
                 --model gpt-350m --steps 5 --warmup 2 --timeout 75 ;;
+        diag)
+            stage diag 60 "$PY" scripts/gpu_diag.py ;;
         rerun)
             GEMINI_TEST_DEVICE=cuda stage rerun 120 "${PYTEST[@]}" --timeout 60 ${RERUN:-tests/test_equivalence.py} ;;
         *)

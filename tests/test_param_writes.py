@@ -114,7 +114,12 @@ def test_assigned_param_data_is_trained_like_torch(name):
             w.data = torch.full_like(w, 0.05)
         if step == 1:
             params = list(model.parameters())
-            vector = torch.nn.utils.parameters_to_vector(params)
+            if len({p.device for p in params}) > 1:  # on a GPU under static: the README's limitation
+                with pytest.raises(TypeError, match="different devices"):
+                    torch.nn.utils.parameters_to_vector(params)
+                vector = torch.cat([p.detach().to(DEVICE).flatten() for p in params])  # the README's way round
+            else:
+                vector = torch.nn.utils.parameters_to_vector(params)
             torch.nn.utils.vector_to_parameters(vector * 0.5, params)
 
     want, got = _train([(ref, ref_opt), (gmodel, opt)], batches(CFG, STEPS, batch=2, seq=16), reassign)
