@@ -87,6 +87,17 @@ def train_reference(model, data, *, micro_batches: int = 1, clip: float = 0.0, p
     return losses, snapshots, opt
 
 
+def step_both(ref, ref_opt, gmodel, opt, loss_of, x, y) -> None:
+    """One training step on batch (x, y) of the reference with its torch optimizer and of the
+    model gemini.initialize gave, each through ``loss_of(model, x, y)``."""
+    loss_of(ref, x, y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    opt.backward(loss_of(gmodel, x, y))
+    opt.step()
+    opt.zero_grad()
+
+
 def train_gemini(model, data, config: gemini.GeminiConfig, *, micro_batches: int = 1, param_groups=None, **adamw):
     """The same loop through gemini.initialize. Returns (losses, params per step, model, optimizer)."""
     groups = param_groups(model) if param_groups else None

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemini
-from helpers import DEVICE, assert_params_close
+from helpers import DEVICE, assert_params_close, step_both
 from tracer import Phase
 
 V, D, STEPS = 50, 32, 3
@@ -92,12 +92,7 @@ def test_outputs_modified_in_place_train_like_torch(name, slice_in_place):
     gmodel, opt = gemini.initialize(net, gemini.GeminiConfig(device=DEVICE, **CONFIGS[name]), lr=1e-2,
                                     weight_decay=0.1)
     for step, (x, y) in enumerate(_data()):
-        _loss(ref, x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        opt.backward(_loss(gmodel, x, y))
-        opt.step()
-        opt.zero_grad()
+        step_both(ref, ref_opt, gmodel, opt, _loss, x, y)
         assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
     if name == "auto-evicting":
         assert opt._rt.residency.evictions > 0  # the budget made chunks move
@@ -144,12 +139,7 @@ def test_outputs_modified_in_place_keep_their_backward_periods_under_auto():
         gmodel, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", **CONFIGS["auto-evicting"]),
                                         lr=1e-2, weight_decay=0.1)
         for step, (x, y) in enumerate(_data()):
-            _loss(ref, x, y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            opt.backward(_loss(gmodel, x, y))
-            opt.step()
-            opt.zero_grad()
+            step_both(ref, ref_opt, gmodel, opt, _loss, x, y)
             assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
         assert opt._rt.residency.evictions > 0
         keys[in_place] = opt._rt.plan.keys

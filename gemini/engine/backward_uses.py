@@ -28,7 +28,7 @@ from chunks import ChunkGroup
 from tracer.grad_nodes import gradient_node, hook_each, hook_first_grad
 
 __all__ = ["BackwardUse", "graph_inputs", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of",
-           "task_computes_gradient_of"]
+           "moves_drop_accumulators", "renew_accumulators", "task_computes_gradient_of"]
 
 # A call whose inputs need no gradient reports done through the autograd nodes of its graph;
 # beyond this many nodes, hooking them all costs more than holding its chunks until its
@@ -218,3 +218,41 @@ def graph_inputs(root: torch.Tensor, inputs: list, params: list[torch.nn.Paramet
         if id(node.variable) in wanted:
             edges.setdefault(id(node.variable), []).append(GradientEdge(node, 0))
     return [e for t in inputs for e in edges.get(id(t), [t])]
+
+
+# [Note: one accumulator per forward]
+# Two forwards before one backward (a GAN's discriminator on real and on fake data, two views
+# through one encoder): on the CPU stand-in a parameter keeps one AccumulateGrad node for both,
+# autograd holds the second forward's gradient in that node's input buffer until the first's
+# arrives, and the gradient arrives once. On a GPU a parameter released between the forwards
+# (``p.data`` to the host copy and back) gets a new node in the second forward, the other
+# parameters keep theirs, so which parameters get their gradient twice, and which hold one in
+# a buffer meanwhile, depends on what stayed on the device: auto's warm-up, which releases
+# every group, measured a backward that its own plan, keeping some groups, no longer ran (the
+# CPU emulation in tests/test_device_moves.py: 2,484,432 bytes against a 1,747,968-byte budget
+# in the first planned iteration, 13 weight-sized gradients held in input buffers). So where
+# moves drop accumulators (a GPU, a placement that moves parameters), every forward after the
+# first before a backward starts every parameter on a new one: the same backward whatever stays,
+# each gradient accumulated at once (less memory than torch's buffers). The price: a parameter
+# used more than once in a forward (a tied embedding) sums its gradients per forward first, in
+# another order than torch's one buffer: rounding apart, within a GPU's bounds anyway (see
+# [Note: equal to torch on a GPU] in tests/helpers.py).
+def moves_drop_accumulators(device: torch.device) -> bool:
+    """Whether moving ``p.data`` between a chunk's device and host copies changes its device (and
+    drops its accumulator): not on the CPU stand-in, whose copies are both CPU tensors."""
+    return device.type != "cpu"
+
+
+def renew_accumulators(groups: list[ChunkGroup]) -> None:
+    """Make the next use in a graph of each trainable parameter of ``groups`` create a new
+    AccumulateGrad node (torch drops the cached one when ``p.data`` changes type; see [Note: one
+    accumulator per forward]). ``p`` views the same memory as before."""
+    others: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    for p in (p for g in groups for p in g.params if p.requires_grad):
+        data = p.data
+        other = torch.float32 if data.dtype == torch.float64 else torch.float64
+        key = (data.device, other)
+        if key not in others:
+            others[key] = torch.empty(0, dtype=other, device=data.device)
+        p.data = others[key]
+        p.data = data

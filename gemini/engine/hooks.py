@@ -21,7 +21,7 @@ from torch import nn
 
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.backward_uses import (BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of,
-                                         task_computes_gradient_of)
+                                         moves_drop_accumulators, renew_accumulators, task_computes_gradient_of)
 from gemini.engine.descendant_reads import DescendantReads, DescendantReadHooks
 from gemini.engine.residency import Residency
 from gemini.errors import DeviceBudgetError, NotCopyable
@@ -77,6 +77,10 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
         self._task_seen: int | None = None  # the graph task whose hooks ran last
         # Backward passes that ran to completion (the optimizer checks fp16 ones were scaled).
         self.backward_passes = 0
+        # Grad-enabled forwards since the last backward ([Note: one accumulator per forward]).
+        self._graph_forwards = 0
+        self.renews_accumulators = moves_drop_accumulators(manager.storage.device) and (
+            manager.shard_params or not residency.policy.keeps_every_chunk_on_device)
         # The root's pre-hook runs first of all, its post-hook before the root's own chunk
         # hooks (see [Note: the engine's hooks around the user's]).
         # Forward hooks are never traced by torch.compile: see [Note: hooks under torch.compile].
@@ -88,6 +92,9 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
 
         @torch._disable_dynamo
         def root_pre_eager(m, args, kwargs, compiling: bool) -> None:
+            if torch.is_grad_enabled() and self._graph_forwards and self.renews_accumulators:
+                renew_accumulators(self.manager.trainable_groups)  # see [Note: one accumulator per forward]
+            self._graph_forwards += torch.is_grad_enabled()
             on_root_forward(args, kwargs)
             self._periods.root_forward()
             self._begin_descendant_reads(m, compiling)
@@ -382,6 +389,7 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
                 self.residency.end_backward(iteration=False)
                 return
             self._iteration_pass = False
+            self._graph_forwards = 0
             self.backward_passes += 1
             for group in self.residency.groups_fetched_for_backward():
                 group.grads_this_backward = 0
