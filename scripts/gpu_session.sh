@@ -16,7 +16,9 @@
 #                    suite: not timings)
 #   rerun            the tests named in $RERUN (node ids), on the GPU
 #   diag             scripts/gpu_diag.py: the backward detection per placement, and whether torch on
-#                    parameter views aligned like the allocator's tensors is bit-equal to torch
+#                    parameter views aligned like the allocator's tensors is bit-equal to torch;
+#                    then scripts/gpu_alias_diag.py (gpu_alias.log): can a parameter on the host stay
+#                    a CUDA tensor over its pinned memory and keep its autograd accumulator
 #   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -74,7 +76,8 @@ for s in "$@"; do
             PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 170 "$PY" benchmarks/bench_peers.py --device cuda \
                 --model gpt-350m --steps 5 --warmup 2 --timeout 75 ;;
         diag)
-            stage diag 60 "$PY" scripts/gpu_diag.py ;;
+            stage diag 60 "$PY" scripts/gpu_diag.py
+            stage alias 40 "$PY" scripts/gpu_alias_diag.py ;;
         rerun)
             GEMINI_TEST_DEVICE=cuda stage rerun 120 "${PYTEST[@]}" --timeout 60 ${RERUN:-tests/test_equivalence.py} ;;
         *)
