@@ -4,6 +4,8 @@
 "cpu" (the default: the CPU stands in for the device) or "cuda". Under "cuda" a session
 without CUDA stops before any test runs, and tests marked ``standin`` (they test the CPU
 stand-in itself) are skipped. Tests marked ``cuda`` run wherever CUDA is available.
+``GEMINI_TEST_MOVES=gpu`` makes the CPU stand-in move parameters as a GPU does (see [Note: a
+GPU's parameter moves, emulated] in tests/helpers.py).
 """
 
 import gc
@@ -18,7 +20,7 @@ def pytest_configure(config):
                    "skipped when GEMINI_TEST_DEVICE=cuda")
     try:
         from helpers import DEVICE
-    except ValueError as e:  # an unknown device name
+    except ValueError as e:  # an unknown device or moves name
         pytest.exit(str(e), returncode=pytest.ExitCode.USAGE_ERROR)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         pytest.exit(f"GEMINI_TEST_DEVICE=cuda but torch.cuda.is_available() is False (torch {torch.__version__}, "
@@ -40,6 +42,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _moves_as_configured():
+    """Under GEMINI_TEST_MOVES=gpu, every test of the session moves parameters as a GPU does."""
+    from helpers import EMULATED_GPU_MOVES, emulate_gpu_moves
+
+    if not EMULATED_GPU_MOVES:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        emulate_gpu_moves(patch)
+        yield
 
 
 @pytest.fixture(autouse=True)

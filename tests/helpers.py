@@ -15,6 +15,8 @@ import os
 import torch
 
 import gemini
+import gemini.engine.hooks
+from chunks import ChunkManager, ChunkState, Tier
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 DEVICE_ENV = "GEMINI_TEST_DEVICE"
@@ -31,6 +33,43 @@ def device_from_env() -> str:
 
 
 DEVICE = device_from_env()
+
+# [Note: a GPU's parameter moves, emulated]
+# On a GPU, ``p.data`` of an offloaded parameter moves between the device copy (a CUDA tensor) and
+# the host copy or a released stand-in (CPU tensors), and each move across devices drops the
+# AccumulateGrad node the tensor caches (torch's ``VariableHooks::set_data``); on the CPU stand-in
+# both copies are CPU tensors and the cache stays. ``GEMINI_TEST_MOVES=gpu`` runs the whole suite
+# with every re-point across what would be devices dropping the cache the same way
+# (:func:`emulate_gpu_moves`; tests/test_device_moves.py's fixture does it per test), so what a GPU
+# does to autograd can be checked without one. ``MOVES_DROP_ACCUMULATORS`` says whether this run
+# moves parameters that way (a GPU, or the emulation): tests of what that costs ask it.
+MOVES_ENV = "GEMINI_TEST_MOVES"
+_moves = os.environ.get(MOVES_ENV, "standin")
+if _moves not in ("standin", "gpu"):
+    raise ValueError(f"{MOVES_ENV}={_moves!r} is invalid: expected 'standin' (the default) or 'gpu'")
+EMULATED_GPU_MOVES = _moves == "gpu" and DEVICE == "cpu"
+MOVES_DROP_ACCUMULATORS = DEVICE == "cuda" or EMULATED_GPU_MOVES
+
+
+def emulate_gpu_moves(patch) -> None:
+    """Make ``ChunkManager.repoint`` drop a parameter's cached accumulator whenever a GPU would
+    have moved ``p.data`` to the other device, and the engine act as on a GPU (``patch``: a
+    ``pytest.MonkeyPatch``; see [Note: a GPU's parameter moves, emulated])."""
+    where: dict[int, str] = {}
+    repoint = ChunkManager.repoint
+
+    def repoint_across_devices(self, chunk):
+        on_device = chunk.state is not ChunkState.RELEASED and chunk.primary_tier is Tier.DEVICE
+        for p in self.groups[chunk.index].params:
+            before, where[id(p)] = where.get(id(p)), "device" if on_device else "host"
+            if before not in (None, where[id(p)]) and p.requires_grad:
+                # Another type: the cache goes, as on a move; repoint then sets the new view. (Reading
+                # p.data here would be a read of p to the engine's search for parameters read.)
+                p.data = torch.empty(0, dtype=torch.float64)
+        repoint(self, chunk)
+
+    patch.setattr(ChunkManager, "repoint", repoint_across_devices)
+    patch.setattr(gemini.engine.hooks, "moves_drop_accumulators", lambda device: True)
 
 TINY = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 

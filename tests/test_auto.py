@@ -13,7 +13,8 @@ from chunks import Tier, chunk_capacity
 from gemini.tools.gpt import GPT, GPTConfig
 from gemini.engine.memory import DeviceBudgetError
 from tracer import Phase
-from helpers import DEVICE, assert_params_close, batches, clone_pair, roomy_budget, train_gemini, train_reference
+from helpers import (CUDA_ATOL, CUDA_RTOL, DEVICE, MOVES_DROP_ACCUMULATORS, assert_params_close, batches, clone_pair,
+                     roomy_budget, train_gemini, train_reference)
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
 CHUNK = 8192
@@ -335,7 +336,10 @@ def _two_forward_run(placement: str, halves: int, **config):
             o.step()
             o.zero_grad()
         reports.append(opt.report)
-        assert_params_close(gmodel.state_dict(), ref.state_dict(), step=len(reports))
+        # Where moves drop accumulators, a tied weight sums its gradients per forward (see [Note:
+        # one accumulator per forward] in gemini/engine/backward_uses.py): a GPU's bounds.
+        bounds = dict(rtol=CUDA_RTOL, atol=CUDA_ATOL) if MOVES_DROP_ACCUMULATORS else {}
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), step=len(reports), **bounds)
     return reports, opt
 
 
@@ -343,11 +347,14 @@ def test_two_forwards_before_one_backward_hold_no_more_chunks_than_one():
     """Autograd runs the second forward's backward before the first's, and a parameter's
     gradient arrives only after both: groups are released between their uses in backward (see
     [Note: a group between its uses in backward]), so the chunks on the device at once are
-    those of one forward's modules, and each group crosses once per forward."""
+    those of one forward's modules, and each group crosses once per forward. Where moves drop
+    accumulators (a GPU) a parameter's gradient arrives once per forward, and its gradient chunk
+    comes back for the second: 2.5x the bytes of one forward, the open cost the README states
+    (parameters twice per forward, the gradients once more)."""
     one, _ = _two_forward_run("cpu", 1, device_memory=2**40)
     two, opt = _two_forward_run("cpu", 2, device_memory=2**40)
     assert two[-1].device_model_peak_bytes <= one[-1].device_model_peak_bytes
-    assert two[-1].h2d_bytes <= 2 * one[-1].h2d_bytes  # at most once per forward
+    assert two[-1].h2d_bytes <= (2.5 if MOVES_DROP_ACCUMULATORS else 2) * one[-1].h2d_bytes  # once per forward
     assert not opt._rt.residency._fetched_for_backward and not any(opt._rt.residency._compute_refs.values())
 
 

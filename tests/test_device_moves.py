@@ -6,8 +6,9 @@ devices drops the AccumulateGrad node the tensor caches (torch's ``VariableHooks
 the forward's graph keeps its node, while ``p`` (``get_gradient_edge(p)``, ``backward(inputs=
 [p])``, ``torch.autograd.grad(loss, [p])``) names a new one. On the stand-in both copies are on
 the CPU and the cache stays. The fixture ``moves_like_a_gpu`` makes every re-point across what
-would be devices drop the cache the same way (``p.data`` through a tensor of another type), so
-these tests see what the first CUDA runs of the suite saw (see [Note: the graph's own gradient
+would be devices drop the cache the same way (``p.data`` through a tensor of another type; the
+whole suite with ``GEMINI_TEST_MOVES=gpu``), so these tests see what the first CUDA runs of the
+suite saw (see [Note: the graph's own gradient
 accumulators] in gemini/engine/backward_uses.py).
 """
 
@@ -18,10 +19,9 @@ import torch
 
 import gemini
 import gemini.engine.hooks
-from chunks import ChunkManager, ChunkState, Tier
 from gemini.tools.gpt import GPT, GPTConfig
-from helpers import (CUDA_ATOL, CUDA_RTOL, assert_params_close, batches, clone_pair, placement_configs, step_both,
-                     train_reference)
+from helpers import (CUDA_ATOL, CUDA_RTOL, EMULATED_GPU_MOVES, assert_params_close, batches, clone_pair,
+                     emulate_gpu_moves, placement_configs, step_both, train_reference)
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
 CONFIGS = {**placement_configs(16 * CFG.num_params()), "auto": dict(placement="auto", chunk_size=8192)}
@@ -32,22 +32,10 @@ PLACEMENTS = ["cpu", "static", pytest.param("auto-evicting", marks=pytest.mark.s
 @pytest.fixture
 def moves_like_a_gpu(monkeypatch):
     """ChunkManager.repoint drops a parameter's cached accumulator whenever a GPU would have
-    moved ``p.data`` to the other device."""
-    where: dict[int, str] = {}
-    repoint = ChunkManager.repoint
-
-    def repoint_across_devices(self, chunk):
-        on_device = chunk.state is not ChunkState.RELEASED and chunk.primary_tier is Tier.DEVICE
-        for p in self.groups[chunk.index].params:
-            before, where[id(p)] = where.get(id(p)), "device" if on_device else "host"
-            if before not in (None, where[id(p)]) and p.requires_grad:
-                # Another type: the cache goes, as on a move; repoint then sets the new view. (Reading
-                # p.data here would be a read of p to the engine's search for parameters read.)
-                p.data = torch.empty(0, dtype=torch.float64)
-        repoint(self, chunk)
-
-    monkeypatch.setattr(ChunkManager, "repoint", repoint_across_devices)
-    monkeypatch.setattr(gemini.engine.hooks, "moves_drop_accumulators", lambda device: True)
+    moved ``p.data`` to the other device (see [Note: a GPU's parameter moves, emulated] in
+    tests/helpers.py; already so under GEMINI_TEST_MOVES=gpu)."""
+    if not EMULATED_GPU_MOVES:
+        emulate_gpu_moves(monkeypatch)
 
 
 def _gemini(placement: str):
