@@ -268,6 +268,88 @@ def test_new_batch_shape_is_traced_again_and_results_still_equal_adamw():
     assert plans[2].max_non_model_bytes > plans[1].max_non_model_bytes  # twice the tokens
 
 
+@STANDIN
+def test_shorter_inputs_run_on_the_longer_traces_plan_and_equal_adamw():
+    """Dynamic padding: the sequence length changes every step. A plan traced on longer inputs
+    covers shorter ones ([Note: a trace covers smaller inputs] in tracer/signature.py): traced again
+    only when a longer batch comes, every step under the budget, a covered iteration moving no more
+    bytes than a planned one of the traced length (a warm-up, which it was before, moves more),
+    and training equal to AdamW."""
+    seqs = [24, 16, 24, 8, 20, 12, 32, 16, 28, 32]
+    data = [batches(CFG, 1, batch=2, seq=seq, seed=i)[0] for i, seq in enumerate(seqs)]
+    base, ref = clone_pair(CFG)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    budget = int(_model_data_bytes() / 1.5)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=CHUNK,
+                                                              device_memory=budget, gpu_margin_mem_ratio=1.0),
+                                    lr=1e-2, weight_decay=0.1)
+    plans, h2d = [], []
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(gmodel.state_dict(), want[step], step=step)
+        assert opt.report.device_peak_bytes <= budget, f"step {step}"
+        plans.append(opt._rt.plan)
+        h2d.append(opt.report.h2d_bytes)
+    assert all(plan is plans[0] for plan in plans[:6])  # traced at 24; 16, 24, 8, 20, 12 covered
+    assert plans[6] is not plans[5] and all(plan is plans[6] for plan in plans[6:])  # 32 traced; 16, 28, 32 covered
+    assert max(h2d[1:6]) <= h2d[2] < h2d[0], h2d
+
+
+class _HungrierWhenSmaller(torch.nn.Module):
+    """A model whose memory does not shrink with its input: a batch under 4 rows makes a large
+    temporary."""
+
+    def __init__(self, temporary_bytes: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+        self.temporary_numel = temporary_bytes // 4
+
+    def forward(self, x):
+        out = self.lin(x)
+        if x.shape[0] < 4:
+            out = out + torch.zeros(self.temporary_numel, device=x.device).sum()
+        return out
+
+
+@STANDIN
+def test_smaller_inputs_that_overrun_a_larger_traces_plan_are_traced_when_they_come_again():
+    """Covered inputs that overran the budget on the larger trace's plan (the plan holds the
+    optimizer states on the device in the margin the larger batch left): the step refuses with
+    nothing updated, and the same inputs again are traced, planned with a margin that fits, and
+    train as AdamW does."""
+    torch.manual_seed(0)
+    base = _HungrierWhenSmaller(1_200_000)
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    budget = 2_000_000
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="auto", device_memory=budget,
+                                                              gpu_margin_mem_ratio=1.0), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    big, small = torch.randn(8, 256, generator=g), torch.randn(2, 256, generator=g)
+    for step, x in enumerate((big, small, small)):
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.backward(gmodel(x).square().mean())
+        if step == 1:  # covered by the trace of the big batch, and over the budget on its plan
+            assert opt._rt.traced_inputs.covered is not None and not opt._rt.tracing
+            with opt._rt.memory.quiet():
+                before = gmodel.state_dict()
+            with pytest.raises(DeviceBudgetError, match="this iteration.*Nothing was updated"):
+                opt.step()
+            assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
+            opt.zero_grad()
+            opt.backward(gmodel(x).square().mean())  # the same batch again: traced now
+            assert opt._rt.tracing
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
+        assert opt.report.device_peak_bytes <= budget, f"step {step}"
+    assert not opt._rt.tracing and opt._rt.traced_inputs.covered is None  # the small batch's own plan
+
+
 def test_a_budget_that_fits_everything_needs_no_period_tracking():
     got, want, reports, opt = _run_auto(roomy_budget(4 * _model_data_bytes()), ratio=1.0, steps=3)
     for step, (g, w) in enumerate(zip(got, want)):
@@ -529,7 +611,7 @@ def test_policies_decide_and_the_engine_moves(monkeypatch, placement):
 @STANDIN
 def test_the_engine_moves_through_its_states_and_refuses_a_wrong_move():
     """IterationState: auto goes UNTRACED -> TRACING (first forward) -> PLANNED (first step) ->
-    TRACING (new input shapes) -> PLANNED; cuda stays FIXED; ending a warm-up that is not running
+    TRACING (longer inputs) -> PLANNED; cuda stays FIXED; ending a warm-up that is not running
     raises, naming the state."""
     from gemini.engine.runtime import IterationState as S
 
@@ -538,7 +620,7 @@ def test_the_engine_moves_through_its_states_and_refuses_a_wrong_move():
     gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2)
     rt = opt._rt
     seen = [rt.state]
-    for seq in (16, 16, 8, 8):
+    for seq in (8, 8, 16, 16):
         x, y = batches(CFG, 1, batch=2, seq=seq)[0]
         loss = GPT.loss(gmodel(x), y)
         seen.append(rt.state)

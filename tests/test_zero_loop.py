@@ -101,3 +101,30 @@ def test_a_rank_short_of_its_budget_stops_every_rank_together(tmp_path):
     assert [s["failed_at"] for s in short] == [0, 0], short
     assert all(s["unchanged"] for s in short), short
     assert "another rank" in short[0]["message"] and "bytes are missing" in short[1]["message"], short
+
+
+def test_ranks_whose_batches_outgrow_their_traces_at_different_steps_trace_together(tmp_path):
+    """Under auto a rank traces again when its inputs are larger than its trace's, and ranks see
+    different batches: one rank traced (and agreed on the warm-up's budget, a collective) while
+    the other ran its plan, and gloo aborted on the mismatched collectives. Now the ranks agree
+    before each training forward whether any needs a trace (see [Note: ranks trace together]):
+    under ZeRO-2 and ZeRO-3 both trace at the same steps, every step stays within the budget, and
+    training equals AdamW on the mean of the ranks' losses."""
+    run_ranks(zl.run_uneven_batches, str(tmp_path), timeout_seconds=240)
+    ranks = [torch.load(tmp_path / f"uneven_rank{rank}.pt", weights_only=True) for rank in range(2)]
+    model = zw.make_net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
+    want = []
+    for step in range(len(zl.UNEVEN_ROWS[0])):
+        loss = sum(zw.loss_fn(model(x), y) for x, y in (zl.uneven_batch(step, r, 2) for r in range(2))) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    for stage in (2, 3):
+        traced = [r[stage]["traced"] for r in ranks]
+        assert traced[0] == traced[1] and traced[0][0] and sum(traced[0]) > 1, (stage, traced)
+        for rank, r in enumerate(ranks):
+            assert all(peak <= 200_000 for peak in r[stage]["peaks"]), (stage, rank, r[stage]["peaks"])
+            for step, got in enumerate(r[stage]["states"]):
+                _assert_close(got, want[step], f"ZeRO-{stage} rank {rank} step {step}")

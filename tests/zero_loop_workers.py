@@ -128,3 +128,37 @@ def run_one_rank_short(rank: int, world: int, budgets: list[int], steps: int, ou
         out["unchanged"] = all(torch.equal(after[k], initial[k]) for k in initial)
     opt.close()
     torch.save(out, f"{out_dir}/short_rank{rank}.pt")
+
+
+# Rows of each rank's batch per step: each rank's longest batch comes at another step, so a rank's
+# inputs outgrow its trace while the other's are covered (see [Note: ranks trace together]).
+UNEVEN_ROWS = ((4, 2, 4, 2, 3), (2, 4, 2, 3, 4))
+
+
+def uneven_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: the first UNEVEN_ROWS[rank][step] rows of its part."""
+    x, y = local(make_data(len(UNEVEN_ROWS[0]))[step], rank, world)
+    n = UNEVEN_ROWS[rank][step]
+    return x[:n], y[:n]
+
+
+def run_uneven_batches(rank: int, world: int, out_dir: str) -> None:
+    """ZeRO-2 and ZeRO-3 under auto, the ranks' batches of different sizes: per step, whether
+    this rank traced, its measured peak, and the parameters."""
+    results = {}
+    for shard in (False, True):
+        cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, shard_params=shard,
+                                  device_memory=200_000)
+        model, opt = gemini.initialize(make_net(), cfg, lr=1e-2, weight_decay=0.01)
+        out = {"traced": [], "peaks": [], "states": []}
+        for step in range(len(UNEVEN_ROWS[0])):
+            x, y = uneven_batch(step, rank, world)
+            opt.backward(loss_fn(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            out["traced"].append(opt.report.timeline is not None)
+            out["peaks"].append(opt.report.device_peak_bytes)
+            out["states"].append(model.state_dict())
+        results[3 if shard else 2] = out
+        opt.close()
+    torch.save(results, f"{out_dir}/uneven_rank{rank}.pt")

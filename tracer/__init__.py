@@ -16,7 +16,7 @@ from tracer.monitors import (
 )
 from tracer.period import PeriodMeter, PeriodRecord
 from tracer.runtime import RuntimeTracer, TracerState
-from tracer.signature import InputSignature, input_signature
+from tracer.signature import InputSignature, TracedInputs, input_signature
 
 __all__ = [
     "NEVER",
@@ -26,6 +26,7 @@ __all__ = [
     "EvictionError",
     "EvictionRule",
     "InputSignature",
+    "TracedInputs",
     "MemoryMonitor",
     "MonitorState",
     "NvmlMonitor",

@@ -1,8 +1,7 @@
 """What about a model's inputs decides its memory: tensor shapes, dtypes, devices, structure.
 
-A trace holds for the inputs it was taken with. When a batch arrives whose signature
-differs (a new batch size or sequence length), its activations differ too, and the engine
-re-traces.
+A trace holds for the inputs it was taken with, and for smaller ones: see [Note: a trace covers
+smaller inputs].
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-__all__ = ["InputSignature", "TensorSignature", "input_signature"]
+__all__ = ["InputSignature", "TensorSignature", "TracedInputs", "input_signature"]
 
 # Plain values that can change what a forward allocates (a sequence length passed as an
 # int, a flag) are part of the signature by value; other objects by type only.
@@ -35,6 +34,13 @@ class InputSignature:
 
     spec: TreeSpec
     leaves: tuple[Any, ...]
+
+    def covers(self, other: InputSignature) -> bool:
+        """Whether a trace taken on these inputs bounds an iteration on ``other``: the same
+        structure and plain values, each tensor of the same dtype, device and rank and nowhere
+        larger (see [Note: a trace covers smaller inputs])."""
+        return (self.spec == other.spec and len(self.leaves) == len(other.leaves)
+                and all(_covers(a, b) for a, b in zip(self.leaves, other.leaves)))
 
     def __str__(self) -> str:
         parts = []
@@ -60,3 +66,57 @@ def _leaf_signature(leaf: Any) -> Any:
     if isinstance(leaf, _BY_VALUE):
         return (type(leaf).__name__, leaf)
     return (type(leaf).__name__,)
+
+
+def _covers(mine: Any, other: Any) -> bool:
+    if isinstance(mine, TensorSignature) and isinstance(other, TensorSignature):
+        return (mine.dtype == other.dtype and mine.device == other.device
+                and mine.requires_grad == other.requires_grad and len(mine.shape) == len(other.shape)
+                and all(m >= o for m, o in zip(mine.shape, other.shape)))
+    return mine == other
+
+
+# [Note: a trace covers smaller inputs]
+# Auto's plan holds for the inputs its warm-up traced. Batches whose shapes change from step to
+# step (dynamic padding to the longest sequence of each batch, an epoch's last short batch) were
+# traced again at every change: each such iteration a warm-up that releases every group (placement
+# cpu's traffic) and plans, its plan never used. What an iteration needs on the device
+# (activations, workspaces, the chunks' traffic) grows with its inputs, so a plan traced on
+# inputs at least as large in every dimension (same structure, dtypes and devices) bounds an
+# iteration on smaller ones: the plan is kept (conservatively: the room a smaller batch leaves is
+# not used), and only inputs larger somewhere are traced, so a run traces about as often as its
+# largest batch grows. Every step's peak is still checked against the budget: a model whose
+# memory does not shrink with its inputs fails that check once, and those inputs are traced when
+# they come again. A warm-up that overran the budget (no plan) traces again at any change: a
+# smaller batch is the usual answer to its error. Under ZeRO the ranks trace together when any
+# needs to ([Note: ranks trace together] in gemini/parallel/zero.py), each on its own inputs.
+class TracedInputs:
+    """The inputs auto's plan was traced on, and whether later ones need a trace of their own
+    (see [Note: a trace covers smaller inputs])."""
+
+    def __init__(self) -> None:
+        self.signature: InputSignature | None = None
+        self.covered: InputSignature | None = None  # this iteration's, run on a larger trace's plan
+        self._overran: list[InputSignature] = []  # inputs that overran the budget on such a plan
+
+    def trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """The warm-up traces these inputs."""
+        self.signature, self.covered = input_signature(args, kwargs), None
+
+    def needs_trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, planned: bool) -> bool:
+        """Whether an iteration on these inputs must be traced; ``planned``: the traced inputs
+        have a plan (under the budget)."""
+        signature, self.covered = input_signature(args, kwargs), None
+        if signature == self.signature:
+            return False
+        covered = self.signature is not None and self.signature.covers(signature)
+        if planned and covered and signature not in self._overran:
+            self.covered = signature
+            return False
+        return True
+
+    def overran(self) -> None:
+        """This iteration overran the budget: if it ran on a larger trace's plan, its inputs get
+        a trace of their own next time."""
+        if self.covered is not None and self.covered not in self._overran:
+            self._overran.append(self.covered)

@@ -29,16 +29,13 @@ from gemini.engine.step_report import StepOutcome, step_report
 from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, check_peak
-from gemini.parallel.zero import agree_on_budget, gather_params
+from gemini.parallel.zero import agree_on_budget, agree_on_trace, gather_params
 from gemini.engine.iteration_state import IterationState
-from tracer import Boundary, InputSignature, input_signature
+from tracer import Boundary, TracedInputs
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GeminiRuntime", "IterationState"]
-
-# Names as MemoryReport.model_bytes_by_tier has them, read once: an Enum's value is a property.
-
 
 class LossScale(Protocol):
     """What the engine reads of the optimizer's fp16 loss scaler (``gemini.optim.loss_scaler``)."""
@@ -73,7 +70,7 @@ class GeminiRuntime:
     # The tracer resets the monitor's peak at each of its cuts: the warm-up step's peak is
     # the trace's largest period peak, carried here into that step's report.
     warmup_peak_bytes: int = 0
-    _signature: InputSignature | None = None  # the traced iteration's inputs
+    traced_inputs: TracedInputs = field(default_factory=TracedInputs)  # the plan's, and which it covers
     _backward_passes_at_trace: int = 0
     grads_cleared_at_pass: int = 0  # the hooks' backward-pass count at the last zero_grad
     forwards_raised: int = 0  # training forwards that raised: see [Note: ranks out of step] in gemini/parallel/zero.py
@@ -143,8 +140,9 @@ class GeminiRuntime:
             # Gradient accumulation: the traced iteration is the first forward + backward.
             self.finish_warmup()
         elif (state in (IterationState.PLANNED, IterationState.UNPLANNED) and torch.is_grad_enabled()
-              and input_signature(args, kwargs) != self._signature):
-            logger.info("auto placement: input shapes changed; tracing this iteration again")
+              and agree_on_trace(self.zero, self.traced_inputs.needs_trace(args, kwargs,
+                                                                           planned=state is IterationState.PLANNED))):
+            logger.info("auto placement: inputs the plan does not cover (here or on another rank); tracing again")
             self._retrace(args, kwargs)
         self.residency.begin_forward()
         if self.activations is not None:
@@ -207,7 +205,7 @@ class GeminiRuntime:
 
     def _begin_warmup(self, args: tuple, kwargs: dict) -> None:
         self._move(IterationState.TRACING, IterationState.UNTRACED, IterationState.PLANNED, IterationState.UNPLANNED)
-        self._signature = input_signature(args, kwargs)
+        self.traced_inputs.trace(args, kwargs)
         self._backward_passes_at_trace = self.hooks.backward_passes
         self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes,
                              prefetch_bytes=self.placement.prefetch_reserve_bytes)
@@ -246,7 +244,7 @@ class GeminiRuntime:
         self._move(IterationState.PLANNED, IterationState.ADOPTING)
 
     def _retrace(self, args: tuple, kwargs: dict) -> None:
-        """New shapes: drop the plan, warm up again (conservatively) and plan anew at the step."""
+        """Inputs the plan does not cover: drop it, warm up again (conservatively), plan anew at the step."""
         self.placement.abandon_plan()
         self.residency.apply_choice(drop_unkept=True)
         self.residency.rebalance_nvme()
@@ -312,6 +310,7 @@ class GeminiRuntime:
                                               advice=self.placement.budget_advice)
             if budget is None:
                 raise
+            self.traced_inputs.overran()
             raise budget from e
 
     def check_step_peak(self) -> None:
@@ -331,7 +330,8 @@ class GeminiRuntime:
             check_peak(peak_bytes, self.memory.budget_bytes,
                        what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
                        chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
-        except Exception:
+        except Exception:  # a rank's budget refused
+            self.traced_inputs.overran()
             self.end_window()
             raise
 

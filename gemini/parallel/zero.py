@@ -59,8 +59,8 @@ from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradReducer", "ParamGatherer", "agree_grad_ready", "agree_on_budget", "gather_params", "gather_state",
-           "resolve_group", "sharded_grad_norm"]
+__all__ = ["GradReducer", "ParamGatherer", "agree_grad_ready", "agree_on_budget", "agree_on_trace", "gather_params",
+           "gather_state", "resolve_group", "sharded_grad_norm"]
 
 
 def resolve_group(process_group) -> Collectives | None:
@@ -376,3 +376,19 @@ def agree_on_budget(zero: Collectives | None, missing_bytes: int, *, what: str,
             f"another rank of the ZeRO group lacked {worst} bytes of its device budget for {what}; every rank "
             f"refuses the step together (see [Note: ranks agree on the budget] in gemini/parallel/zero.py). "
             f"Nothing was updated: raise that rank's GeminiConfig.device_memory.", missing_bytes=worst)
+
+
+# [Note: ranks trace together]
+# Auto traces an iteration again when its inputs are larger than the traced ones ([Note: a trace
+# covers smaller inputs] in tracer/signature.py), and ranks see different inputs: with dynamic
+# padding one rank's batch is longer than its trace while another's is not. A rank that traces
+# agrees on the warm-up's budget with the others at the step, a collective the others did not
+# call: gloo aborted on the mismatched sizes (two ranks, batches of 4 and 2 rows in turn). So
+# before each training forward of a plan, the ranks all-reduce whether any needs a trace, and all
+# trace together, each on its own inputs. One 4-byte all-reduce per training forward under
+# ZeRO with placement auto.
+def agree_on_trace(zero: Collectives | None, mine: bool) -> bool:
+    """Whether any rank of ``zero`` needs to trace this iteration (``mine``: this rank does)."""
+    if zero is None:
+        return mine
+    return bool(zero.all_reduce(torch.tensor([int(mine)], dtype=torch.int32), op=dist.ReduceOp.MAX).item())

@@ -1,0 +1,170 @@
+"""Step time when the sequence length changes every step (dynamic padding), under placement auto.
+
+    python benchmarks/bench_dynamic_shapes.py                  # the CPU standing in for the device
+    python benchmarks/bench_dynamic_shapes.py --device cuda    # on a GPU
+
+A loader that pads each batch to its longest sequence gives the model a new input shape nearly
+every step. Auto's plan was traced on one shape; it used to trace again at every change, so such
+a run was one warm-up after another (every group released, as placement cpu, plus the tracing)
+and its plan never ran. Now a plan traced on longer inputs covers shorter ones ([Note: a trace
+covers smaller inputs] in tracer/signature.py). Side by side, one step each in turn on the same
+sequence of lengths (drawn once, seeded):
+
+- plain PyTorch with fused AdamW, everything on the device (no budget): the compute itself;
+- gemini auto under a budget (the activations of the longest batch plus 40% of the model data);
+- the same, tracing again at every new shape (the behaviour before: a benchmark's counterfactual,
+  patched in here, not a setting);
+- gemini placement cpu under the same budget (what a warm-up moves).
+
+Each row: the median step, how many steps were traced, the bytes moved host-to-device per step
+(median), and the largest measured device peak against the budget.
+Writes benchmarks/results/dynamic_shapes_<device>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gemini  # noqa: E402
+from bench_step import machine_info, write_results  # noqa: E402
+from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from tracer import TracedInputs, input_signature  # noqa: E402
+
+
+class _TracesEveryChange(TracedInputs):
+    """The behaviour before covering: any other input signature is traced again."""
+
+    def needs_trace(self, args, kwargs, *, planned: bool) -> bool:
+        self.covered = None
+        return input_signature(args, kwargs) != self.signature
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Contender:
+    def __init__(self, name: str, cfg: GPTConfig, device: str, *, placement: str | None, budget: int,
+                 chunk_size: int, retrace_every_change: bool = False) -> None:
+        self.name, self.device, self.budget = name, device, budget
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if placement is None:
+            self.model = model.to(device)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+            self.gemini = False
+        else:
+            ratio = 1.0 if placement == "auto" else 0.0
+            config = gemini.GeminiConfig(device=device, placement=placement, device_memory=budget,
+                                         chunk_size=chunk_size, gpu_margin_mem_ratio=ratio)
+            self.model, self.opt = gemini.initialize(model, config, lr=1e-4)
+            if retrace_every_change:
+                self.opt._rt.traced_inputs = _TracesEveryChange()
+            self.gemini = True
+        self.times: list[float] = []
+        self.traced = 0
+        self.h2d: list[int] = []
+        self.peak = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, timed: bool) -> None:
+        _sync(self.device)
+        start = time.perf_counter()
+        loss = GPT.loss(self.model(x), y)
+        (self.opt.backward(loss) if self.gemini else loss.backward())
+        self.opt.step()
+        self.opt.zero_grad()
+        _sync(self.device)
+        seconds = time.perf_counter() - start
+        if not self.gemini:
+            if timed:
+                self.times.append(seconds)
+            return
+        report = self.opt.report
+        self.traced += report.timeline is not None
+        self.peak = max(self.peak, report.device_peak_bytes)
+        if timed:
+            self.times.append(seconds)
+            self.h2d.append(report.h2d_bytes)
+
+    def row(self) -> dict:
+        row = {"contender": self.name, "median_step_s": statistics.median(self.times), "min_step_s": min(self.times),
+               "steps_timed": len(self.times)}
+        if self.gemini:
+            row.update(steps_traced=self.traced, median_h2d_bytes=int(statistics.median(self.h2d)),
+                       device_peak_bytes=self.peak, budget_bytes=self.budget, under_budget=self.peak <= self.budget)
+        return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--steps", type=int, default=24, help="timed steps, after 2 untimed")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lengths", default="40,48,56,64", help="the sequence lengths a batch is padded to")
+    p.add_argument("--chunk-size", type=int, default=2**17)
+    p.add_argument("--out", default=None, help="result file stem (default dynamic_shapes_<device>)")
+    args = p.parse_args()
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=8, n_head=8, n_embd=256)  # bench_step's medium GPT
+    lengths = [int(n) for n in args.lengths.split(",")]
+    rng = random.Random(0)
+    seqs = [rng.choice(lengths) for _ in range(args.steps + 2)]
+    g = torch.Generator().manual_seed(1)
+    data = [synthetic_batch(cfg, args.batch, seq, generator=g, device=args.device) for seq in seqs]
+
+    # The budget: one probe of the longest batch's non-model peak, plus 40% of the model data.
+    probe = Contender("probe", cfg, args.device, placement="cpu", budget=2**40, chunk_size=args.chunk_size)
+    longest = max(range(len(seqs)), key=seqs.__getitem__)
+    probe.step(*data[longest], timed=False)
+    model_bytes = 16 * cfg.num_params()
+    non_model = probe.opt.report.device_peak_bytes - probe.opt.report.device_model_peak_bytes
+    budget = int(non_model * 1.1 + 0.4 * model_bytes + 2**20)
+    del probe
+
+    contenders = [
+        Contender("torch AdamW(fused), no budget", cfg, args.device, placement=None, budget=0, chunk_size=0),
+        Contender("gemini auto (shorter inputs on the longer trace's plan)", cfg, args.device, placement="auto",
+                  budget=budget, chunk_size=args.chunk_size),
+        Contender("gemini auto, traced at every new shape (before)", cfg, args.device, placement="auto",
+                  budget=budget, chunk_size=args.chunk_size, retrace_every_change=True),
+        Contender("gemini cpu", cfg, args.device, placement="cpu", budget=budget, chunk_size=args.chunk_size),
+    ]
+    for i, (x, y) in enumerate(data):
+        for c in contenders:
+            c.step(x, y, timed=i >= 2)
+    rows = [c.row() for c in contenders]
+    base = rows[0]["median_step_s"]
+    info = machine_info(args.device)
+    result = {"machine": info, "model": "GPT d256 L8 H8 ctx64 (6.6M parameters)", "batch": args.batch,
+              "lengths": seqs, "budget_bytes": budget, "model_bytes": model_bytes, "rows": rows}
+    lines = [f"# Dynamic sequence lengths, device {args.device}", "",
+             f"{info['date']} on {info['cpu']} ({info['cores']} cores, torch {info['torch']})"
+             + (f", {info.get('gpu')}" if args.device == "cuda" else "") + ".", "",
+             f"Command: `python benchmarks/bench_dynamic_shapes.py --device {args.device} --steps {args.steps}`", "",
+             f"GPT d256 L8 (6.6M parameters, {model_bytes / 2**20:.0f} MiB of model data), batch {args.batch}, "
+             f"each step padded to one of {lengths} (seeded); budget {budget / 2**20:.1f} MiB (the longest batch's "
+             f"activations plus 40% of the model data). One step of each contender in turn; medians of "
+             f"{args.steps} steps after 2.", "",
+             "| contender | median step s | / torch | steps traced | h2d MiB / step (median) | peak / budget |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "steps_traced" in r:
+            extra = (f"{r['steps_traced']} of {args.steps + 2} | {r['median_h2d_bytes'] / 2**20:.1f} | "
+                     f"{r['device_peak_bytes'] / r['budget_bytes']:.3f}")
+        else:
+            extra = "- | - | -"
+        lines.append(f"| {r['contender']} | {r['median_step_s']:.4f} | {r['median_step_s'] / base:.2f} | {extra} |")
+    write_results(args.out or f"dynamic_shapes_{args.device}", result, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
