@@ -58,22 +58,20 @@ def test_an_engine_is_freed_with_its_model_and_optimizer(placement, close):
     assert runtime() is None and manager() is None
 
 
-def test_the_budgets_allocator_cap_is_set_once_and_lifted_at_close(monkeypatch):
-    """On CUDA a budget below the card caps the process's allocator (process-wide): set when
-    measuring first starts, not again at each iteration's window (else the cap "before" it would
-    be its own), and lifted when the engine closes, unless something else changed it since.
-    The CUDA calls are stood in for: this is the bookkeeping, tests/test_cuda.py the real cap."""
-    import torch
-
+def _stand_in_for_the_cuda_allocator(monkeypatch):
+    """torch.cuda's allocator cap and the engine's CUDA monitor, stood in for on the CPU: the
+    class whose ``fraction`` is the cap (kept to whole thousandths, as the allocator keeps whole
+    bytes) and ``sets`` how often it was set; a card of 80 GiB."""
     from gemini.engine import memory
 
     class Allocator:
         fraction = 1.0
         sets = 0
 
-    def set_fraction(fraction, device):
-        Allocator.fraction = int(fraction * 1000) / 1000  # the allocator keeps whole bytes: not the value set
-        Allocator.sets += 1
+        @staticmethod
+        def set(fraction, device):
+            Allocator.fraction = int(fraction * 1000) / 1000  # not quite the value set
+            Allocator.sets += 1
 
     class Monitor:
         def __init__(self, device):
@@ -85,10 +83,21 @@ def test_the_budgets_allocator_cap_is_set_once_and_lifted_at_close(monkeypatch):
         def reset_peak(self):
             pass
 
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", Allocator.set)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: Allocator.fraction)
     monkeypatch.setattr(memory, "_device_total_bytes", lambda device: 80 * 2**30)
     monkeypatch.setattr(memory, "CudaAllocatorMonitor", Monitor)
+    return Allocator
+
+
+def test_the_budgets_allocator_cap_is_set_once_and_lifted_at_close(monkeypatch):
+    """On CUDA a budget below the card caps the process's allocator (process-wide): set when
+    measuring first starts, not again at each iteration's window (else the cap "before" it would
+    be its own), and lifted when the engine closes, unless something else changed it since.
+    The CUDA calls are stood in for: this is the bookkeeping, tests/test_cuda.py the real cap."""
+    from gemini.engine import memory
+
+    Allocator = _stand_in_for_the_cuda_allocator(monkeypatch)
     Allocator.fraction = 0.9  # a cap the user set before
     budget = memory.DeviceMemory(torch.device("cuda"), 7 * 2**30, measure=True)
     for _ in range(3):  # three iterations' windows
@@ -100,13 +109,55 @@ def test_the_budgets_allocator_cap_is_set_once_and_lifted_at_close(monkeypatch):
     assert Allocator.fraction == 0.9 and Allocator.sets == 2
     other = memory.DeviceMemory(torch.device("cuda"), 8 * 2**30, measure=True)
     other.start([], lambda: 0)
-    set_fraction(0.5, None)  # changed since by someone else: theirs stays
+    Allocator.set(0.5, None)  # changed since by someone else: theirs stays
     other.close()
     assert Allocator.fraction == 0.5
     roomy = memory.DeviceMemory(torch.device("cuda"), 80 * 2**30, measure=True)
     roomy.start([], lambda: 0)
     roomy.close()
     assert Allocator.fraction == 0.5 and Allocator.sets == 4  # a budget of the whole card caps nothing
+
+
+@pytest.mark.standin  # the stand-in's dispatch-mode monitor
+def test_an_engine_collected_with_its_window_open_stops_measuring():
+    """A training forward without a step (the loop ended, or raised) leaves the engine's window
+    open. Collected so, its monitor had stayed on the dispatch-mode stack counting every later
+    operator of the process; now the engine's close takes it off (see [Note: monitors sharing one
+    mode] in tracer/accounting_monitor.py)."""
+    import tracer.accounting_monitor as accounting
+
+    gc.collect()
+    model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(device="cpu", placement="auto"), lr=1e-2)
+    x, y = batches(TINY, 1, device="cpu")[0]
+    GPT.loss(model(x), y)  # no backward, no step
+    monitor = opt._rt.memory.monitor
+    assert monitor.running and monitor in accounting._THREAD.mode.monitors
+    del model, opt, x, y
+    gc.collect()
+    mode = getattr(accounting._THREAD, "mode", None)
+    assert not monitor.running and (mode is None or monitor not in mode.monitors)
+
+
+def test_two_budgets_in_one_process_cap_the_allocator_at_the_smaller_until_both_close(monkeypatch):
+    """Two engines in one process (a GAN's generator and discriminator): the cap is the smaller
+    live budget whichever started first, stays while either lives, and the cap from before comes
+    back when both have closed, in either order (see [Note: one allocator cap for several
+    budgets]). The CUDA calls are stood in for."""
+    from gemini.engine import memory
+
+    allocator = _stand_in_for_the_cuda_allocator(monkeypatch)
+    allocator.fraction = 0.9  # a cap the user set before
+    for close_first in ("large", "small"):
+        large = memory.DeviceMemory(torch.device("cuda", 0), 8 * 2**30, measure=True)
+        small = memory.DeviceMemory(torch.device("cuda", 0), 4 * 2**30, measure=True)
+        order = (large, small) if close_first == "large" else (small, large)
+        for budget in order:  # the first to start is the first to close
+            budget.start([], lambda: 0)
+        assert allocator.fraction == 0.05  # 4 of 80 GiB, whichever started first
+        order[0].close()
+        assert allocator.fraction == (0.05 if close_first == "large" else 0.1), close_first
+        order[1].close()
+        assert allocator.fraction == 0.9, close_first
 
 
 class _UserError(Exception):

@@ -13,6 +13,7 @@ from tracer.monitors import (
     NvmlMonitor,
     TensorAccountingMonitor,
     make_monitor,
+    reset_cuda_peak,
 )
 from tracer.period import PeriodMeter, PeriodRecord
 from tracer.runtime import RuntimeTracer, TracerState
@@ -41,4 +42,5 @@ __all__ = [
     "input_signature",
     "make_monitor",
     "next_use",
+    "reset_cuda_peak",
 ]

@@ -7,6 +7,7 @@ the accelerator, and the meta device (``gemini.tools.meta_run``).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,20 +21,37 @@ from tracer.storage_ledger import StorageLedger, storages_of
 __all__ = ["TensorAccountingMonitor"]
 
 
-class _AccountingMode(TorchDispatchMode):
-    """Hands every tensor an operator produces (and, optionally, consumes) to the monitor."""
+# [Note: monitors sharing one mode]
+# Several monitors may run at once on one thread: two engines in one process (a GAN's generator
+# and discriminator, RLHF's actor and critic), each measuring its own iterations, which
+# interleave. A dispatch mode can only leave the mode stack from its top, and each monitor had a
+# mode of its own: the generator's window, open from its forward to its step, ended while the
+# discriminator's, opened inside it, was still on top (RuntimeError at the generator's step). So a
+# thread has one mode, entered by the first monitor started there and left by the last one stopped,
+# and it hands each operator's tensors to every monitor running then. Storages a monitor
+# excludes (host payloads where the CPU stands in for the device) are host memory for every
+# monitor: an engine's host chunks, read and written by its CPU Adam while another engine's window
+# is open, are no part of the device that window measures.
+_THREAD = threading.local()  # .mode: this thread's shared mode while a monitor runs on it
+_EXCLUDED: dict[int, weakref.ref] = {}  # id(storage) -> a weak reference to it, for every monitor
 
-    def __init__(self, monitor: TensorAccountingMonitor) -> None:
+
+class _AccountingMode(TorchDispatchMode):
+    """Hands every tensor an operator produces (and, optionally, consumes) to each monitor
+    running on this thread (see [Note: monitors sharing one mode])."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self._monitor = monitor
+        self.monitors: list[TensorAccountingMonitor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        self._monitor._see(out)
-        if self._monitor.count_inputs:
-            self._monitor._see(args)
-            if kwargs:
-                self._monitor._see(kwargs)
+        for monitor in tuple(self.monitors):  # a collected engine's monitor may leave meanwhile
+            monitor._see(out)
+            if monitor.count_inputs:
+                monitor._see(args)
+                if kwargs:
+                    monitor._see(kwargs)
         return out
 
     @classmethod
@@ -46,6 +64,16 @@ class _AccountingMode(TorchDispatchMode):
         # generated code allocates some buffers below the dispatcher, which the mode then
         # misses (a lower bound; on CUDA the allocator monitor sees every byte).
         return True
+
+
+def _excluded(storage: torch.UntypedStorage) -> bool:
+    ref = _EXCLUDED.get(id(storage))
+    return ref is not None and ref() is storage
+
+
+def _forget_excluded(key: int, ref: weakref.ref) -> None:
+    if _EXCLUDED.get(key) is ref:
+        del _EXCLUDED[key]
 
 
 class TensorAccountingMonitor(MemoryMonitor):
@@ -96,6 +124,7 @@ class TensorAccountingMonitor(MemoryMonitor):
         self._ledger = StorageLedger()
         self._mode: _AccountingMode | None = None
         self._owner_thread: int | None = None
+        self._strict = True  # stop() refuses another thread and an out-of-order mode (not discard())
 
     def __repr__(self) -> str:
         return f"TensorAccountingMonitor(device={self.device}, baseline_bytes={self.baseline_bytes})"
@@ -105,34 +134,73 @@ class TensorAccountingMonitor(MemoryMonitor):
         for t in _tensor_list(tensors, "tensors"):
             self._see_tensor(t)
 
+    def resized(self, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """These tensors' storages were resized in place (``resize_`` bypasses the dispatcher):
+        this monitor and every other one running on this thread count them at their new size
+        (see [Note: monitors sharing one mode])."""
+        mode = getattr(_THREAD, "mode", None)
+        for monitor in {self, *(mode.monitors if mode is not None else [])}:
+            monitor.track(tensors)
+
     def exclude(self, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
-        """Never count these tensors' storages while they live, even when operators use them."""
+        """Never count these tensors' storages while they live, even when operators use them;
+        nor does any other monitor (see [Note: monitors sharing one mode])."""
+        mode = getattr(_THREAD, "mode", None)
+        others = mode.monitors if mode is not None else []
         for t in _tensor_list(tensors, "tensors"):
             for storage in storages_of(t):
-                self._ledger.exclude(storage)
+                key = id(storage)
+                _EXCLUDED[key] = weakref.ref(storage, lambda ref, key=key: _forget_excluded(key, ref))
+                for monitor in {self, *others}:
+                    monitor._ledger.exclude(storage)
 
     def refresh(self) -> None:
         """Re-read the sizes of the counted storages (after ``UntypedStorage.resize_``)."""
         self._ledger.refresh()
 
     def _start(self) -> None:
-        self._mode = _AccountingMode(self)
-        self._mode.__enter__()
+        mode = getattr(_THREAD, "mode", None)
+        if mode is None:  # the first monitor on this thread (see [Note: monitors sharing one mode])
+            mode = _AccountingMode()
+            mode.__enter__()
+            _THREAD.mode = mode
+        mode.monitors.append(self)
+        self._mode = mode
         self._owner_thread = threading.get_ident()
 
+    def discard(self) -> None:
+        """Stop counting, from any thread and in any order: an engine closed or collected with
+        its window open. Where the shared mode cannot leave the stack now (not on top, or
+        another thread), it stays there empty, for the next monitor started on its thread."""
+        if self.running:
+            self._strict = False
+            try:
+                self.stop()
+            finally:
+                self._strict = True
+
     def _stop(self) -> None:
-        assert self._mode is not None, "stop() without a mode"
-        if threading.get_ident() != self._owner_thread:
+        mode = self._mode
+        assert mode is not None, "stop() without a mode"
+        owner = threading.get_ident() == self._owner_thread
+        if not owner and self._strict:
             raise RuntimeError(
                 f"{self!r} must be stopped on the thread that started it: dispatch modes are thread-local"
             )
-        if _get_current_dispatch_mode() is not self._mode:
+        last = mode.monitors == [self]
+        on_top = owner and _get_current_dispatch_mode() is mode
+        if last and not on_top and self._strict:
             # Exiting would pop whichever mode is on top, not ours.
             raise RuntimeError(
                 f"{self!r} must be stopped after the dispatch modes entered since it started "
                 f"have exited; the innermost mode is {_get_current_dispatch_mode()!r}"
             )
-        self._mode.__exit__(None, None, None)
+        mode.monitors.remove(self)
+        # Inside a backward the stack is the graph task's copy: popping the mode there left it on
+        # the caller's stack with no monitor and none to reuse it. It stays, empty, until then.
+        if last and on_top and torch._C._current_graph_task_id() == -1:
+            mode.__exit__(None, None, None)
+            _THREAD.mode = None
         self._mode = None
 
     def _current_bytes(self) -> int:
@@ -160,10 +228,13 @@ class TensorAccountingMonitor(MemoryMonitor):
         if not self._watches(t.device):
             return
         if t.layout is torch.strided and type(t) in (torch.Tensor, nn.Parameter):
-            self._ledger.add(t.untyped_storage())  # the common case, without a generator
+            storage = t.untyped_storage()  # the common case, without a generator
+            if not (_EXCLUDED and _excluded(storage)):
+                self._ledger.add(storage)
             return
         for storage in storages_of(t):
-            self._ledger.add(storage)
+            if not (_EXCLUDED and _excluded(storage)):
+                self._ledger.add(storage)
 
     def _watches(self, device: torch.device) -> bool:
         # A watched device without an index ("cuda") watches every index of its type.

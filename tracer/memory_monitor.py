@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CudaAllocatorMonitor",
+    "reset_cuda_peak",
     "MemoryMonitor",
     "MonitorState",
     "as_device",
@@ -136,11 +138,30 @@ def as_device(device: Any, *, name: str = "device") -> torch.device:
         raise ValueError(f"{name}={device!r} is not a device: {e}") from None
 
 
+# [Note: one device peak, several monitors]
+# torch keeps one peak per CUDA device for the whole process, and a reset clears it for every
+# reader. Two engines in one process (a GAN's generator and discriminator) measure their own
+# iterations, which interleave: the discriminator's step reset the device's peak in the middle of
+# the generator's window, whose peak then missed everything before. So every reset goes through
+# reset_cuda_peak, which first folds the peak so far into each running monitor of that device;
+# a monitor's peak is the larger of what it folded and the device's peak since the last reset.
+_RUNNING_CUDA: weakref.WeakSet[CudaAllocatorMonitor] = weakref.WeakSet()
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """Reset ``device``'s peak memory statistics, keeping every running monitor's own peak."""
+    for monitor in list(_RUNNING_CUDA):
+        if monitor.device == device:
+            monitor._fold()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
 class CudaAllocatorMonitor(MemoryMonitor):
     """The CUDA caching allocator's allocated bytes (``memory_allocated``) and their peak.
 
-    Resetting the peak calls ``torch.cuda.reset_peak_memory_stats``, which resets the
-    device's peak for every reader in the process, not just this monitor.
+    torch's peak is the device's, for the whole process; resets go through
+    :func:`reset_cuda_peak`, so that each running monitor keeps its own (see [Note: one device
+    peak, several monitors]).
     """
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
@@ -153,6 +174,7 @@ class CudaAllocatorMonitor(MemoryMonitor):
         self.device = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         # torch resets the reserved peak with the allocated one: what it was before each reset
         self._reserved_peak_bytes = 0
+        self._folded_peak_bytes = 0  # this monitor's peak before the device's last reset
 
     def __repr__(self) -> str:
         return f"CudaAllocatorMonitor(device={self.device})"
@@ -167,10 +189,10 @@ class CudaAllocatorMonitor(MemoryMonitor):
         self._reserved_peak_bytes = 0
 
     def _start(self) -> None:
-        pass
+        _RUNNING_CUDA.add(self)
 
     def _stop(self) -> None:
-        pass
+        _RUNNING_CUDA.discard(self)
 
     # The allocator's counters are updated on the host when a tensor is created or freed,
     # in launch order, so no synchronisation is needed to read them.
@@ -178,8 +200,13 @@ class CudaAllocatorMonitor(MemoryMonitor):
         return torch.cuda.memory_allocated(self.device)
 
     def _peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return max(self._folded_peak_bytes, torch.cuda.max_memory_allocated(self.device))
+
+    def _fold(self) -> None:
+        """The device's peak is about to be reset: keep it (see [Note: one device peak, several monitors])."""
+        self._folded_peak_bytes = self._peak_bytes()
+        self._reserved_peak_bytes = self.reserved_peak_bytes()
 
     def _reset_peak(self) -> None:
-        self._reserved_peak_bytes = self.reserved_peak_bytes()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        reset_cuda_peak(self.device)
+        self._folded_peak_bytes = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tracer.accounting_monitor import TensorAccountingMonitor
-from tracer.memory_monitor import CudaAllocatorMonitor, MemoryMonitor, MonitorState, as_device
+from tracer.memory_monitor import CudaAllocatorMonitor, MemoryMonitor, MonitorState, as_device, reset_cuda_peak
 from tracer.nvml_monitor import NvmlMonitor
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "NvmlMonitor",
     "TensorAccountingMonitor",
     "make_monitor",
+    "reset_cuda_peak",
 ]
 
 

@@ -37,8 +37,9 @@ class InputSignature:
 
     def covers(self, other: InputSignature) -> bool:
         """Whether a trace taken on these inputs bounds an iteration on ``other``: the same
-        structure and plain values, each tensor of the same dtype, device and rank and nowhere
-        larger (see [Note: a trace covers smaller inputs])."""
+        structure and plain values, each tensor of the same dtype, device and rank, nowhere
+        larger, and needing a gradient only where the traced one did (see [Note: a trace covers
+        smaller inputs])."""
         return (self.spec == other.spec and len(self.leaves) == len(other.leaves)
                 and all(_covers(a, b) for a, b in zip(self.leaves, other.leaves)))
 
@@ -71,8 +72,8 @@ def _leaf_signature(leaf: Any) -> Any:
 def _covers(mine: Any, other: Any) -> bool:
     if isinstance(mine, TensorSignature) and isinstance(other, TensorSignature):
         return (mine.dtype == other.dtype and mine.device == other.device
-                and mine.requires_grad == other.requires_grad and len(mine.shape) == len(other.shape)
-                and all(m >= o for m, o in zip(mine.shape, other.shape)))
+                and (mine.requires_grad or not other.requires_grad)  # its gradient: more to do
+                and len(mine.shape) == len(other.shape) and all(m >= o for m, o in zip(mine.shape, other.shape)))
     return mine == other
 
 
@@ -83,13 +84,17 @@ def _covers(mine: Any, other: Any) -> bool:
 # cpu's traffic) and plans, its plan never used. What an iteration needs on the device
 # (activations, workspaces, the chunks' traffic) grows with its inputs, so a plan traced on
 # inputs at least as large in every dimension (same structure, dtypes and devices) bounds an
-# iteration on smaller ones: the plan is kept (conservatively: the room a smaller batch leaves is
-# not used), and only inputs larger somewhere are traced, so a run traces about as often as its
-# largest batch grows. Every step's peak is still checked against the budget: a model whose
-# memory does not shrink with its inputs fails that check once, and those inputs are traced when
-# they come again. A warm-up that overran the budget (no plan) traces again at any change: a
-# smaller batch is the usual answer to its error. Under ZeRO the ranks trace together when any
-# needs to ([Note: ranks trace together] in gemini/parallel/zero.py), each on its own inputs.
+# iteration on smaller ones, and on inputs needing no gradient where the traced ones did (a GAN's
+# discriminator takes the generator's output with a graph, the real batch without): the plan is
+# kept (conservatively: the room a smaller batch leaves is not used), and only inputs larger
+# somewhere are traced, so a run traces about as often as its largest batch grows. Every step's
+# peak is still checked against the budget: a model whose memory does not shrink with its inputs
+# fails that check once, and those inputs are traced when they come again; the plan's own inputs
+# overrunning it (another engine in the process holds more of the device now: [Note: monitors
+# sharing one mode] in tracer/accounting_monitor.py) are traced at the next iteration. A warm-up
+# that overran the budget (no plan) traces again at any change: a smaller batch is the usual
+# answer to its error. Under ZeRO the ranks trace together when any needs to ([Note: ranks trace
+# together] in gemini/parallel/zero.py), each on its own inputs.
 class TracedInputs:
     """The inputs auto's plan was traced on, and whether later ones need a trace of their own
     (see [Note: a trace covers smaller inputs])."""
@@ -116,7 +121,9 @@ class TracedInputs:
         return True
 
     def overran(self) -> None:
-        """This iteration overran the budget: if it ran on a larger trace's plan, its inputs get
-        a trace of their own next time."""
-        if self.covered is not None and self.covered not in self._overran:
+        """This iteration overran the budget: its inputs are traced next time (if it ran on a
+        larger trace's plan, whenever they come again)."""
+        if self.covered is None:
+            self.signature = None  # the plan's own inputs: what else uses the device has changed
+        elif self.covered not in self._overran:
             self._overran.append(self.covered)

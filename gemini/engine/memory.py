@@ -44,8 +44,7 @@ class DeviceMemory:
         self.budgeted = budget_bytes is not None
         self.monitor: MemoryMonitor | None = None
         self._accounting: TensorAccountingMonitor | None = None
-        # (the process's allocator cap before ours, ours) while the budget caps it (CUDA)
-        self._capped: tuple[float, float] | None = None
+        self._capped = False  # this budget holds a cap on the process's allocator (CUDA)
         if device.type == "cuda":
             self.monitor = CudaAllocatorMonitor(device)
         elif measure:
@@ -60,21 +59,17 @@ class DeviceMemory:
     def observer(self) -> StorageObserver | None:
         if self._accounting is None:
             return None
-        return StorageObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.track)
+        return StorageObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.resized)
 
     def start(self, tracked: list[torch.Tensor], model_bytes: Callable[[], int]) -> None:
         """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks),
         ``model_bytes()`` says how many bytes of the device are model data now."""
         # A device larger than the budget: the allocator is capped at the budget (once: every
         # iteration's window starts here).
-        if self._capped is None and self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
-            fraction = self.budget_bytes / self.total_bytes
-            before = _allocator_fraction(self.device)
-            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
-            # Read back: the allocator keeps whole bytes, and reports the cap from them.
-            now = _allocator_fraction(self.device)
-            self._capped = (1.0 if before is None else before, fraction if now is None else now)
-            logger.info("device budget %d bytes enforced as memory fraction %.4f", self.budget_bytes, fraction)
+        if not self._capped and self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
+            fraction = _CAPS.hold(self.device, id(self), self.budget_bytes / self.total_bytes)
+            self._capped = True
+            logger.info("device budget %d bytes: the allocator's memory fraction is %.4f", self.budget_bytes, fraction)
         if self.monitor is not None:
             if tracked and self._accounting is not None:
                 self._accounting.track(tracked)
@@ -86,14 +81,13 @@ class DeviceMemory:
     def close(self) -> None:
         """Lift the allocator cap this budget set: it is process-wide and would outlive the
         engine (a later one with a larger budget, or none, would stay capped). Left alone if
-        something else has changed it since."""
-        if self._capped is None:
-            return
-        before, ours = self._capped
-        self._capped = None
-        if _allocator_fraction(self.device) in (ours, None):
-            torch.cuda.set_per_process_memory_fraction(before, self.device)
-            logger.info("device budget released: allocator memory fraction back to %.4f", before)
+        something else has changed it since; another engine's budget keeps capping it (see
+        [Note: one allocator cap for several budgets]). The stand-in's monitor stops counting."""
+        if self._capped:
+            self._capped = False
+            _CAPS.release(self.device, id(self))
+        if self._accounting is not None:  # an engine closed or collected with its window open
+            self._accounting.discard()
 
     @property
     def measuring(self) -> bool:
@@ -239,6 +233,52 @@ def planned_reserve_bytes(max_non_model_bytes: int, device: torch.device) -> int
     made before any run keeps free (see [Note: the safety reserve])."""
     variation = math.ceil(0.05 * max_non_model_bytes) if device.type == "cuda" else 0
     return variation + _STEP_TEMPORARIES_BYTES
+
+
+# [Note: one allocator cap for several budgets]
+# torch caps the CUDA allocator per process, and a process may train several engines (a GAN's
+# generator and discriminator, RLHF's actor and critic). Each capped it at its own budget when its
+# first window opened and put back the cap from before at close: the second engine's cap replaced
+# the first's, and the first to close lifted a cap the other still relied on, or put back the
+# other's. Each engine measures the whole device while its iterations run, and those overlap, so
+# the cap is the smallest budget of the engines alive, set again whenever they change; the cap
+# from before the first comes back when the last closes. A cap someone else set meanwhile stays.
+class _AllocatorCaps:
+    def __init__(self) -> None:
+        self._held: dict[torch.device, dict[int, float]] = {}  # device -> holder -> its fraction
+        self._before: dict[torch.device, float] = {}  # the cap before the first holder
+        self._set: dict[torch.device, float] = {}  # the cap as the allocator reports it, set here last
+
+    def hold(self, device: torch.device, holder: int, fraction: float) -> float:
+        """Cap ``device`` at ``fraction`` or less while ``holder`` lives; the cap set."""
+        held = self._held.setdefault(device, {})
+        if not held:
+            before = _allocator_fraction(device)
+            self._before[device] = 1.0 if before is None else before
+        held[holder] = fraction
+        return self._apply(device, min(held.values()))
+
+    def release(self, device: torch.device, holder: int) -> None:
+        held = self._held.get(device, {})
+        if held.pop(holder, None) is None:
+            return
+        if _allocator_fraction(device) not in (self._set.get(device), None):  # changed by someone else
+            if not held:
+                self._before.pop(device, None)
+            return
+        if held:
+            self._apply(device, min(held.values()))
+        else:
+            self._apply(device, self._before.pop(device))
+
+    def _apply(self, device: torch.device, fraction: float) -> float:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        now = _allocator_fraction(device)  # the allocator keeps whole bytes, and reports the cap from them
+        self._set[device] = fraction if now is None else now
+        return self._set[device]
+
+
+_CAPS = _AllocatorCaps()
 
 
 def _allocator_fraction(device: torch.device) -> float | None:

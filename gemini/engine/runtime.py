@@ -20,7 +20,7 @@ from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
 from gemini.engine.grad_views import GradViews, why_no_grad_views
 from gemini.engine.hooks import ModuleHooks
-from gemini.engine.memory import DeviceMemory
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.engine.residency import Residency
 from gemini.policies import PlacementPolicy
@@ -31,7 +31,7 @@ from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, check_peak
 from gemini.parallel.zero import agree_on_budget, agree_on_trace, gather_params
 from gemini.engine.iteration_state import IterationState
-from tracer import Boundary, TracedInputs
+from tracer import Boundary, TracedInputs, reset_cuda_peak
 
 logger = logging.getLogger(__name__)
 
@@ -305,12 +305,13 @@ class GeminiRuntime:
         budget's ``DeviceBudgetError``, where a budget is set (see ``DeviceMemory.budget_error``)."""
         try:
             yield
-        except torch.OutOfMemoryError as e:
-            budget = self.memory.budget_error(e, what=what, chunk_bytes=self.storage.ledger.bytes_on(Tier.DEVICE),
-                                              advice=self.placement.budget_advice)
-            if budget is None:
+        except (DeviceBudgetError, torch.OutOfMemoryError) as e:
+            self.traced_inputs.overran()  # the plan no longer fits: traced again next time
+            budget = None if isinstance(e, DeviceBudgetError) else self.memory.budget_error(
+                e, what=what, chunk_bytes=self.storage.ledger.bytes_on(Tier.DEVICE),
+                advice=self.placement.budget_advice)
+            if budget is None:  # a period the plan cannot hold, or no budget
                 raise
-            self.traced_inputs.overran()
             raise budget from e
 
     def check_step_peak(self) -> None:
@@ -343,7 +344,7 @@ class GeminiRuntime:
         self.warmup_peak_bytes = 0
         self.system.reset_peak()
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            reset_cuda_peak(self.device)  # see [Note: one device peak, several monitors]
 
     # ------------------------------------------------------------------ the optimizer's step
     # The optimizer updates values; what a step means to the engine (the end of the warm-up,

@@ -1,9 +1,11 @@
+import gc
 import threading
 import time
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from tracer.monitors import (
     CudaAllocatorMonitor,
@@ -253,6 +255,7 @@ def test_stop_out_of_order_with_another_dispatch_mode_is_refused():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
+    gc.collect()  # engines of earlier tests left with their window open leave (DeviceMemory.close)
     mon = TensorAccountingMonitor("cpu")
     mon.start()
     inner = Passthrough()
@@ -266,3 +269,67 @@ def test_stop_out_of_order_with_another_dispatch_mode_is_refused():
     assert mon.current_bytes() == 32
     mon.stop()
     del keep
+
+
+def test_two_monitors_stop_in_either_order_and_each_counts_what_its_window_saw():
+    """[Note: monitors sharing one mode]: two engines' windows interleave (a GAN's generator and
+    discriminator); the first started may stop first. Each counts the storages made while it runs;
+    a host payload one excludes is excluded for both, and an in-place resize one is told of is
+    re-read by both."""
+    gc.collect()  # engines of earlier tests left with their window open leave (DeviceMemory.close)
+    first, second = TensorAccountingMonitor("cpu"), TensorAccountingMonitor("cpu")
+    first.start()
+    a = torch.empty(1000)  # 4000 bytes: the first's only
+    second.start()
+    b = torch.empty(500)  # 2000 bytes: both
+    with _disable_current_modes():  # as the engine allocates host payloads: quietly
+        host = torch.empty(250)  # a host payload where the CPU stands in for the device
+    second.exclude(host)
+    host.add_(1)  # an operator touching it later counts for neither
+    shell = torch.empty(100)  # 400 bytes: both
+    first.resized(shell)
+    shell.untyped_storage().resize_(0)  # freed in place (resize_ bypasses the dispatcher)
+    first.resized(shell)
+    assert first.current_bytes() == 6000 and second.current_bytes() == 2000
+    first.stop()  # out of order: the second's window goes on
+    c = torch.empty(50)
+    assert second.current_bytes() == 2200 and first.current_bytes() == 6000
+    second.stop()
+    d = torch.empty(10)  # no monitor runs: no mode left on the stack
+    assert _get_current_dispatch_mode() is None
+    assert second.peak_bytes() == 2400 and first.peak_bytes() == 6400  # the shell while it was 400
+    del a, b, c, d, host, shell
+
+
+def test_cuda_monitors_keep_their_own_peak_across_each_others_resets(monkeypatch):
+    """[Note: one device peak, several monitors]: torch's peak is one per device; one monitor's
+    reset (a new window) no longer clears what another's window saw. The allocator is stood in."""
+    import tracer.memory_monitor as mm
+
+    class Allocator:
+        current = peak = 0
+
+    def alloc(n):
+        Allocator.current += n
+        Allocator.peak = max(Allocator.peak, Allocator.current)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: Allocator.current)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: Allocator.peak)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: Allocator.peak)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: setattr(Allocator, "peak", Allocator.current))
+    generator, discriminator = mm.CudaAllocatorMonitor("cuda"), mm.CudaAllocatorMonitor("cuda")
+    generator.start()
+    alloc(1000)
+    alloc(-1000)  # the generator's forward peaked at 1000
+    discriminator.start()  # its window begins: the device's peak is reset
+    alloc(300)
+    assert generator.peak_bytes() == 1000 and discriminator.peak_bytes() == 300
+    discriminator.reset_peak()
+    mm.reset_cuda_peak(torch.device("cuda", 0))  # the engine's own reset at a step
+    assert generator.peak_bytes() == 1000 and discriminator.peak_bytes() == 300
+    generator.stop()
+    discriminator.reset_peak()
+    assert discriminator.peak_bytes() == 300 and generator.peak_bytes() == 1000

@@ -36,10 +36,12 @@ def test_plain_values_and_keywords_must_be_equal():
     assert not traced.covers(_sig(_ids(4, 32), mask=_ids(4, 32), causal=False))
     assert not traced.covers(_sig(_ids(4, 32), causal=True))  # a keyword missing
     assert not _sig(_ids(4, 64), 16).covers(_sig(_ids(4, 64), 8))  # an int by value, not by size
+    # An input's gradient is work and memory the trace must have seen; without it, less.
     assert not _sig(torch.zeros(2, 3)).covers(_sig(torch.zeros(2, 3, requires_grad=True)))
+    assert _sig(torch.zeros(2, 3, requires_grad=True)).covers(_sig(torch.zeros(2, 3)))
 
 
-def test_traced_inputs_keep_the_plan_for_covered_inputs_until_one_overran():
+def test_traced_inputs_keep_the_plan_for_covered_inputs_until_an_iteration_overran():
     inputs = TracedInputs()
     inputs.trace((_ids(4, 64),), {})
     assert not inputs.needs_trace((_ids(4, 64),), {}, planned=True) and inputs.covered is None  # the traced ones
@@ -52,5 +54,6 @@ def test_traced_inputs_keep_the_plan_for_covered_inputs_until_one_overran():
     assert inputs.needs_trace((_ids(4, 40),), {}, planned=True)
     assert not inputs.needs_trace((_ids(4, 48),), {}, planned=True)  # others still covered
     inputs.trace((_ids(4, 40),), {})
-    inputs.overran()  # the traced inputs themselves: nothing to remember
-    assert not inputs.needs_trace((_ids(4, 40),), {}, planned=True)
+    inputs.overran()  # the plan's own inputs (another engine holds more of the device now)
+    assert inputs.needs_trace((_ids(4, 40),), {}, planned=True)  # traced again
+    assert inputs.needs_trace((_ids(4, 20),), {}, planned=True)  # nothing is covered until then
