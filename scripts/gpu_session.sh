@@ -20,6 +20,8 @@
 #                    then scripts/gpu_alias_diag.py (gpu_alias.log): can a parameter on the host stay
 #                    a CUDA tensor over its pinned memory and keep its autograd accumulator
 #   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
+#   dynamic          bench_dynamic_shapes.py: auto under dynamic padding, covering plans against tracing
+#                    at every new shape (gpu_dynamic_shapes.md)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -63,6 +65,8 @@ for s in "$@"; do
             stage capacity 310 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --start-layers 56 --time-limit 300 ;;
         pinned)
             stage pinned 45 "$PY" benchmarks/bench_pinned_copies.py --rounds 5 ;;
+        dynamic)
+            stage dynamic 90 "$PY" benchmarks/bench_dynamic_shapes.py --device cuda --steps 24 --out gpu_dynamic_shapes ;;
         fit)
             stage fit 70 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --fit --budget 4GiB --embd 1024 --steps 4 \
                 --time-limit 64 ;;
