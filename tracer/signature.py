@@ -120,9 +120,12 @@ class TracedInputs:
             return False
         return True
 
-    def overran(self) -> None:
-        """This iteration overran the budget: its inputs are traced next time (if it ran on a
-        larger trace's plan, whenever they come again)."""
+    def overran(self, *, planned: bool = True) -> None:
+        """This iteration overran the budget: if it ran on a plan (``planned``; a warm-up's
+        overrun is its own error), its inputs are traced next time (if it ran on a larger
+        trace's plan, whenever they come again)."""
+        if not planned:
+            return
         if self.covered is None:
             self.signature = None  # the plan's own inputs: what else uses the device has changed
         elif self.covered not in self._overran:

@@ -306,7 +306,7 @@ class GeminiRuntime:
         try:
             yield
         except (DeviceBudgetError, torch.OutOfMemoryError) as e:
-            self.traced_inputs.overran()  # the plan no longer fits: traced again next time
+            self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
             budget = None if isinstance(e, DeviceBudgetError) else self.memory.budget_error(
                 e, what=what, chunk_bytes=self.storage.ledger.bytes_on(Tier.DEVICE),
                 advice=self.placement.budget_advice)
@@ -332,7 +332,7 @@ class GeminiRuntime:
                        what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
                        chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
         except Exception:  # a rank's budget refused
-            self.traced_inputs.overran()
+            self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)
             self.end_window()
             raise
 

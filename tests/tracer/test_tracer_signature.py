@@ -54,6 +54,8 @@ def test_traced_inputs_keep_the_plan_for_covered_inputs_until_an_iteration_overr
     assert inputs.needs_trace((_ids(4, 40),), {}, planned=True)
     assert not inputs.needs_trace((_ids(4, 48),), {}, planned=True)  # others still covered
     inputs.trace((_ids(4, 40),), {})
+    inputs.overran(planned=False)  # a warm-up's overrun: its own error, the trace stands
+    assert not inputs.needs_trace((_ids(4, 40),), {}, planned=True)
     inputs.overran()  # the plan's own inputs (another engine holds more of the device now)
     assert inputs.needs_trace((_ids(4, 40),), {}, planned=True)  # traced again
     assert inputs.needs_trace((_ids(4, 20),), {}, planned=True)  # nothing is covered until then
