@@ -18,7 +18,8 @@ sequence of lengths (drawn once, seeded):
 
 Each row: the median step, how many steps were traced, the bytes moved host-to-device per step
 (median), and the largest measured device peak against the budget.
-Writes benchmarks/results/dynamic_shapes_<device>.json and .md.
+Writes benchmarks/results/dynamic_shapes_<device>_<size>.json and .md (``--size`` small, medium or
+55m: bench_step.py's GPTs and batches).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
-from bench_step import machine_info, write_results  # noqa: E402
+from bench_step import SIZES, machine_info, write_results  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from tracer import TracedInputs, input_signature  # noqa: E402
 
@@ -108,14 +109,17 @@ class Contender:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--size", default="medium", choices=list(SIZES), help="bench_step's GPT sizes and batches")
     p.add_argument("--steps", type=int, default=24, help="timed steps, after 2 untimed")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lengths", default="40,48,56,64", help="the sequence lengths a batch is padded to")
+    p.add_argument("--lengths", default=None,
+                   help="the sequence lengths a batch is padded to (default 5/8, 6/8, 7/8 and all of the context)")
     p.add_argument("--chunk-size", type=int, default=2**17)
-    p.add_argument("--out", default=None, help="result file stem (default dynamic_shapes_<device>)")
+    p.add_argument("--out", default=None, help="result file stem (default dynamic_shapes_<device>_<size>)")
     args = p.parse_args()
-    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=8, n_head=8, n_embd=256)  # bench_step's medium GPT
-    lengths = [int(n) for n in args.lengths.split(",")]
+    fields, args.batch, context = SIZES[args.size]
+    cfg = GPTConfig(**fields)
+    lengths = ([int(n) for n in args.lengths.split(",")] if args.lengths
+               else [context * k // 8 for k in (5, 6, 7, 8)])
     rng = random.Random(0)
     seqs = [rng.choice(lengths) for _ in range(args.steps + 2)]
     g = torch.Generator().manual_seed(1)
@@ -144,13 +148,17 @@ def main() -> None:
     rows = [c.row() for c in contenders]
     base = rows[0]["median_step_s"]
     info = machine_info(args.device)
-    result = {"machine": info, "model": "GPT d256 L8 H8 ctx64 (6.6M parameters)", "batch": args.batch,
+    n_params = cfg.num_params()
+    model_name = (f"GPT d{cfg.n_embd} L{cfg.n_layer} H{cfg.n_head} ctx{cfg.block_size} "
+                  f"({n_params / 1e6:.1f}M parameters)")
+    result = {"machine": info, "size": args.size, "model": model_name, "batch": args.batch,
               "lengths": seqs, "budget_bytes": budget, "model_bytes": model_bytes, "rows": rows}
     lines = [f"# Dynamic sequence lengths, device {args.device}", "",
              f"{info['date']} on {info['cpu']} ({info['cores']} cores, torch {info['torch']})"
              + (f", {info.get('gpu')}" if args.device == "cuda" else "") + ".", "",
-             f"Command: `python benchmarks/bench_dynamic_shapes.py --device {args.device} --steps {args.steps}`", "",
-             f"GPT d256 L8 (6.6M parameters, {model_bytes / 2**20:.0f} MiB of model data), batch {args.batch}, "
+             f"Command: `python benchmarks/bench_dynamic_shapes.py --device {args.device} --size {args.size} "
+             f"--steps {args.steps}`", "",
+             f"{model_name}, {model_bytes / 2**20:.0f} MiB of model data, batch {args.batch}, "
              f"each step padded to one of {lengths} (seeded); budget {budget / 2**20:.1f} MiB (the longest batch's "
              f"activations plus 40% of the model data). One step of each contender in turn; medians of "
              f"{args.steps} steps after 2.", "",
@@ -163,7 +171,7 @@ def main() -> None:
         else:
             extra = "- | - | -"
         lines.append(f"| {r['contender']} | {r['median_step_s']:.4f} | {r['median_step_s'] / base:.2f} | {extra} |")
-    write_results(args.out or f"dynamic_shapes_{args.device}", result, "\n".join(lines) + "\n")
+    write_results(args.out or f"dynamic_shapes_{args.device}_{args.size}", result, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
