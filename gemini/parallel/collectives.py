@@ -87,6 +87,10 @@ class Collectives:
             t.copy_(s)
         return t
 
+    def max_over_ranks(self, value: int) -> int:
+        """The largest of every rank's ``value`` (blocking)."""
+        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MAX).item())
+
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` set to the group's rank 0's ``t``, in place (blocking); returns ``t``."""
         s = self._staged(t)

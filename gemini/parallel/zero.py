@@ -370,7 +370,7 @@ def agree_on_budget(zero: Collectives | None, missing_bytes: int, *, what: str,
         return
     if reducer is not None:
         reducer.reduce_if_idle()
-    worst = int(zero.all_reduce(torch.tensor([missing_bytes], dtype=torch.int64), op=dist.ReduceOp.MAX).item())
+    worst = zero.max_over_ranks(missing_bytes)
     if worst > 0 and missing_bytes == 0:
         raise DeviceBudgetError(
             f"another rank of the ZeRO group lacked {worst} bytes of its device budget for {what}; every rank "
@@ -385,10 +385,10 @@ def agree_on_budget(zero: Collectives | None, missing_bytes: int, *, what: str,
 # agrees on the warm-up's budget with the others at the step, a collective the others did not
 # call: gloo aborted on the mismatched sizes (two ranks, batches of 4 and 2 rows in turn). So
 # before each training forward of a plan, the ranks all-reduce whether any needs a trace, and all
-# trace together, each on its own inputs. One 4-byte all-reduce per training forward under
+# trace together, each on its own inputs. One 8-byte all-reduce per training forward under
 # ZeRO with placement auto.
 def agree_on_trace(zero: Collectives | None, mine: bool) -> bool:
     """Whether any rank of ``zero`` needs to trace this iteration (``mine``: this rank does)."""
     if zero is None:
         return mine
-    return bool(zero.all_reduce(torch.tensor([int(mine)], dtype=torch.int32), op=dist.ReduceOp.MAX).item())
+    return bool(zero.max_over_ranks(int(mine)))
