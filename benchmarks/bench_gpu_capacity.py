@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -118,10 +119,23 @@ def trial(args, layers: int, placement: str = "auto", timeout: float | None = No
     return {"layers": layers, "placement": placement, "ok": False, "error": last[:200]}
 
 
-def search(args) -> list[dict]:
-    """Double the depth until a trial fails, then bisect, within the time limit."""
+def host_shortfall(args, layers: int) -> str | None:
+    """Why a trial cannot train with its states in host memory, before it runs: its model data
+    above the host's available memory (the H200 run of 2026-11-26 spent its last 78 s pinning
+    184 GB on a 125 GiB host, and ending that process outlasted the stage)."""
+    if args.nvme_dir:
+        return None
+    need = MODEL_DATA_BYTES_PER_PARAM * gpt_config(args, layers).num_params()
+    available = psutil.virtual_memory().available
+    if need <= available:
+        return None
+    return f"model data {format_size(need)} above the host's available {format_size(available)}: not tried"
+
+
+def search(args, rows: list[dict]) -> list[dict]:
+    """Double the depth until a trial fails, then bisect, within the time limit; ``rows``
+    collects each trial's row as it ends (an interrupted search still has them)."""
     deadline = time.monotonic() + args.time_limit
-    rows: list[dict] = []
 
     def attempt(layers: int) -> dict | None:
         """The trial's row, or None once the time is up (a trial the deadline cut short is no
@@ -129,6 +143,12 @@ def search(args) -> list[dict]:
         left = deadline - time.monotonic()
         if left < 10:
             return None
+        shortfall = host_shortfall(args, layers)
+        if shortfall is not None:
+            row = {"layers": layers, "placement": "auto", "ok": False, "error": shortfall}
+            print(_line(row), flush=True)
+            rows.append(row)
+            return row
         row = trial(args, layers, timeout=left)
         print(_line(row), flush=True)
         if row.get("timed_out"):
@@ -246,7 +266,11 @@ def main() -> int:
         args.passthrough += ["--nvme-dir", args.nvme_dir]
     if args.cpu_memory:
         args.passthrough += ["--cpu-memory", args.cpu_memory]
-    rows = fit_comparison(args) if args.fit else search(args)
+    rows: list[dict] = []
+    try:
+        rows = fit_comparison(args) if args.fit else search(args, rows)
+    except KeyboardInterrupt:  # a stage's time limit: the trials that ended are still results
+        print(f"interrupted: writing the {len(rows)} rows measured so far", flush=True)
     result = {"machine": machine_info(args.device), "args": {k: v for k, v in vars(args).items() if k not in ("passthrough", "one")},
               "rows": rows, "command": "python benchmarks/bench_gpu_capacity.py " + " ".join(sys.argv[1:])}
     if args.fit:

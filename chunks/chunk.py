@@ -45,6 +45,9 @@ class Chunk:
         self.dtype = dtype
         self.slots = slots
         self.used_numel = max((s.end for s in slots), default=0)
+        # Elements between slots (see [Note: aligned slots] in chunks/layout.py): a payload
+        # that slots alone write must be allocated zeroed.
+        self.has_gaps = sum(s.numel for s in slots) != self.used_numel
         assert self.used_numel <= capacity, f"{self.used_numel=} > {capacity=}"
         self.state = ChunkState.RELEASED
         self._storage = storage

@@ -11,7 +11,8 @@ import torch
 
 from offload import round_up
 
-__all__ = ["CAPACITY_ALIGN_ELEMENTS", "TensorSlot", "chunk_capacity", "plan_layout"]
+__all__ = ["CAPACITY_ALIGN_ELEMENTS", "SLOT_ALIGN_ELEMENTS", "TensorSlot", "chunk_capacity", "aligned_start",
+           "plan_layout", "slot_offsets"]
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,41 @@ class TensorSlot:
         return self.offset + self.numel
 
 
+# [Note: aligned slots]
+# Each tensor of a chunk begins at a multiple of SLOT_ALIGN_ELEMENTS (16 elements: at least 16
+# bytes of any dtype; chunk payloads themselves are 512-byte aligned by either allocator). cuBLAS
+# and cuDNN choose kernels by the alignment of their operands, and kernels of different
+# vector widths sum in different orders: parameters packed back to back (a 96-element bias
+# starting 4 bytes into a cache line) made gemini's GPU runs differ from torch's own, whose
+# tensors the allocator aligns, by 1e-7 relative, and Adam blew that up to steps of the
+# learning rate's order on parameters whose gradient is rounding noise (an attention key's
+# bias, a bias before BatchNorm). scripts/gpu_diag.py trained a GPT on an H200 (2026-11-26) with
+# its parameters as views of one buffer: packed at an odd offset, 29 of 29 tensors differed from
+# torch; aligned to 16 bytes, 512 bytes or 4 KiB, none did. The gaps cost at most 15 elements a
+# tensor; they are zeros in every copy (see ``Chunk.has_gaps``) so that whole-chunk reductions
+# (norms, Adam, inf checks) see nothing there.
+SLOT_ALIGN_ELEMENTS = 16
+
+
+def slot_offsets(numels: Sequence[int]) -> list[int]:
+    """Where each of ``numels`` (tensors in one chunk, in order) begins; see [Note: aligned slots]."""
+    offsets, end = [], 0
+    for n in numels:
+        start = aligned_start(end, n)
+        offsets.append(start)
+        end = start + n
+    return offsets
+
+
+def aligned_start(end: int, numel: int) -> int:
+    """Where a tensor of ``numel`` elements begins after slots ending at ``end``: the next
+    aligned element (an empty tensor, which no kernel reads, right at ``end``)."""
+    return round_up(end, SLOT_ALIGN_ELEMENTS) if numel else end
+
+
 def plan_layout(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
-    """Next-fit packing of tensors (in the given order) into chunks of ``chunk_size``.
+    """Next-fit packing of tensors (in the given order) into chunks of ``chunk_size``, each tensor
+    at an aligned offset (see [Note: aligned slots]).
 
     Returns, per chunk, the indices of the tensors it holds. A tensor larger than the chunk
     size gets a chunk of its own (sized to it), so nothing is ever split.
@@ -46,12 +80,12 @@ def plan_layout(numels: Sequence[int], chunk_size: int) -> list[list[int]]:
         if n > chunk_size:
             chunks.append([i])
             fill = chunk_size  # the oversized chunk is closed
-        elif fill + n > chunk_size or not chunks:  # not chunks: an empty tensor first
+        elif aligned_start(fill, n) + n > chunk_size or not chunks:  # not chunks: an empty tensor first
             chunks.append([i])
             fill = n
         else:
             chunks[-1].append(i)
-            fill += n
+            fill = aligned_start(fill, n) + n
     return chunks
 
 

@@ -12,7 +12,7 @@ from chunks.chunk import Chunk, ChunkState
 from chunks.edits import ParamEdits
 from chunks.group import ChunkGroup
 from chunks.kind import ChunkKind
-from chunks.layout import CAPACITY_ALIGN_ELEMENTS, TensorSlot, chunk_capacity, plan_layout
+from chunks.layout import CAPACITY_ALIGN_ELEMENTS, TensorSlot, chunk_capacity, plan_layout, slot_offsets
 from chunks.shard import Shard
 from chunks.storage import ChunkStorage, Tier
 
@@ -112,11 +112,9 @@ class ChunkManager:
             raise RuntimeError("register() was already called")
         for members, pg_index, capacity in self.layout(param_groups, frozen):
             named = param_groups[pg_index] if pg_index >= 0 else frozen
-            slots, offset = [], 0
-            for i in members:
-                name, p = named[i]
-                slots.append(TensorSlot(len(slots), offset, p.numel(), p.shape, name))
-                offset += p.numel()
+            offsets = slot_offsets([named[i][1].numel() for i in members])
+            slots = [TensorSlot(j, offsets[j], named[i][1].numel(), named[i][1].shape, named[i][0])
+                     for j, i in enumerate(members)]
             self._build_group(tuple(slots), tuple(named[i][1] for i in members), capacity, pg_index, initial_tier,
                               source, sync)
             on_group(self.groups[-1])
@@ -137,7 +135,7 @@ class ChunkManager:
         for pg_index, named in [*enumerate(param_groups), (-1, frozen)]:
             numels = [p.numel() for _, p in named]
             for members in plan_layout(numels, self.chunk_size):
-                used = sum(numels[i] for i in members)
+                used = slot_offsets([numels[i] for i in members])[-1] + numels[members[-1]]
                 out.append((members, pg_index, chunk_capacity(used, self.chunk_size, world=self.world)))
         return out
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from chunks.layout import aligned_start
 from offload import round_up
 
 __all__ = ["ChunkSizeSearch", "search_chunk_size", "waste_for", "default_search_range"]
@@ -36,7 +37,7 @@ def waste_for(groups: Sequence[Sequence[int]], chunk_size: int) -> tuple[int, in
 
     Mirrors :func:`chunks.layout.plan_layout` without building the layout: a tensor larger
     than the chunk gets a chunk of exactly its size (no waste); every other chunk wastes the
-    room its tensors leave free of ``chunk_size``.
+    room its tensors leave free of ``chunk_size``, the gaps before aligned slots included.
     """
     waste = count = 0
     for numels in groups:
@@ -47,13 +48,15 @@ def waste_for(groups: Sequence[Sequence[int]], chunk_size: int) -> tuple[int, in
                 if fill is not None:
                     waste += chunk_size - fill
                 fill = None
-            elif fill is None or fill + n > chunk_size:
+            elif fill is None or aligned_start(fill, n) + n > chunk_size:
                 if fill is not None:
                     waste += chunk_size - fill
                 count += 1
                 fill = n
             else:
-                fill += n
+                start = aligned_start(fill, n)
+                waste += start - fill  # the gap before an aligned slot
+                fill = start + n
         if fill is not None:
             waste += chunk_size - fill
     return waste, count

@@ -9,7 +9,8 @@
 # stage is a finding, not the end of the call.
 #   cuda_tests       the tests marked cuda alone
 #   suite            the whole suite on the GPU alone (12 workers)
-#   capacity         the capacity search alone, from 56 layers, 300 s
+#   capacity         the capacity search alone, from 56 layers, 300 s (less where CALL_SECONDS, the
+#                    call's limit, leaves less)
 #   suite+capacity   the whole suite on the GPU, the cuda tests included (pytest-xdist, 10 workers),
 #                    beside the capacity search (an 8 GiB budget, states on the host, from 56
 #                    layers); the search's figure is memory (its step times are taken beside the
@@ -62,7 +63,16 @@ for s in "$@"; do
             GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage suite 200 "${PYTEST[@]}" -n 12 --timeout 120 \
                 --junitxml="$R/gpu_suite.xml" tests ;;
         capacity)
-            stage capacity 310 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --start-layers 56 --time-limit 300 ;;
+            # With CALL_SECONDS (the device call's timeout_s) the search takes what the stages
+            # before it left, up to 300 s, and stops 25 s before the call's end.
+            limit=300
+            if [ -n "${CALL_SECONDS:-}" ]; then
+                left=$((CALL_SECONDS - SECONDS - 25))
+                [ "$left" -lt "$limit" ] && limit=$left
+            fi
+            if [ "$limit" -lt 60 ]; then echo "== capacity: skipped, $limit s left"; continue; fi
+            stage capacity $((limit + 10)) "$PY" benchmarks/bench_gpu_capacity.py --device cuda --start-layers 56 \
+                --time-limit "$limit" ;;
         pinned)
             stage pinned 45 "$PY" benchmarks/bench_pinned_copies.py --rounds 5 ;;
         dynamic)

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from chunks import Chunk, ChunkKind, ChunkManager, ChunkState, ChunkStorage, TensorSlot, Tier, plan_layout, search_chunk_size
+from chunks.layout import slot_offsets
 from chunks.search import default_search_range, waste_for
+import gemini
 
 
 def _chunk(storage, capacity=16, dtype=torch.float32):
@@ -79,19 +81,50 @@ def test_manager_params_are_views_and_follow_moves():
     group.param.fetch(keep_host=True)
     assert lin.weight.data_ptr() == group.param.payload(Tier.DEVICE).data_ptr()
     group.param.drop_device_copy()
-    assert lin.bias.data_ptr() == group.param.payload(Tier.HOST).data_ptr() + 12 * 4
+    assert lin.bias.data_ptr() == group.param.payload(Tier.HOST).data_ptr() + 16 * 4  # an aligned slot
     # Each flavour of the chunk is counted once on its tier: param 100, m 100, v 100 floats.
     assert storage.ledger.bytes_on(Tier.HOST) == 3 * 100 * 4
     assert mgr.bytes_by_kind(Tier.HOST)[ChunkKind.PARAM] == 400
 
 
 def test_plan_layout_next_fit_and_oversized():
-    assert plan_layout([3, 3, 3, 10, 2, 5], 6) == [[0, 1], [2], [3], [4], [5]]
-    assert plan_layout([6, 6], 6) == [[0], [1]]
-    assert plan_layout([1, 2, 3], 6) == [[0, 1, 2]]
+    # Slots begin at multiples of 16 elements ([Note: aligned slots]): a 3-element tensor takes
+    # room up to the next 16 when another follows it in the chunk.
+    assert plan_layout([16, 16, 16, 100, 8, 20], 48) == [[0, 1, 2], [3], [4, 5]]
+    assert plan_layout([3, 3], 19) == [[0, 1]] and plan_layout([3, 3], 18) == [[0], [1]]
+    assert plan_layout([48, 48], 48) == [[0], [1]]
     assert plan_layout([0, 2, 0, 6], 6) == [[0, 1, 2], [3]]  # an empty tensor first: no chunk before it
+    assert slot_offsets([3, 0, 16, 1, 5]) == [0, 3, 16, 32, 48]  # an empty tensor sits where the last ends
     with pytest.raises(ValueError, match="chunk_size"):
         plan_layout([1], 0)
+
+
+def test_slots_are_aligned_and_gaps_read_zero():
+    """Every parameter view begins 16 elements apart at least (64 bytes of fp32, so aligned for
+    any kernel as the allocator's own tensors), and the gaps between slots are zeros in the
+    parameter chunk and in a gradient chunk the backward wrote, so whole-chunk norms equal the
+    parameters' own."""
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7))  # 15, 5, 35, 7 elements: three gaps
+    want = [p.detach().clone() for p in model.parameters()]
+    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=4096))
+    (group,) = opt._rt.manager.groups
+    assert group.param.has_gaps and [s.offset for s in group.slots] == [0, 16, 32, 80]
+    for p in gmodel.parameters():
+        assert p.data_ptr() % 64 == 0
+    opt.backward(gmodel(torch.randn(4, 3)).square().sum())
+    grad_tier = Tier.DEVICE if group.grad.is_on(Tier.DEVICE) else Tier.HOST
+    grad = group.grad.used(grad_tier)
+    grads = [p.grad.detach().clone() for p in gmodel.parameters()]
+    # (equal up to the order of the sum: zeros in between change how a vectorised norm pairs terms)
+    torch.testing.assert_close(torch.linalg.vector_norm(grad),
+                               torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])), rtol=1e-6, atol=0)
+    for chunk, got in ((group.param, want), (group.grad, grads)):
+        payload = chunk.used(Tier.HOST if chunk is group.param else grad_tier)
+        gaps = torch.ones(payload.numel(), dtype=torch.bool)
+        for s, t in zip(group.slots, got):
+            gaps[s.offset : s.end] = False
+            assert torch.equal(payload[s.offset : s.end].view(s.shape), t)
+        assert payload[gaps].eq(0).all() and gaps.sum() == 80 + 7 - (15 + 5 + 35 + 7)
 
 
 def _real_waste(groups, size):
@@ -102,7 +135,7 @@ def _real_waste(groups, size):
     mgr = ChunkManager(storage, chunk_size=size)
     named = [[(f"g{gi}p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate(g)] for gi, g in enumerate(groups)]
     mgr.register(named, [], initial_tier=lambda kind: Tier.HOST)
-    return sum(max(size, g.param.used_numel) - g.param.used_numel for g in mgr.groups)
+    return sum(max(size, g.param.used_numel) - sum(s.numel for s in g.param.slots) for g in mgr.groups)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -121,6 +154,7 @@ def test_search_finds_the_brute_force_optimum(seed):
 def test_waste_counts_oversized_tensors_as_exact():
     assert waste_for([[10]], 4) == (0, 1)
     assert waste_for([[3, 10, 3]], 4) == (2, 3)
+    assert waste_for([[3, 3]], 20) == (20 - 6, 1)  # the gap before the aligned second slot is room too
 
 
 def test_default_range_sets_outliers_aside_and_keeps_several_chunks():
@@ -144,7 +178,7 @@ def test_a_nearly_empty_chunk_costs_its_content_not_a_full_chunk():
     chunk = 9_150
     gmodel, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=chunk))
     used = [g.param.used_numel for g in opt._rt.manager.groups]
-    assert used == [90 * 100 + 100, 2 * 100, 100 * 95, 95]
+    assert used == [9008 + 100, 112 + 100, 100 * 95, 95]  # each bias at the next multiple of 16
     gmodel(torch.randn(4, 90)).sum().backward()
     opt.step()
     # Each parameter chunk is fetched for forward and for backward, 4 bytes an element; no

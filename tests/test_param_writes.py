@@ -117,10 +117,15 @@ def test_assigned_param_data_is_trained_like_torch(name):
             if len({p.device for p in params}) > 1:  # on a GPU under static: the README's limitation
                 with pytest.raises(TypeError, match="different devices"):
                     torch.nn.utils.parameters_to_vector(params)
-                vector = torch.cat([p.detach().to(DEVICE).flatten() for p in params])  # the README's way round
+                # The README's way round, both ways (vector_to_parameters refuses too, after it has
+                # assigned the parameters before the first on the other device: the same values).
+                vector = torch.cat([p.detach().to(DEVICE).flatten() for p in params]) * 0.5
+                with pytest.raises(TypeError, match="different devices"):
+                    torch.nn.utils.vector_to_parameters(vector, params)
+                for p, piece in zip(params, vector.split([p.numel() for p in params])):
+                    p.data = piece.view_as(p)
             else:
-                vector = torch.nn.utils.parameters_to_vector(params)
-            torch.nn.utils.vector_to_parameters(vector * 0.5, params)
+                torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(params) * 0.5, params)
 
     want, got = _train([(ref, ref_opt), (gmodel, opt)], batches(CFG, STEPS, batch=2, seq=16), reassign)
     _assert_same_run(got, want)

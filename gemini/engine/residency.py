@@ -212,8 +212,9 @@ class Residency(StepMoves):
         if grad.state is ChunkState.RELEASED:
             # Slots not marked ready are written with copy_ before they are ever read, so
             # the payload need not be zeroed; under ZeRO the whole bucket is reduced, so
-            # slots without a gradient in this pass (and the padding) must be zeros.
-            grad.allocate(Tier.DEVICE, zero=group.grad_shard is not None)
+            # slots without a gradient in this pass (and the padding) must be zeros, and so
+            # must the gaps between slots that whole-chunk norms and Adam read.
+            grad.allocate(Tier.DEVICE, zero=group.grad_shard is not None or grad.has_gaps)
         else:
             grad.move_to(Tier.DEVICE)
         return grad
