@@ -103,7 +103,11 @@ def run_trial(args, layers: int, placement: str) -> dict:
 
 
 def trial(args, layers: int, placement: str = "auto", timeout: float | None = None) -> dict:
-    """One model in a process of its own; a failure (or a timeout) is a row."""
+    """One model in a process of its own; a failure (or a timeout) is a row, and so is a model
+    the host cannot hold (not tried)."""
+    shortfall = host_shortfall(args, layers) if placement == "auto" else None
+    if shortfall is not None:
+        return {"layers": layers, "placement": placement, "ok": False, "error": shortfall}
     cmd = [sys.executable, __file__, "--one", str(layers), "--one-placement", placement, *args.passthrough]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -132,10 +136,11 @@ def host_shortfall(args, layers: int) -> str | None:
     return f"model data {format_size(need)} above the host's available {format_size(available)}: not tried"
 
 
-def search(args, rows: list[dict]) -> list[dict]:
+def search(args, rows: list[dict] | None = None) -> list[dict]:
     """Double the depth until a trial fails, then bisect, within the time limit; ``rows``
     collects each trial's row as it ends (an interrupted search still has them)."""
     deadline = time.monotonic() + args.time_limit
+    rows = [] if rows is None else rows
 
     def attempt(layers: int) -> dict | None:
         """The trial's row, or None once the time is up (a trial the deadline cut short is no
@@ -143,12 +148,6 @@ def search(args, rows: list[dict]) -> list[dict]:
         left = deadline - time.monotonic()
         if left < 10:
             return None
-        shortfall = host_shortfall(args, layers)
-        if shortfall is not None:
-            row = {"layers": layers, "placement": "auto", "ok": False, "error": shortfall}
-            print(_line(row), flush=True)
-            rows.append(row)
-            return row
         row = trial(args, layers, timeout=left)
         print(_line(row), flush=True)
         if row.get("timed_out"):

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -85,3 +86,24 @@ def test_interleaved_rounds_rotate_who_goes_first():
     timed = calls[3:]  # after the warm-up round
     assert [timed[3 * r] for r in range(6)] == ["a", "b", "c", "a", "b", "c"]
     assert all(sorted(timed[3 * r : 3 * r + 3]) == ["a", "b", "c"] for r in range(6))
+
+
+def test_capacity_trial_of_a_model_the_host_cannot_hold_is_a_row_not_a_run(monkeypatch):
+    """Model data above the host's available memory: no process is started (on the H200 run a
+    224-layer trial spent its time pinning 184 GB on a 125 GiB host), the row says why; with
+    NVMe the host need not hold it, and the trial runs."""
+    started = []
+    monkeypatch.setattr(bench_gpu_capacity.subprocess, "run", lambda *a, **k: started.append(a) or _Done())
+    args = argparse.Namespace(nvme_dir=None, vocab=50304, seq=1024, heads=16, embd=2048, passthrough=[])
+    layers = 2 * psutil.virtual_memory().total // (16 * 12 * 2048 * 2048) + 1  # twice the host, in blocks alone
+    row = bench_gpu_capacity.trial(args, layers)
+    assert not row["ok"] and "not tried" in row["error"] and not started
+    args.nvme_dir = "/tmp/nvme"
+    bench_gpu_capacity.trial(args, layers)
+    assert started
+
+
+class _Done:
+    stdout = 'RESULT {"ok": true}\n'
+    stderr = ""
+    returncode = 0
