@@ -16,6 +16,9 @@ benchmark]; on the CPU: none), the whole GPU's used-memory peak (NVML), and its 
   when the model does not fit);
 - ``gemini auto (ratio 0)``: placement "auto" with ``gpu_margin_mem_ratio`` 0, so every
   optimizer state lives on the host and the host Adam updates it, as ZeRO-Offload does;
+- ``gemini auto (ratio 0; one host call)``: the same with the host's Adam as one call after
+  every gradient has landed, as before [Note: host groups updated as their gradients land] (in
+  gemini/optim/adam_batches.py): what the runs of groups save;
 - ``gemini auto (ratio 1)``: the same with the warm-up's margin holding optimizer states on the
   device (what gemini adds over ZeRO-Offload); ``--device-memory`` sets both runs' budget;
 - ``DeepSpeed ZeRO-2 offload``: ``deepspeed.initialize`` with ZeRO stage 2 and
@@ -59,8 +62,8 @@ MODELS = {  # name -> (GPTConfig fields, batch, seq)
     "gpt-350m": (dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024), 4, 1024),
     "gpt-1.3b": (dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=2048), 4, 1024),
 }
-CONTENDERS = ["torch AdamW(fused)", "gemini auto (ratio 0)", "gemini auto (ratio 1)", "DeepSpeed ZeRO-2 offload",
-              "torchao CPUOffloadOptimizer"]
+CONTENDERS = ["torch AdamW(fused)", "gemini auto (ratio 0)", "gemini auto (ratio 0; one host call)",
+              "gemini auto (ratio 1)", "DeepSpeed ZeRO-2 offload", "torchao CPUOffloadOptimizer"]
 LR, WEIGHT_DECAY = 1e-4, 0.1
 
 
@@ -99,8 +102,11 @@ def build_plain(model: GPT, device: str, args):
     return torch_loop(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True))
 
 
-def build_gemini(ratio: float):
+def build_gemini(ratio: float, *, one_host_call: bool = False):
     def build(model: GPT, device: str, args):
+        if one_host_call:  # the step as before runs of host groups (this contender's process only)
+            from gemini.optim import adam_batches
+            adam_batches.HOST_BATCH_ELEMENTS = 1 << 62
         config = gemini.GeminiConfig(device=device, placement="auto", gpu_margin_mem_ratio=ratio,
                                      device_memory=args.device_memory)
         gmodel, opt = gemini.initialize(model, config, lr=LR, weight_decay=WEIGHT_DECAY)
@@ -108,6 +114,10 @@ def build_gemini(ratio: float):
         def step(x, y):
             loss = GPT.loss(gmodel(x), y)
             opt.backward(loss)
+            if device == "cuda":  # see [Note: does the step begin before the GPU's backward ends?]
+                done = torch.cuda.Event()
+                done.record()
+                GEMINI_AHEAD.append(not done.query())
             opt.step()
             opt.zero_grad()
             GEMINI_PEAKS.append(opt.report.device_peak_bytes)
@@ -124,6 +134,13 @@ def build_gemini(ratio: float):
 # allocator's peaks of all the step's intervals), is its peak; the whole GPU's used memory
 # (NVML, every contender alike, the CUDA context and the allocator's cache included) checks it.
 GEMINI_PEAKS: list[int] = []
+
+# [Note: does the step begin before the GPU's backward ends?]
+# The host's Adam overlaps the GPU's backward only if ``opt.backward`` returns while the GPU
+# still runs it (the CPU launching kernels ahead, nothing in gemini's hooks waiting for the GPU;
+# see [Note: host groups updated as their gradients land] in gemini/optim/adam_batches.py). An
+# event recorded when it returns, not yet complete, says so: the row's "ahead" counts the steps.
+GEMINI_AHEAD: list[bool] = []
 
 
 def build_deepspeed(model: GPT, device: str, args):
@@ -174,6 +191,7 @@ def build_torchao(model: GPT, device: str, args):
 BUILDERS = {
     "torch AdamW(fused)": build_plain,
     "gemini auto (ratio 0)": build_gemini(0.0),
+    "gemini auto (ratio 0; one host call)": build_gemini(0.0, one_host_call=True),
     "gemini auto (ratio 1)": build_gemini(1.0),
     "DeepSpeed ZeRO-2 offload": build_deepspeed,
     "torchao CPUOffloadOptimizer": build_torchao,
@@ -209,6 +227,7 @@ def run_one(name: str, args) -> dict:
         "peak_device_bytes": (max(GEMINI_PEAKS) if GEMINI_PEAKS else torch.cuda.max_memory_allocated())
         if device == "cuda" else None,
         "gpu_used_peak_bytes": nvml.peak_bytes() if nvml is not None else None,
+        "backward_returned_ahead": f"{sum(GEMINI_AHEAD)} of {len(GEMINI_AHEAD)}" if GEMINI_AHEAD else None,
         "n_params": cfg.num_params(), "batch": batch, "seq": seq,
     }
 
@@ -248,7 +267,10 @@ def markdown(result: dict) -> str:
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
         used = "-" if r.get("gpu_used_peak_bytes") is None else f"{r['gpu_used_peak_bytes'] / 2**20:.0f}"
         diff = "-" if ref is None else f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.1e}"
-        lines.append(f"| {r['contender']} | {r['median_step_s']:.4f} | {r['tokens_per_s']:.0f} | {peak} | {used} | {diff} | |")
+        ahead = r.get("backward_returned_ahead")
+        note = f"backward returned before the GPU ended it: {ahead} steps" if ahead else ""
+        lines.append(f"| {r['contender']} | {r['median_step_s']:.4f} | {r['tokens_per_s']:.0f} | {peak} | {used} | {diff} | "
+                     f"{note} |")
     return "\n".join(lines) + "\n"
 
 

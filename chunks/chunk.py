@@ -111,17 +111,25 @@ class Chunk:
         """The copy that is read by default: the device copy if there is one, else the host's."""
         return Tier.DEVICE if Tier.DEVICE in self._copies else Tier.HOST
 
-    def payload(self, tier: Tier | None = None) -> torch.Tensor:
-        """The whole buffer on ``tier`` (default: :attr:`primary_tier`)."""
+    def payload(self, tier: Tier | None = None, *, wait: bool = True) -> torch.Tensor:
+        """The whole buffer on ``tier`` (default: :attr:`primary_tier`). The host copy is
+        returned once a copy into or out of it has finished; ``wait=False`` returns it at once,
+        for views whose reader calls :meth:`wait_host` first (see [Note: host groups updated as
+        their gradients land] in gemini/optim/adam_batches.py)."""
         if tier is None:
             tier = self.primary_tier
         if tier not in self._copies:
             raise RuntimeError(f"{self.index=} ({self.kind.value}) is {self.state}, no {tier.value} copy")
         if tier is Tier.HOST:
-            self._wait_host()
+            if wait:
+                self._wait_host()
         else:
             self.ready_on_device()
         return self._copies[tier]
+
+    def wait_host(self) -> None:
+        """Block until a copy into or out of the host copy (if one is running) has finished."""
+        self._wait_host()
 
     def ready_on_device(self) -> None:
         """Have the compute stream wait for a prefetch into the device copy (if one is running)."""

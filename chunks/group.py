@@ -65,14 +65,18 @@ class ChunkGroup:
     def trainable(self) -> bool:
         return self.param_group >= 0
 
-    def step_views(self, tier: Tier) -> tuple[torch.Tensor, ...]:
-        """(master, grad, m, v) over this rank's range on ``tier``, cut once per move of any of them."""
+    def step_views(self, tier: Tier, *, wait: bool = True) -> tuple[torch.Tensor, ...]:
+        """(master, grad, m, v) over this rank's range on ``tier``, cut once per move of any of them;
+        ``wait=False``: without waiting for copies into the host copies (see ``Chunk.payload``)."""
         chunks = self.step_chunks
         key = (tier, *(c.version for c in chunks))
         if self._step_views is None or self._step_views[0] != key:
             n = self.os_numel
             offsets = (self.master_offset, 0, 0, 0)
-            self._step_views = (key, tuple(c.payload(tier)[o : o + n] for c, o in zip(chunks, offsets)))
+            self._step_views = (key, tuple(c.payload(tier, wait=wait)[o : o + n] for c, o in zip(chunks, offsets)))
+        elif wait:
+            for c in chunks:
+                c.payload(tier)
         return self._step_views[1]
 
     def count_views(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +87,12 @@ class ChunkGroup:
             cached = self._count_views = (self.steps, self.steps[0], self.steps[1:])
         return cached[1], cached[2]
 
-    def slot_views(self, slot: TensorSlot, tier: Tier) -> tuple[torch.Tensor, ...]:
-        """(master, grad, m, v) of one of :attr:`os_slots` on ``tier``, flat."""
+    def slot_views(self, slot: TensorSlot, tier: Tier, *, wait: bool = True) -> tuple[torch.Tensor, ...]:
+        """(master, grad, m, v) of one of :attr:`os_slots` on ``tier``, flat (``wait``: as in
+        :meth:`step_views`)."""
         offsets = (self.master_offset, 0, 0, 0)
-        return tuple(c.payload(tier)[o + slot.offset : o + slot.end] for c, o in zip(self.step_chunks, offsets))
+        return tuple(c.payload(tier, wait=wait)[o + slot.offset : o + slot.end]
+                     for c, o in zip(self.step_chunks, offsets))
 
     @property
     def step_chunks(self) -> tuple[Chunk, Chunk, Chunk, Chunk]:

@@ -47,40 +47,95 @@ def _quiet(rt: GeminiRuntime, tier: Tier):
     return rt.memory.quiet() if tier is Tier.HOST else contextlib.nullcontext()
 
 
+# [Note: host groups updated as their gradients land]
+# A group whose optimizer states live on the host sends its gradients there as soon as its
+# backward is over (``Residency.after_backward``), an asynchronous copy, and the CPU launches
+# the backward's kernels ahead of the GPU, so ``step()`` may begin while the GPU still computes
+# the backward of the first layers (where nothing in between waits for the GPU). The host's Adam is therefore one fused call per run of
+# consecutive groups holding at least HOST_BATCH_ELEMENTS, not one per param group; the runs go
+# from the last group to the first (the order a backward finishes them: groups are laid out in
+# the order the forward uses them); their views are cut without waiting for the copies
+# (``Chunk.payload(wait=False)``), each run waiting for its own groups' copies just before its
+# kernel (``run_batch``); and a run's parameters that live on the device start back just after
+# it (``HybridAdam._step``). On a GPU the CPU's Adam then overlaps the rest of the backward and
+# the copies both ways, as torchao's CPUOffloadOptimizer does per parameter, instead of waiting
+# for every gradient before the first update and sending every parameter after the last (the
+# order that left gemini, every optimizer state on the host, at 1.78x torchao's step time in
+# gpu_peers.md). A run under the size is not cut: a fused call costs tens of microseconds, and
+# smaller runs hide less than that. Elementwise arithmetic: the same bits however cut or ordered.
+HOST_BATCH_ELEMENTS = 4 << 20  # 16 MiB of fp32
+
+
 def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int, Tier],
                     param_groups: list[dict[str, Any]], *, adamw_mode: bool, loss_scale: float,
-                    clip_coef: torch.Tensor | None, keep_grads: bool) -> list[AdamBatch]:
+                    clip_coef: torch.Tensor | None, keep_grads: bool,
+                    host_batch_elements: int | None = None) -> list[AdamBatch]:
     """The fused Adam calls over ``groups`` (each updated on ``tiers[g.index]``), with every
-    temporary allocated. ``keep_grads``: clip into scratch, leaving the gradient chunks as they
-    are (a streamed group's step may be undone and retried)."""
+    temporary allocated: one per param group on the device, one per run of at least
+    ``host_batch_elements`` on the host (see [Note: host groups updated as their gradients
+    land]). ``keep_grads``: clip into scratch, leaving the gradient chunks as they are (a
+    streamed group's step may be undone and retried)."""
+    if host_batch_elements is None:
+        host_batch_elements = HOST_BATCH_ELEMENTS
     by_key: dict[tuple[Tier, int], list[ChunkGroup]] = defaultdict(list)
     for g in groups:
         by_key[(tiers[g.index], g.param_group)].append(g)
     batches = []
-    for (tier, pg), members in by_key.items():
-        hp = param_groups[pg]
-        device = rt.storage.tier_device(tier)
-        batch = AdamBatch(tier=tier, members=members)
-        with _quiet(rt, tier):  # the host's step counts: see [Note: step counts are where the states are]
-            for g in members:
-                _add_member(batch, g, tier)
-        beta1, beta2 = hp["betas"]
-        batch.kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
-                            decoupled_weight_decay=adamw_mode)
-        with _quiet(rt, tier):
-            if loss_scale != 1.0:
-                batch.grad_scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
-            if clip_coef is not None:
-                batch.coef = clip_coef.to(device)
-            low = [t.numel() for t in batch.grads if t.dtype != torch.float32]
-            if keep_grads and batch.coef is not None:
-                low = [t.numel() for t in batch.grads]
-            if low:
-                # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds
-                # at most one tensor of fp32 scratch (it may be on the device).
-                batch.scratch = torch.empty(max(low), dtype=torch.float32, device=device)
-        batches.append(batch)
+    for (tier, pg), all_members in by_key.items():
+        runs = [_prepare(rt, tier, members, param_groups[pg], adamw_mode=adamw_mode, loss_scale=loss_scale,
+                         clip_coef=clip_coef, keep_grads=keep_grads)
+                        for members in (_host_runs(all_members[::-1], host_batch_elements) if tier is Tier.HOST
+                                else [all_members])]
+        scratch = max(_scratch_numel(b, keep_grads) for b in runs)
+        if scratch:
+            # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds at most
+            # one tensor of fp32 scratch (it may be on the device), shared by the runs in turn.
+            with _quiet(rt, tier):
+                shared = torch.empty(scratch, dtype=torch.float32, device=rt.storage.tier_device(tier))
+            for b in runs:
+                b.scratch = shared if _scratch_numel(b, keep_grads) else None
+        batches += runs
     return batches
+
+
+def _scratch_numel(batch: AdamBatch, keep_grads: bool) -> int:
+    """The fp32 room ``batch`` needs for one gradient at a time: low-precision gradients, or
+    any one clipped aside (``keep_grads``); 0 when none."""
+    low = [t.numel() for t in batch.grads if t.dtype != torch.float32 or (keep_grads and batch.coef is not None)]
+    return max(low, default=0)
+
+
+def _host_runs(members: list[ChunkGroup], min_elements: int) -> list[list[ChunkGroup]]:
+    """``members`` cut into runs of consecutive groups holding at least ``min_elements`` each
+    (the last run takes what is left under the size)."""
+    runs: list[list[ChunkGroup]] = [[]]
+    held = 0
+    for g in members:
+        if held >= min_elements:
+            runs.append([])
+            held = 0
+        runs[-1].append(g)
+        held += g.os_numel
+    return runs
+
+
+def _prepare(rt: GeminiRuntime, tier: Tier, members: list[ChunkGroup], hp: dict[str, Any], *, adamw_mode: bool,
+             loss_scale: float, clip_coef: torch.Tensor | None, keep_grads: bool) -> AdamBatch:
+    """One batch over ``members`` on ``tier``, every temporary allocated."""
+    device = rt.storage.tier_device(tier)
+    batch = AdamBatch(tier=tier, members=members)
+    with _quiet(rt, tier):  # the host's step counts: see [Note: step counts are where the states are]
+        for g in members:
+            _add_member(batch, g, tier)
+    beta1, beta2 = hp["betas"]
+    batch.kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
+                        decoupled_weight_decay=adamw_mode)
+    with _quiet(rt, tier):
+        if loss_scale != 1.0:
+            batch.grad_scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
+        if clip_coef is not None:
+            batch.coef = clip_coef.to(device)
+    return batch
 
 
 # [Note: step counts are where the states are]
@@ -96,18 +151,18 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
 def _add_member(batch: AdamBatch, g: ChunkGroup, tier: Tier) -> None:
     """``g``'s tensors and step counts into ``batch``, updated on ``tier``."""
     master = g.master_chunk
-    if g.steps.device != master.payload(tier).device:
-        g.steps = g.steps.to(master.payload(tier).device)  # step counts live with the states
+    if g.steps.device != master.payload(tier, wait=False).device:
+        g.steps = g.steps.to(master.payload(tier, wait=False).device)  # step counts live with the states
     if g.all_grads_ready and g.steps_uniform:
         batch.whole.append(g)
-        views = g.step_views(tier)
+        views = g.step_views(tier, wait=False)  # see [Note: host groups updated as their gradients land]
         first, tail = g.count_views()
         batch.steps.append(first)
         if len(g.slots) > 1:
             batch.tails.append(tail)
     else:
         ready = [s for s in g.os_slots if g.grad_ready[s.index]]
-        views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
+        views = [list(v) for v in zip(*(g.slot_views(s, tier, wait=False) for s in ready))] or [[], [], [], []]
         batch.steps.extend(g.steps[s.index] for s in ready)
         here = {s.index for s in ready}
         batch.bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
@@ -161,6 +216,9 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
     if device.type == "cuda":
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         events[0].record()
+    for g in batch.members:  # the copies its views were cut before (see [Note: host groups updated as ...])
+        for chunk in g.step_chunks:
+            chunk.wait_host()
     start = time.perf_counter()
     with trace_range(f"gemini::adam_{tier.value}"), _quiet(rt, tier):
         if batch.scratch is None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chunks import Chunk, ChunkGroup
+from chunks import Chunk, ChunkGroup, Tier
 from gemini.engine.backward_uses import graph_inputs
 from gemini.engine.interrupts import HeldInterrupt
 from gemini.engine.load_transaction import LoadTransaction
@@ -234,13 +234,23 @@ class HybridAdam(torch.optim.Optimizer):
             finally:
                 stream.close()  # every write confirmed, or (after an error) every request ended
         interrupt.hold()  # phase 3 cannot be undone: [Note: Ctrl-C during the in-memory update]
+        sent = set()
         for batch in batches:
             run_batch(rt, batch, clock)
+            if batch.tier is Tier.HOST and zero is None:
+                # This run's parameters start back now, under the next run's CPU work ([Note: host
+                # groups updated as their gradients land]); ZeRO's first gather all ranks' ranges.
+                with trace_range("gemini::params_from_masters"):
+                    for g in batch.members:
+                        rt.residency.after_step(g)
+                        rt.residency.after_commit(g)
+                        sent.add(g.index)
         for batch in batches:
             recheck_uniform(rt, batch)
         with trace_range("gemini::params_from_masters"):
             for g in resident:
-                rt.residency.after_step(g)
+                if g.index not in sent:
+                    rt.residency.after_step(g)
         return StepOutcome(skipped=False, grad_norm=norm_value, adam_seconds=clock.seconds(), loss_scale=scale)
 
     @staticmethod

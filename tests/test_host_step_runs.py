@@ -1,0 +1,107 @@
+"""The host's Adam in runs of groups: each run waits for its own gradients' copies and sends its
+parameters back before the next run's CPU work ([Note: host groups updated as their gradients
+land] in gemini/optim/adam_batches.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemini
+from chunks import ChunkState, Tier
+from gemini.optim import adam_batches, hybrid_adam
+from gemini.tools.gpt import GPT
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, roomy_budget, train_gemini, train_reference
+
+STEPS = 3
+
+
+def _spy_runs(monkeypatch) -> list[tuple[Tier, list[int], dict[int, ChunkState]]]:
+    """Each Adam batch as it runs: its tier, its groups, and every group's parameter chunk state."""
+    seen: list[tuple[Tier, list[int], dict[int, ChunkState]]] = []
+    real = hybrid_adam.run_batch
+
+    def spy(rt, batch, clock):
+        states = {g.index: g.param.state for g in rt.manager.trainable_groups}
+        seen.append((batch.tier, [g.index for g in batch.members], states))
+        real(rt, batch, clock)
+
+    monkeypatch.setattr(hybrid_adam, "run_batch", spy)
+    return seen
+
+
+def _config(precision: str = "fp32", clip: float = 0.0, placement: str = "auto") -> gemini.GeminiConfig:
+    # auto with the whole model in the budget and no margin: every optimizer state on the host
+    # (the gpu_peers.md setting of "gemini auto (ratio 0)"), parameters fetched by the forward;
+    # static: the same states on the host, the parameters kept on the device (ZeRO-Offload's).
+    extra = dict(gpu_margin_mem_ratio=0.0) if placement == "auto" else dict(static_optimizer_offload_fraction=1.0)
+    return gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=4096, precision=precision,
+                               clip_grad_norm=clip, device_memory=roomy_budget("64MiB"), **extra)
+
+
+@pytest.mark.parametrize("placement", ["auto", "static"])
+def test_runs_of_one_group_equal_adamw_last_group_first(monkeypatch, placement):
+    monkeypatch.setattr(adam_batches, "HOST_BATCH_ELEMENTS", 1)  # every group a run of its own
+    seen = _spy_runs(monkeypatch)
+    base, ref = clone_pair(TINY)
+    data = batches(TINY, STEPS, device=DEVICE)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    _, got, _, opt = train_gemini(base, data, _config(placement=placement), lr=1e-2, weight_decay=0.1)
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert_params_close(g, {k: v.cpu() for k, v in w.items()}, step=step)
+    order = [g.index for g in opt._rt.manager.trainable_groups][::-1]  # the order a backward ends them
+    last = seen[-len(order):]
+    # The last step: one run per group, last group first, all on the host. When a run starts the
+    # parameters of the groups not updated yet are only on the host, where the step put them;
+    # under static (parameters kept on the device) those of the runs before it are back on the
+    # device already (their host copy kept), under auto the next forward fetches them.
+    assert [(tier, members) for tier, members, _ in last] == [(Tier.HOST, [i]) for i in order]
+    back = ChunkState.HOST_AND_DEVICE if placement == "static" else ChunkState.HOST
+    for k, (_, _, states) in enumerate(last):
+        assert [states[i] for i in order[:k]] == [back] * k, states
+        assert [states[i] for i in order[k:]] == [ChunkState.HOST] * (len(order) - k), states
+
+
+@pytest.mark.parametrize("precision, clip", [("fp32", 0.5), ("bf16", 0.0), ("bf16", 0.5)])
+def test_cutting_the_host_update_into_runs_changes_no_bit(monkeypatch, precision, clip):
+    """One fused call per param group against one per group: the same bits, parameters and
+    states (bf16 gradients through the one shared fp32 scratch)."""
+    results = []
+    for elements in (adam_batches.HOST_BATCH_ELEMENTS, 1):
+        monkeypatch.setattr(adam_batches, "HOST_BATCH_ELEMENTS", elements)
+        base, _ = clone_pair(TINY)
+        _, got, _, opt = train_gemini(base, batches(TINY, STEPS, device=DEVICE), _config(precision, clip),
+                                      lr=1e-2, weight_decay=0.1)
+        states = [s for st in opt.state_dict()["state"].values() for s in (st["exp_avg"], st["exp_avg_sq"])]
+        results.append((got, states))
+    (got_one, states_one), (got_runs, states_runs) = results
+    for a, b in zip(got_one, got_runs):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a, b) for a, b in zip(states_one, states_runs))
+
+
+def test_host_runs_hold_the_size_they_are_given():
+    """Consecutive groups until a run holds the size; the rest in the last run."""
+
+    class G:
+        def __init__(self, n):
+            self.os_numel = n
+
+    groups = [G(n) for n in (3, 3, 5, 1, 1, 1, 7)]
+    runs = adam_batches._host_runs(groups, 6)
+    assert [[g.os_numel for g in r] for r in runs] == [[3, 3], [5, 1], [1, 1, 7]]
+    assert adam_batches._host_runs(groups, 1 << 30) == [groups]
+
+
+def test_a_step_loop_through_the_runs_trains_like_torch_gpt():
+    """A plain GPT loop (loss.backward, step, zero_grad) with the default size: unchanged."""
+    base, ref = clone_pair(TINY)
+    data = batches(TINY, STEPS, device=DEVICE)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    for step, (x, y) in enumerate(data):
+        GPT.loss(gmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert_params_close({k: v.cpu() for k, v in gmodel.state_dict().items()},
+                            {k: v.cpu() for k, v in want[step].items()}, step=step)
