@@ -216,9 +216,10 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
     if device.type == "cuda":
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         events[0].record()
-    for g in batch.members:  # the copies its views were cut before (see [Note: host groups updated as ...])
-        for chunk in g.step_chunks:
-            chunk.wait_host()
+    if tier is Tier.HOST:  # the copies its views were cut before ([Note: host groups updated as ...])
+        for g in batch.members:
+            for chunk in g.step_chunks:
+                chunk.wait_host()
     start = time.perf_counter()
     with trace_range(f"gemini::adam_{tier.value}"), _quiet(rt, tier):
         if batch.scratch is None:
