@@ -9,8 +9,8 @@
 # stage is a finding, not the end of the call.
 #   cuda_tests       the tests marked cuda alone
 #   suite            the whole suite on the GPU alone (12 workers)
-#   capacity         the capacity search alone, from 56 layers, 300 s (less where CALL_SECONDS, the
-#                    call's limit, leaves less)
+#   capacity         the capacity search alone, from $START_LAYERS (56) layers, 300 s (less where
+#                    CALL_SECONDS, the call's limit, leaves less; so for nvme's 185 s)
 #   suite+capacity   the whole suite on the GPU, the cuda tests included (pytest-xdist, 10 workers),
 #                    beside the capacity search (an 8 GiB budget, states on the host, from 56
 #                    layers); the search's figure is memory (its step times are taken beside the
@@ -21,6 +21,9 @@
 #                    then scripts/gpu_alias_diag.py (gpu_alias.log): can a parameter on the host stay
 #                    a CUDA tensor over its pinned memory and keep its autograd accumulator
 #   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
+#   stepdiag         scripts/gpu_step_diag.py for torch, gemini ratio 1 and ratio 0 on the 355M GPT: the
+#                    allocations live at each one's peak, by the code that made them, and the step's
+#                    phases (does the backward return ahead of the GPU?) (gpu_stepdiag_*.log)
 #   dynamic          bench_dynamic_shapes.py: auto under dynamic padding, covering plans against tracing
 #                    at every new shape (gpu_dynamic_shapes.md)
 set -u
@@ -45,6 +48,16 @@ stage() {  # name seconds command...: the command under a limit, its output in $
     pack
 }
 
+search_limit() {  # most: a capacity search's seconds, less where CALL_SECONDS (the device call's
+    # timeout_s) leaves less (it stops 25 s before the call's end); fails under 60 s
+    local limit=$1
+    if [ -n "${CALL_SECONDS:-}" ]; then
+        local left=$((CALL_SECONDS - SECONDS - 25))
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    [ "$limit" -ge 60 ] && echo "$limit"
+}
+
 for s in "$@"; do
     case $s in
         info)
@@ -63,16 +76,9 @@ for s in "$@"; do
             GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage suite 200 "${PYTEST[@]}" -n 12 --timeout 120 \
                 --junitxml="$R/gpu_suite.xml" tests ;;
         capacity)
-            # With CALL_SECONDS (the device call's timeout_s) the search takes what the stages
-            # before it left, up to 300 s, and stops 25 s before the call's end.
-            limit=300
-            if [ -n "${CALL_SECONDS:-}" ]; then
-                left=$((CALL_SECONDS - SECONDS - 25))
-                [ "$left" -lt "$limit" ] && limit=$left
-            fi
-            if [ "$limit" -lt 60 ]; then echo "== capacity: skipped, $limit s left"; continue; fi
-            stage capacity $((limit + 10)) "$PY" benchmarks/bench_gpu_capacity.py --device cuda --start-layers 56 \
-                --time-limit "$limit" ;;
+            limit=$(search_limit 300) || { echo "== capacity: skipped, too little time left"; continue; }
+            stage capacity $((limit + 10)) "$PY" benchmarks/bench_gpu_capacity.py --device cuda \
+                --start-layers "${START_LAYERS:-56}" --time-limit "$limit" ;;
         pinned)
             stage pinned 45 "$PY" benchmarks/bench_pinned_copies.py --rounds 5 ;;
         dynamic)
@@ -82,8 +88,9 @@ for s in "$@"; do
                 --time-limit 64 ;;
         nvme)
             mkdir -p /tmp/nvme
-            stage nvme 200 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --nvme-dir /tmp/nvme --cpu-memory 16GiB \
-                --start-layers 56 --time-limit 185 ;;
+            limit=$(search_limit 185) || { echo "== nvme: skipped, too little time left"; continue; }
+            stage nvme $((limit + 15)) "$PY" benchmarks/bench_gpu_capacity.py --device cuda --nvme-dir /tmp/nvme \
+                --cpu-memory 16GiB --start-layers 56 --time-limit "$limit" ;;
         peers)
             "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
                 >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"
@@ -92,6 +99,10 @@ for s in "$@"; do
         diag)
             stage diag 60 "$PY" scripts/gpu_diag.py
             stage alias 40 "$PY" scripts/gpu_alias_diag.py ;;
+        stepdiag)
+            for c in torch gemini-ratio1 gemini-ratio0; do
+                stage "stepdiag_$c" 60 "$PY" scripts/gpu_step_diag.py --contender "$c"
+            done ;;
         rerun)
             GEMINI_TEST_DEVICE=cuda stage rerun 120 "${PYTEST[@]}" --timeout 60 ${RERUN:-tests/test_equivalence.py} ;;
         *)
