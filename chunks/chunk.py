@@ -131,6 +131,10 @@ class Chunk:
         """Block until a copy into or out of the host copy (if one is running) has finished."""
         self._wait_host()
 
+    def copy_in_flight(self, tier: Tier | None) -> bool:
+        """Whether the copy on ``tier`` may still be written or read by an asynchronous copy."""
+        return tier is Tier.HOST and self._host_event is not None
+
     def ready_on_device(self) -> None:
         """Have the compute stream wait for a prefetch into the device copy (if one is running)."""
         if self._device_event is not None:
@@ -170,8 +174,13 @@ class Chunk:
 
     # ------------------------------------------------------------------------------ moves
     def _expect(self, *allowed: ChunkState) -> None:
+        """Before a move: copies in flight have ended, and the state is one of ``allowed``."""
         self._wait_host()
         self.ready_on_device()
+        self._expect_state(*allowed)
+
+    def _expect_state(self, *allowed: ChunkState) -> None:
+        """The state is one of ``allowed`` (copies in flight are left to run: nothing moves)."""
         if self.state not in allowed:
             raise RuntimeError(
                 f"chunk {self.kind.value} {self.index=} is {self.state}, expected one of "
@@ -367,12 +376,15 @@ class Chunk:
             elif self.state is ChunkState.HOST_AND_DEVICE:
                 self.drop_host_copy()
             else:
-                self._expect(ChunkState.DEVICE)
+                self._expect_state(ChunkState.DEVICE)
         else:
             if self.state in (ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE):
                 self.offload()
             else:
-                self._expect(ChunkState.HOST)
+                # Already there: a copy into the host copy may still run (a gradient sent as its
+                # backward ended), and its reader waits for it ([Note: host groups updated as
+                # their gradients land] in gemini/optim/adam_batches.py).
+                self._expect_state(ChunkState.HOST)
 
     @_move
     def release(self) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import gemini
-from chunks import ChunkState, Tier
+from chunks import ChunkState, ChunkStorage, Tier
+from gemini.engine.grad_views import PendingGrad
 from gemini.optim import adam_batches, hybrid_adam
 from gemini.tools.gpt import GPT
 from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, roomy_budget, train_gemini, train_reference
@@ -101,6 +102,101 @@ def test_a_step_loop_through_the_runs_trains_like_torch_gpt():
     gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
     for step, (x, y) in enumerate(data):
         GPT.loss(gmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert_params_close({k: v.cpu() for k, v in gmodel.state_dict().items()},
+                            {k: v.cpu() for k, v in want[step].items()}, step=step)
+
+
+def _copies_in_flight(monkeypatch) -> list:
+    """Every copy to the host returns an event still "running" (a _CopyInFlight), each Adam run
+    is logged as it starts, and every group is a run of its own: the log of waits and runs."""
+    monkeypatch.setattr(adam_batches, "HOST_BATCH_ELEMENTS", 1)
+    log: list = []
+    copy_ = ChunkStorage.copy_
+
+    def in_flight(self, out, payload, *, src, dst, defer_device_wait=False):
+        event = copy_(self, out, payload, src=src, dst=dst, defer_device_wait=defer_device_wait)
+        if dst is not Tier.HOST or src is Tier.HOST:
+            return event
+        if event is not None:  # on a GPU the real copy ends here; the stand-in event is what is waited for
+            event.synchronize()
+        return _CopyInFlight(log)
+
+    monkeypatch.setattr(ChunkStorage, "copy_", in_flight)
+    real = hybrid_adam.run_batch
+
+    def spy(rt, batch, clock):
+        log.append(("run", [g.index for g in batch.members]))
+        real(rt, batch, clock)
+
+    monkeypatch.setattr(hybrid_adam, "run_batch", spy)
+    return log
+
+
+class _CopyInFlight:
+    """Stands in for the CUDA event of a copy to the host still running: records when something
+    first waits for it."""
+
+    def __init__(self, log: list):
+        self.log, self.name = log, "a copy"
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+
+
+def test_no_wait_in_backward_and_each_run_waits_for_its_own_copies_just_before_it(monkeypatch):
+    """As on a GPU, every copy to the host returns at once with an event (the stand-in copies
+    synchronously, so the events are stood in for). The backward waits for none of the gradients
+    it sends to the host, so it can return while a GPU still computes; the step waits for a
+    group's gradients right before the run that updates it, and for no later group's before an
+    earlier run: the CPU's Adam of the last groups overlaps the copies of the first."""
+    log = _copies_in_flight(monkeypatch)
+    base, ref = clone_pair(TINY)
+    data = batches(TINY, 3, device=DEVICE)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    for step, (x, y) in enumerate(data):
+        loss = GPT.loss(gmodel(x), y)
+        log.clear()
+        opt.backward(loss)
+        groups = opt._rt.manager.trainable_groups
+        if step > 0:  # the warm-up's own moves aside
+            assert not [e for e in log if e[0] == "wait"], log
+            assert all(g.grad.state is ChunkState.HOST for g in groups)  # sent as each group's backward ended
+            assert all(type(p.grad) is PendingGrad for p in gmodel.parameters())
+            for g in groups:
+                g.grad._host_event.name = g.index  # the copy of group g's gradients
+        log.clear()
+        opt.step()
+        opt.zero_grad()
+        if step > 0:
+            order = [g.index for g in groups][::-1]
+            assert log == [entry for i in order for entry in (("run", [i]), ("wait", i))], log
+        assert_params_close({k: v.cpu() for k, v in gmodel.state_dict().items()},
+                            {k: v.cpu() for k, v in want[step].items()}, step=step)
+
+
+def test_reading_p_grad_before_the_step_waits_for_its_copy_first(monkeypatch):
+    """torch's clip_grad_norm_ and a gradient read between backward and step, with the copies
+    to the host in flight: each p.grad waits for its group's copy before torch reads it (all
+    before the step's first run), and training equals torch's clipped AdamW."""
+    log = _copies_in_flight(monkeypatch)
+    base, ref = clone_pair(TINY)
+    data = batches(TINY, 3, device=DEVICE)
+    _, want, _ = train_reference(ref, data, clip=0.05, lr=1e-2, weight_decay=0.1)
+    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(gmodel(x), y))
+        log.clear()
+        groups = opt._rt.manager.trainable_groups
+        for g in groups:
+            if g.grad._host_event is not None:
+                g.grad._host_event.name = g.index
+        torch.nn.utils.clip_grad_norm_(gmodel.parameters(), 0.05)
+        if step > 0:
+            assert sorted(e[1] for e in log) == [g.index for g in groups] and all(e[0] == "wait" for e in log), log
+            assert type(gmodel.wte.weight.grad) is PendingGrad and gmodel.wte.weight.grad._chunk is None
         opt.step()
         opt.zero_grad()
         assert_params_close({k: v.cpu() for k, v in gmodel.state_dict().items()},

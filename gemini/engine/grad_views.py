@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 
 from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
 
-__all__ = ["GradViews", "UnavailableGrad", "why_no_grad_views"]
+__all__ = ["GradViews", "PendingGrad", "UnavailableGrad", "why_no_grad_views"]
 
 
 def why_no_grad_views(*, zero_world: int | None, precision: str) -> str | None:
@@ -93,6 +93,40 @@ class UnavailableGrad(torch.Tensor):
         raise RuntimeError(f"UnavailableGrad in {func}")
 
 
+class PendingGrad(torch.Tensor):
+    """``p.grad``: a view of a host copy that a copy from the device may still be writing.
+
+    [Note: gradients still crossing to the host]
+    A group whose optimizer states live on the host sends its gradients there as its backward
+    ends, an asynchronous copy on a GPU ([Note: host groups updated as their gradients land] in
+    gemini/optim/adam_batches.py). Exposing plain views of those host copies at the end of the
+    backward meant waiting for every copy first, so ``backward()`` returned only once the GPU had
+    finished it, and the step's CPU Adam could not overlap the GPU's backward. So ``p.grad`` is
+    this alias of the view instead, which waits for its chunk's copy before the first torch
+    function that touches it (a read, an in-place scaling, ``zero_grad``), then behaves as the
+    plain view (results are plain tensors). A loop that never reads ``p.grad`` waits in the step,
+    run by run. Only while a copy is in flight: otherwise, and always on the CPU stand-in, whose
+    copies are synchronous, ``p.grad`` is the plain view.
+    """
+
+    _chunk: Chunk | None
+
+    @staticmethod
+    def __new__(cls, view: torch.Tensor, chunk: Chunk) -> PendingGrad:
+        t = torch.Tensor._make_subclass(cls, view)
+        t._chunk = chunk
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(t, PendingGrad) and t._chunk is not None:
+                chunk, t._chunk = t._chunk, None
+                chunk.wait_host()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
 class GradViews:
     """Puts views of the gradient chunks into ``p.grad`` and takes them back (see the module note)."""
 
@@ -110,7 +144,7 @@ class GradViews:
         self._settled_whole = False  # ... and every view was untouched: expose() has nothing to do
 
     def _view(self, g: ChunkGroup, slot, p: nn.Parameter, tier: Tier | None) -> torch.Tensor:
-        payload = g.grad.payload(tier)
+        payload = g.grad.payload(tier, wait=False)  # a view reads nothing: see PendingGrad
         cached = self._views.get(p)
         if cached is not None and cached[0] is payload:
             return cached[1]
@@ -176,7 +210,12 @@ class GradViews:
                 out = self._out.get(p)
                 if out is not None and p.grad is out[2] and (reason is not None or out[2] is self._view(g, slot, p, tier)):
                     continue  # settled: its gradient is still there
-                grad = self._view(g, slot, p, tier) if reason is None else UnavailableGrad(p, reason.format(name=slot.name))
+                if reason is not None:
+                    grad = UnavailableGrad(p, reason.format(name=slot.name))
+                elif g.grad.copy_in_flight(tier):  # see [Note: gradients still crossing to the host]
+                    grad = PendingGrad(self._view(g, slot, p, tier), g.grad)
+                else:
+                    grad = self._view(g, slot, p, tier)
                 p.grad = grad
                 self._out[p] = (g, slot.index, grad, tier)
 

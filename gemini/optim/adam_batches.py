@@ -51,7 +51,10 @@ def _quiet(rt: GeminiRuntime, tier: Tier):
 # A group whose optimizer states live on the host sends its gradients there as soon as its
 # backward is over (``Residency.after_backward``), an asynchronous copy, and the CPU launches
 # the backward's kernels ahead of the GPU, so ``step()`` may begin while the GPU still computes
-# the backward of the first layers (where nothing in between waits for the GPU). The host's Adam is therefore one fused call per run of
+# the backward of the first layers: nothing in between waits for the copies (the no-op moves of
+# chunks already on the host do not; ``p.grad`` waits only when torch code touches it, [Note:
+# gradients still crossing to the host] in gemini/engine/grad_views.py; tests/test_host_step_runs.py
+# stands in for copies in flight on the CPU). The host's Adam is therefore one fused call per run of
 # consecutive groups holding at least HOST_BATCH_ELEMENTS, not one per param group; the runs go
 # from the last group to the first (the order a backward finishes them: groups are laid out in
 # the order the forward uses them); their views are cut without waiting for the copies
