@@ -62,9 +62,11 @@ class StepMoves:
             param.host_copy_pending(self._cast_master(group.master, n, param.payload(tier)[:n], tier))
 
     def after_commit(self, group: ChunkGroup) -> None:
-        """The step has landed (every group updated): parameters the policy keeps on the device
-        that the step left on the host (fp32 groups updated there drop their stale device copy)
-        come back. Must not raise (see [Note: a step is all or nothing] in
+        """``group``'s update has landed (called once the step's every update has, or, for a
+        group updated on the host, right after its run: [Note: host groups updated as their
+        gradients land] in gemini/optim/adam_batches.py): parameters the policy keeps on the
+        device that the step left on the host (fp32 groups updated there drop their stale device
+        copy) come back. Must not raise (see [Note: a step is all or nothing] in
         gemini/engine/transaction.py)."""
         if group.index in self.policy.resident_params() and group.param.state is ChunkState.HOST:
             try:

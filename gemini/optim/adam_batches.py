@@ -71,24 +71,20 @@ HOST_BATCH_ELEMENTS = 4 << 20  # 16 MiB of fp32
 
 def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int, Tier],
                     param_groups: list[dict[str, Any]], *, adamw_mode: bool, loss_scale: float,
-                    clip_coef: torch.Tensor | None, keep_grads: bool,
-                    host_batch_elements: int | None = None) -> list[AdamBatch]:
+                    clip_coef: torch.Tensor | None, keep_grads: bool) -> list[AdamBatch]:
     """The fused Adam calls over ``groups`` (each updated on ``tiers[g.index]``), with every
     temporary allocated: one per param group on the device, one per run of at least
-    ``host_batch_elements`` on the host (see [Note: host groups updated as their gradients
-    land]). ``keep_grads``: clip into scratch, leaving the gradient chunks as they are (a
-    streamed group's step may be undone and retried)."""
-    if host_batch_elements is None:
-        host_batch_elements = HOST_BATCH_ELEMENTS
+    HOST_BATCH_ELEMENTS on the host (see [Note: host groups updated as their gradients land]).
+    ``keep_grads``: clip into scratch, leaving the gradient chunks as they are (a streamed
+    group's step may be undone and retried)."""
     by_key: dict[tuple[Tier, int], list[ChunkGroup]] = defaultdict(list)
     for g in groups:
         by_key[(tiers[g.index], g.param_group)].append(g)
     batches = []
     for (tier, pg), all_members in by_key.items():
+        cuts = _host_runs(all_members[::-1], HOST_BATCH_ELEMENTS) if tier is Tier.HOST else [all_members]
         runs = [_prepare(rt, tier, members, param_groups[pg], adamw_mode=adamw_mode, loss_scale=loss_scale,
-                         clip_coef=clip_coef, keep_grads=keep_grads)
-                        for members in (_host_runs(all_members[::-1], host_batch_elements) if tier is Tier.HOST
-                                else [all_members])]
+                         clip_coef=clip_coef, keep_grads=keep_grads) for members in cuts]
         scratch = max(_scratch_numel(b, keep_grads) for b in runs)
         if scratch:
             # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds at most
