@@ -23,6 +23,10 @@ benchmark]; on the CPU: none), the whole GPU's used-memory peak (NVML), and its 
   device (what gemini adds over ZeRO-Offload); ``--device-memory`` sets both runs' budget;
 - ``DeepSpeed ZeRO-2 offload``: ``deepspeed.initialize`` with ZeRO stage 2 and
   ``offload_optimizer: {device: cpu, pin_memory: true}`` on a world of 1 (DeepSpeedCPUAdam);
+- ``gemini auto (ratio 1) at torchao CPUOffloadOptimizer's peak`` (``--at-peak-of``, last): the
+  budget is that peer's measured peak, and auto holds in its margin the optimizer states that fit
+  there ([Note: gemini at a peer's peak]: the goal's "equal or lower peak memory", asked of the
+  planner rather than of a ratio);
 - ``torchao CPUOffloadOptimizer``: ``torch.optim.AdamW(fused=True)`` on the host behind
   torchao's offload wrapper (CUDA only).
 
@@ -142,6 +146,13 @@ GEMINI_PEAKS: list[int] = []
 # event recorded when it returns, not yet complete, says so: the row's "ahead" counts the steps.
 GEMINI_AHEAD: list[bool] = []
 
+# [Note: gemini at a peer's peak]
+# "Faster at equal or lower peak memory" compares configurations, and gemini's is a budget:
+# ``device_memory`` set to the peak a peer measured makes auto plan within it, evicting what
+# must go and holding in the margin as many optimizer-state groups as fit, so its step is
+# updated partly on the GPU and partly by CPU Adam. The ratio-0 and ratio-1 rows bracket it
+# (every state on the host; every state the unbudgeted margin holds).
+
 
 def build_deepspeed(model: GPT, device: str, args):
     # A world of one: DeepSpeed wants a process group even so.
@@ -232,11 +243,14 @@ def run_one(name: str, args) -> dict:
     }
 
 
-def run_isolated(name: str, args) -> dict:
+def run_isolated(name: str, args, *, device_memory: int | str | None = None) -> dict:
+    """One contender in a process of its own (gemini's budget: ``device_memory``, else
+    ``--device-memory``)."""
     cmd = [sys.executable, __file__, "--one", name, "--device", args.device, "--model", args.model,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--port", str(args.port)]
-    if args.device_memory is not None:
-        cmd += ["--device-memory", str(args.device_memory)]
+    budget = device_memory if device_memory is not None else args.device_memory
+    if budget is not None:
+        cmd += ["--device-memory", str(budget)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -280,6 +294,8 @@ def main() -> int:
     p.add_argument("--model", default="gpt-1.3b", choices=list(MODELS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--at-peak-of", default="torchao CPUOffloadOptimizer",
+                   help="after the others, gemini auto (ratio 1) with device_memory = this contender's measured peak")
     p.add_argument("--device-memory", default=None, help="gemini's device budget (bytes or '8GiB'); default none")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of: " + ", ".join(CONTENDERS))
     p.add_argument("--port", type=int, default=29517, help="DeepSpeed's process group (a world of one)")
@@ -308,6 +324,16 @@ def main() -> int:
         print(f"{name} ...", flush=True)
         rows.append(run_isolated(name, args))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "losses"}), flush=True)
+    peer = next((r for r in rows if r["contender"] == args.at_peak_of and r["ok"] and r.get("peak_device_bytes")), None)
+    if peer is not None:
+        # [Note: gemini at a peer's peak]: the budget is the peer's measured peak, and auto puts
+        # in the margin what fits (the question of equal memory asked of gemini itself).
+        name = f"gemini auto (ratio 1) at {args.at_peak_of}'s peak"
+        print(f"{name} ...", flush=True)
+        row = run_isolated("gemini auto (ratio 1)", args, device_memory=peer["peak_device_bytes"])
+        row["contender"] = name
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     info = machine_info(args.device)
     fields, batch, seq = MODELS[args.model]
     result = {"machine": info, "model": args.model, "n_params": GPTConfig(**fields).num_params(), "batch": batch,

@@ -94,7 +94,7 @@ for s in "$@"; do
         peers)
             "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
                 >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"
-            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 210 "$PY" benchmarks/bench_peers.py --device cuda \
+            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 250 "$PY" benchmarks/bench_peers.py --device cuda \
                 --model gpt-350m --steps 5 --warmup 2 --timeout 75 ;;
         diag)
             stage diag 60 "$PY" scripts/gpu_diag.py

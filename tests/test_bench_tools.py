@@ -107,3 +107,31 @@ class _Done:
     stdout = 'RESULT {"ok": true}\n'
     stderr = ""
     returncode = 0
+
+
+def test_peers_run_gemini_last_at_the_named_peers_measured_peak(monkeypatch):
+    """After the contenders, gemini auto (ratio 1) runs once more with device_memory = the peak
+    the named peer measured ([Note: gemini at a peer's peak]); without that peer's peak (it
+    failed, or the CPU stand-in measures none) no such row."""
+    asked, written = [], []
+
+    def fake_run(name, args, *, device_memory=None):
+        asked.append((name, device_memory))
+        ok = name != "DeepSpeed ZeRO-2 offload"
+        return {"contender": name, "ok": ok, "peak_device_bytes": 123456789 if ok else None, "error": "x"}
+
+    monkeypatch.setattr(bench_peers, "run_isolated", fake_run)
+    monkeypatch.setattr(bench_peers, "write_results", lambda stem, result, md: written.append(result))
+    monkeypatch.setattr(bench_peers, "markdown", lambda result: "")
+    for peer, extra in (("torchao CPUOffloadOptimizer", True), ("DeepSpeed ZeRO-2 offload", False)):
+        asked.clear()
+        monkeypatch.setattr(sys, "argv", ["bench_peers.py", "--device", "cpu", "--model", "gpt-small",
+                                          "--at-peak-of", peer])
+        assert bench_peers.main() == 0
+        names = [r["contender"] for r in written[-1]["rows"]]
+        assert names[: len(bench_peers.CONTENDERS)] == bench_peers.CONTENDERS
+        if extra:
+            assert asked[-1] == ("gemini auto (ratio 1)", 123456789)
+            assert names[-1] == f"gemini auto (ratio 1) at {peer}'s peak"
+        else:
+            assert len(names) == len(bench_peers.CONTENDERS) and all(m is None for _, m in asked)
