@@ -104,7 +104,7 @@ for s in "$@"; do
                 stage "stepdiag_$c" 60 "$PY" scripts/gpu_step_diag.py --contender "$c"
             done ;;
         rerun)
-            GEMINI_TEST_DEVICE=cuda stage rerun 120 "${PYTEST[@]}" --timeout 60 ${RERUN:-tests/test_equivalence.py} ;;
+            GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage rerun 120 "${PYTEST[@]}" -n 8 --timeout 60 ${RERUN:-tests/test_equivalence.py} ;;
         *)
             echo "unknown stage $s"; exit 2 ;;
     esac
