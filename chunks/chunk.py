@@ -45,8 +45,7 @@ class Chunk:
         self.dtype = dtype
         self.slots = slots
         self.used_numel = max((s.end for s in slots), default=0)
-        # Elements between slots (see [Note: aligned slots] in chunks/layout.py): a payload
-        # that slots alone write must be allocated zeroed.
+        # Elements between slots ([Note: aligned slots] in layout.py): zeroed where slots alone write.
         self.has_gaps = sum(s.numel for s in slots) != self.used_numel
         assert self.used_numel <= capacity, f"{self.used_numel=} > {capacity=}"
         self.state = ChunkState.RELEASED
@@ -112,28 +111,21 @@ class Chunk:
         return Tier.DEVICE if Tier.DEVICE in self._copies else Tier.HOST
 
     def payload(self, tier: Tier | None = None, *, wait: bool = True) -> torch.Tensor:
-        """The whole buffer on ``tier`` (default: :attr:`primary_tier`). The host copy is
-        returned once a copy into or out of it has finished; ``wait=False`` returns it at once,
-        for views whose reader calls :meth:`wait_host` first (see [Note: host groups updated as
-        their gradients land] in gemini/optim/adam_batches.py)."""
+        """The whole buffer on ``tier`` (default: :attr:`primary_tier`), the host copy once a copy
+        into or out of it has ended (``wait=False``: at once, for views read after :meth:`wait_host`)."""
         if tier is None:
             tier = self.primary_tier
         if tier not in self._copies:
             raise RuntimeError(f"{self.index=} ({self.kind.value}) is {self.state}, no {tier.value} copy")
         if tier is Tier.HOST:
-            if wait:
-                self._wait_host()
+            if wait:  # see [Note: host groups updated as their gradients land] in gemini/optim/adam_batches.py
+                self.wait_host()
         else:
             self.ready_on_device()
         return self._copies[tier]
 
-    def wait_host(self) -> None:
-        """Block until a copy into or out of the host copy (if one is running) has finished."""
-        self._wait_host()
-
     def copy_in_flight(self, tier: Tier | None) -> bool:
-        """Whether the copy on ``tier`` may still be written or read by an asynchronous copy."""
-        return tier is Tier.HOST and self._host_event is not None
+        return tier is Tier.HOST and self._host_event is not None  # an asynchronous copy may use it
 
     def ready_on_device(self) -> None:
         """Have the compute stream wait for a prefetch into the device copy (if one is running)."""
@@ -146,7 +138,8 @@ class Chunk:
         waited for before the host copy is next touched, as theirs are."""
         self._host_event = event if event is not None else self._host_event
 
-    def _wait_host(self) -> None:
+    def wait_host(self) -> None:
+        """Block until a copy into or out of the host copy (if one is running) has ended."""
         if self._host_event is not None:
             self._host_event.synchronize()
             self._host_event = None
@@ -173,14 +166,12 @@ class Chunk:
             payload[offset : offset + values.numel()].copy_(values)
 
     # ------------------------------------------------------------------------------ moves
-    def _expect(self, *allowed: ChunkState) -> None:
-        """Before a move: copies in flight have ended, and the state is one of ``allowed``."""
-        self._wait_host()
+    def _expect(self, *allowed: ChunkState) -> None:  # before a move: copies in flight end first
+        self.wait_host()
         self.ready_on_device()
         self._expect_state(*allowed)
 
-    def _expect_state(self, *allowed: ChunkState) -> None:
-        """The state is one of ``allowed`` (copies in flight are left to run: nothing moves)."""
+    def _expect_state(self, *allowed: ChunkState) -> None:  # copies in flight go on: nothing moves
         if self.state not in allowed:
             raise RuntimeError(
                 f"chunk {self.kind.value} {self.index=} is {self.state}, expected one of "
@@ -361,7 +352,7 @@ class Chunk:
         transfer (see [Note: writes through the parameters] in chunks/edits.py)."""
         if self.state is not ChunkState.HOST_AND_DEVICE or self.edits is None or not self.edits.new():
             return
-        self._wait_host()
+        self.wait_host()
         self.ready_on_device()
         other = Tier.HOST if viewed is Tier.DEVICE else Tier.DEVICE
         n = self.used_numel
@@ -380,10 +371,7 @@ class Chunk:
         else:
             if self.state in (ChunkState.DEVICE, ChunkState.HOST_AND_DEVICE):
                 self.offload()
-            else:
-                # Already there: a copy into the host copy may still run (a gradient sent as its
-                # backward ended), and its reader waits for it ([Note: host groups updated as
-                # their gradients land] in gemini/optim/adam_batches.py).
+            else:  # already there: a copy into it may still run, and its reader waits for it
                 self._expect_state(ChunkState.HOST)
 
     @_move
@@ -404,7 +392,7 @@ class Chunk:
 
     def _drop(self, tier: Tier) -> None:
         if tier is Tier.HOST:
-            self._wait_host()  # a DMA may still read it; the pool would hand it out again
+            self.wait_host()  # a DMA may still read it; the pool would hand it out again
         payload = self._copies.pop(tier)
         self._storage.free(tier, payload, kind=self.kind)
         if tier is Tier.DEVICE:

@@ -210,10 +210,9 @@ class Residency(StepMoves):
         if not grad.is_on(Tier.DEVICE):
             self.make_room(grad.nbytes, keep={group.index})
         if grad.state is ChunkState.RELEASED:
-            # Slots not marked ready are written with copy_ before they are ever read, so
-            # the payload need not be zeroed; under ZeRO the whole bucket is reduced, so
-            # slots without a gradient in this pass (and the padding) must be zeros, and so
-            # must the gaps between slots that whole-chunk norms and Adam read.
+            # Slots not marked ready are written with copy_ before they are ever read; zeros
+            # where whole-chunk reductions read what no slot writes: ZeRO's buckets (slots
+            # without a gradient in this pass, the padding) and the gaps between aligned slots.
             grad.allocate(Tier.DEVICE, zero=group.grad_shard is not None or grad.has_gaps)
         else:
             grad.move_to(Tier.DEVICE)
