@@ -65,18 +65,15 @@ class ChunkGroup:
     def trainable(self) -> bool:
         return self.param_group >= 0
 
-    def step_views(self, tier: Tier, *, wait: bool = True) -> tuple[torch.Tensor, ...]:
-        """(master, grad, m, v) over this rank's range on ``tier``, cut once per move of any of them;
-        ``wait=False``: without waiting for copies into the host copies (see ``Chunk.payload``)."""
+    def step_views(self, tier: Tier) -> tuple[torch.Tensor, ...]:
+        """(master, grad, m, v) over this rank's range on ``tier``, cut once per move of any of them,
+        without waiting for copies into the host copies: their reader waits (``Chunk.wait_host``)."""
         chunks = self.step_chunks
         key = (tier, *(c.version for c in chunks))
         if self._step_views is None or self._step_views[0] != key:
             n = self.os_numel
             offsets = (self.master_offset, 0, 0, 0)
-            self._step_views = (key, tuple(c.payload(tier, wait=wait)[o : o + n] for c, o in zip(chunks, offsets)))
-        elif wait:
-            for c in chunks:
-                c.payload(tier)
+            self._step_views = (key, tuple(c.payload(tier, wait=False)[o : o + n] for c, o in zip(chunks, offsets)))
         return self._step_views[1]
 
     def count_views(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,11 +84,10 @@ class ChunkGroup:
             cached = self._count_views = (self.steps, self.steps[0], self.steps[1:])
         return cached[1], cached[2]
 
-    def slot_views(self, slot: TensorSlot, tier: Tier, *, wait: bool = True) -> tuple[torch.Tensor, ...]:
-        """(master, grad, m, v) of one of :attr:`os_slots` on ``tier``, flat (``wait``: as in
-        :meth:`step_views`)."""
+    def slot_views(self, slot: TensorSlot, tier: Tier) -> tuple[torch.Tensor, ...]:
+        """(master, grad, m, v) of one of :attr:`os_slots` on ``tier``, flat (as :meth:`step_views`)."""
         offsets = (self.master_offset, 0, 0, 0)
-        return tuple(c.payload(tier, wait=wait)[o + slot.offset : o + slot.end]
+        return tuple(c.payload(tier, wait=False)[o + slot.offset : o + slot.end]
                      for c, o in zip(self.step_chunks, offsets))
 
     @property

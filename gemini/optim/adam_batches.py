@@ -154,14 +154,14 @@ def _add_member(batch: AdamBatch, g: ChunkGroup, tier: Tier) -> None:
         g.steps = g.steps.to(master.payload(tier, wait=False).device)  # step counts live with the states
     if g.all_grads_ready and g.steps_uniform:
         batch.whole.append(g)
-        views = g.step_views(tier, wait=False)  # see [Note: host groups updated as their gradients land]
+        views = g.step_views(tier)  # cut without waiting: [Note: host groups updated as their gradients land]
         first, tail = g.count_views()
         batch.steps.append(first)
         if len(g.slots) > 1:
             batch.tails.append(tail)
     else:
         ready = [s for s in g.os_slots if g.grad_ready[s.index]]
-        views = [list(v) for v in zip(*(g.slot_views(s, tier, wait=False) for s in ready))] or [[], [], [], []]
+        views = [list(v) for v in zip(*(g.slot_views(s, tier) for s in ready))] or [[], [], [], []]
         batch.steps.extend(g.steps[s.index] for s in ready)
         here = {s.index for s in ready}
         batch.bump.extend((g, i) for i, r in enumerate(g.grad_ready) if r and i not in here)
