@@ -113,6 +113,32 @@ for name, align, start in (("copy", None, 0), ("views, packed at an odd offset",
     worst = max(diffs, key=diffs.get)
     print(f"torch vs torch ({name}): {sum(v > 0 for v in diffs.values())}/{len(diffs)} tensors differ; worst {worst} "
           f"{diffs[worst]:.3g}")
+
+
+# gemini with its slots aligned ([Note: aligned slots] in chunks/layout.py) against torch: if no
+# tensor differs under any placement, [Note: equal to torch on a GPU] in tests/helpers.py can go.
+def train_gemini(placement: str):
+    gmodel, opt = gemini.initialize(copy.deepcopy(base), gemini.GeminiConfig(device=DEV, placement=placement,
+                                                                             chunk_size=4096),
+                                    lr=1e-2, weight_decay=0.1)
+    for x, y in data:
+        opt.backward(GPT.loss(gmodel(x), y))
+        opt.step()
+        opt.zero_grad()
+    out = {k: v.detach().cpu() for k, v in gmodel.state_dict().items()}
+    opt.close()
+    return out
+
+
+for placement in ("cuda", "cpu", "auto"):
+    try:
+        g = train_gemini(placement)
+        diffs = {k: (a[k] - g[k]).abs().max().item() for k in a}
+        worst = max(diffs, key=diffs.get)
+        print(f"gemini {placement} (aligned slots) vs torch: {sum(v > 0 for v in diffs.values())}/{len(diffs)} tensors "
+              f"differ; worst {worst} {diffs[worst]:.3g}")
+    except Exception:
+        print(f"gemini {placement} vs torch FAILED:", traceback.format_exc()[-600:])
 torch.use_deterministic_algorithms(True, warn_only=True)
 d = train(copy.deepcopy(base).to(DEV), data)
 e = train(copy.deepcopy(base).to(DEV), data)
