@@ -81,10 +81,16 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
     for g in groups:
         by_key[(tiers[g.index], g.param_group)].append(g)
     batches = []
+    scalars: dict[Tier, tuple[torch.Tensor | None, torch.Tensor | None]] = {}  # one per tier, shared by its runs
     for (tier, pg), all_members in by_key.items():
+        if tier not in scalars:
+            device = rt.storage.tier_device(tier)
+            with _quiet(rt, tier):
+                scalars[tier] = (torch.tensor(loss_scale, dtype=torch.float32, device=device) if loss_scale != 1.0
+                                 else None, clip_coef.to(device) if clip_coef is not None else None)
         cuts = _host_runs(all_members[::-1], HOST_BATCH_ELEMENTS) if tier is Tier.HOST else [all_members]
-        runs = [_prepare(rt, tier, members, param_groups[pg], adamw_mode=adamw_mode, loss_scale=loss_scale,
-                         clip_coef=clip_coef, keep_grads=keep_grads) for members in cuts]
+        runs = [_prepare(rt, tier, members, param_groups[pg], adamw_mode=adamw_mode, scalars=scalars[tier])
+                for members in cuts]
         scratch = max(_scratch_numel(b, keep_grads) for b in runs)
         if scratch:
             # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds at most
@@ -119,21 +125,17 @@ def _host_runs(members: list[ChunkGroup], min_elements: int) -> list[list[ChunkG
 
 
 def _prepare(rt: GeminiRuntime, tier: Tier, members: list[ChunkGroup], hp: dict[str, Any], *, adamw_mode: bool,
-             loss_scale: float, clip_coef: torch.Tensor | None, keep_grads: bool) -> AdamBatch:
-    """One batch over ``members`` on ``tier``, every temporary allocated."""
-    device = rt.storage.tier_device(tier)
+             scalars: tuple[torch.Tensor | None, torch.Tensor | None]) -> AdamBatch:
+    """One batch over ``members`` on ``tier``; ``scalars``: (the loss scale, the clipping
+    coefficient) on the tier's device, or None."""
     batch = AdamBatch(tier=tier, members=members)
+    batch.grad_scale, batch.coef = scalars
     with _quiet(rt, tier):  # the host's step counts: see [Note: step counts are where the states are]
         for g in members:
             _add_member(batch, g, tier)
     beta1, beta2 = hp["betas"]
     batch.kwargs = dict(lr=hp["lr"], beta1=beta1, beta2=beta2, eps=hp["eps"], weight_decay=hp["weight_decay"],
                         decoupled_weight_decay=adamw_mode)
-    with _quiet(rt, tier):
-        if loss_scale != 1.0:
-            batch.grad_scale = torch.tensor(loss_scale, dtype=torch.float32, device=device)
-        if clip_coef is not None:
-            batch.coef = clip_coef.to(device)
     return batch
 
 
