@@ -33,8 +33,9 @@ def _spy_runs(monkeypatch) -> list[tuple[Tier, list[int], dict[int, ChunkState]]
 
 def _config(precision: str = "fp32", clip: float = 0.0, placement: str = "auto") -> gemini.GeminiConfig:
     # auto with the whole model in the budget and no margin: every optimizer state on the host
-    # (the gpu_peers.md setting of "gemini auto (ratio 0)"), parameters fetched by the forward;
-    # static: the same states on the host, the parameters kept on the device (ZeRO-Offload's).
+    # (the gpu_peers.md setting of "gemini auto (ratio 0)"), parameters kept on the device since
+    # nothing is evicted ([Note: parameters stay where nothing is evicted] in
+    # gemini/policies/auto.py); static: the same by its fields (ZeRO-Offload's placement).
     extra = dict(gpu_margin_mem_ratio=0.0) if placement == "auto" else dict(static_optimizer_offload_fraction=1.0)
     return gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=4096, precision=precision,
                                clip_grad_norm=clip, device_memory=roomy_budget("64MiB"), **extra)
@@ -54,10 +55,10 @@ def test_runs_of_one_group_equal_adamw_last_group_first(monkeypatch, placement):
     last = seen[-len(order):]
     # The last step: one run per group, last group first, all on the host. When a run starts the
     # parameters of the groups not updated yet are only on the host, where the step put them;
-    # under static (parameters kept on the device) those of the runs before it are back on the
-    # device already (their host copy kept), under auto the next forward fetches them.
+    # those of the runs before it are back on the device already (their host copy kept), under
+    # both policies (auto's plan evicts nothing here).
     assert [(tier, members) for tier, members, _ in last] == [(Tier.HOST, [i]) for i in order]
-    back = ChunkState.HOST_AND_DEVICE if placement == "static" else ChunkState.HOST
+    back = ChunkState.HOST_AND_DEVICE
     for k, (_, _, states) in enumerate(last):
         assert [states[i] for i in order[:k]] == [back] * k, states
         assert [states[i] for i in order[k:]] == [ChunkState.HOST] * (len(order) - k), states

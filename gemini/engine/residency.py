@@ -75,11 +75,11 @@ class Residency(StepMoves):
         self.policy.setup()
         self.apply_choice()
 
-    def apply_choice(self, *, drop_unkept: bool = False) -> None:
-        """Move groups to match the policy's choice (after ``setup``, a plan adopted or
-        abandoned): whole groups pinned on the device, parameters it keeps there fetched; groups
-        it no longer pins go back to the host, and with ``drop_unkept`` device copies of
-        parameters it does not keep are dropped (those not in use)."""
+    def apply_choice(self, *, drop_unkept: bool = False, step_follows: bool = False) -> None:
+        """Move groups to match the policy's choice (after ``setup``, a plan adopted or abandoned):
+        whole groups pinned on the device, kept parameters fetched (a trainable group's by the
+        step's ``after_commit`` if ``step_follows``), groups no longer pinned to the host, and
+        with ``drop_unkept`` the device copies of unkept parameters not in use dropped."""
         pinned = self.policy.pinned_groups()
         for i in sorted(self._pinned - pinned):
             for chunk in self.manager.groups[i].chunks:
@@ -91,14 +91,14 @@ class Residency(StepMoves):
             if g.index in pinned:
                 self._pin_on_device(g)
             elif g.index in resident and g.param_shard is None and g.param.state is ChunkState.HOST:
-                g.param.fetch(keep_host=True)
+                if not (step_follows and g.trainable):
+                    g.param.fetch(keep_host=True)
             elif drop_unkept and self._compute_refs.get(g.index, 0) == 0 and g.index not in self._fetched_for_backward:
                 self._maybe_drop_params(g)
         self._grads_on_device_from_now()
 
     def rebalance_nvme(self) -> None:
-        """After the device's share of optimizer states changed: let the NVMe tier choose again
-        among the groups whose states are on the host tier."""
+        """The device's share of optimizer states changed: the NVMe tier chooses again."""
         if self.nvme is not None:
             self.nvme.rebalance([g for g in self.manager.trainable_groups
                                  if self.policy.optimizer_tier(g) is Tier.HOST])

@@ -232,12 +232,12 @@ class GeminiRuntime:
             activation_bytes = self.activations.plan(self.placement.activation_room_bytes(self.plan))
         self.placement.adopt(self.plan, activation_bytes=activation_bytes)
         self._move(IterationState.ADOPTING, IterationState.UNPLANNED)
-        self._apply_plan()
+        self._apply_plan(step_follows=True)
 
-    def _apply_plan(self) -> None:
+    def _apply_plan(self, *, step_follows: bool = False) -> None:
         """ADOPTING -> PLANNED: groups moved where the plan wants them; a failed move (an NVMe
         read error) stays ADOPTING, each group whole: the next step or forward tries again."""
-        self.residency.apply_choice()
+        self.residency.apply_choice(step_follows=step_follows)
         self.residency.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
         self.hooks.follow_periods(self.placement.track_periods)
@@ -358,7 +358,7 @@ class GeminiRuntime:
                 raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
             self.finish_warmup()
         elif self.state is IterationState.ADOPTING:  # the step that adopted the plan failed moving groups
-            self._apply_plan()
+            self._apply_plan(step_follows=True)
         self.check_step_peak()
 
     def after_commit(self, groups: Sequence[ChunkGroup], *, skipped: bool) -> None:

@@ -72,7 +72,7 @@ class AutoPlacement(PlacementPolicy):
         self.eviction_rule = EvictionRule.BELADY
         self.track_periods = True  # decided by adopt()
         self._settled = False  # the plan keeps every chunk on the device for good (see adopt)
-        self._all_groups: set[int] = set()  # resident_params() once settled
+        self._resident: set[int] = set()  # resident_params(), decided by adopt
         self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
         # Groups read outside their modules in the warm-up's forward, and the uses of their host
         # copies' storage when a forward of it began (see [Note: parameters read outside their modules]).
@@ -103,7 +103,7 @@ class AutoPlacement(PlacementPolicy):
         return self.os_on_device
 
     def resident_params(self) -> set[int]:
-        return self._all_groups if self._settled else set()
+        return self._resident  # see [Note: parameters stay where nothing is evicted]
 
     # -------------------------------------------------------------------------- planning
     def activation_room_bytes(self, plan: MemoryPlan) -> int:
@@ -128,21 +128,20 @@ class AutoPlacement(PlacementPolicy):
         # If every chunk that can be on the device fits there at once next to the largest
         # non-model peak, nothing will ever be evicted: periods need not be followed, and
         # the iteration runs without per-module boundary hooks (as fast as "cuda").
-        most = sum(
-            self.group_device_bytes(g) if g.index in self.os_on_device
-            else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0)
-            for g in self.manager.groups
-        )
+        most = sum(self.group_device_bytes(g) if g.index in self.os_on_device
+                   else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0) for g in self.manager.groups)
         self.track_periods = not fits(plan.budget_bytes, most, self.fixed_bytes, plan.max_non_model_bytes,
                                       self.activation_bytes, plan.reserve_bytes)
+        # [Note: parameters stay where nothing is evicted] Then (unless ZeRO-3 gathers them) a
+        # group updated on the host gets its parameters back right after its update, inside the
+        # step (on CUDA beside the host's next runs, as torchao's offload does), rather than from
+        # the next forward: the device holds no more than ``fits`` counted.
         # [Note: auto settled on the device] When, besides, every group's optimizer states are
-        # on the device (and no rank gathers parameters), no chunk will ever move: the frozen
-        # groups' parameters stay on the device too (resident_params), and the iteration runs as
-        # under "cuda", without module hooks and with autograd accumulating into the gradient
-        # chunks.
-        self._settled = (not self.track_periods and not self.gathers_params
-                         and len(self.os_on_device) == len(trainable))
-        self._all_groups = {g.index for g in self.manager.groups}
+        # on the device, no chunk will ever move: the iteration runs as under "cuda", without
+        # module hooks and with autograd accumulating into the gradient chunks.
+        evicts_nothing = not self.track_periods and not self.gathers_params
+        self._resident = {g.index for g in self.manager.groups} if evicts_nothing else set()
+        self._settled = evicts_nothing and len(self.os_on_device) == len(trainable)
         logger.info(
             "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
             plan.margin_bytes, self.margin_ratio, len(self.os_on_device), len(trainable),
@@ -152,6 +151,7 @@ class AutoPlacement(PlacementPolicy):
         """Back to warm-up behaviour: optimizer states to the host, nothing kept resident."""
         self.plan = None
         self._settled = False
+        self._resident = set()
         self.activation_bytes = 0
         self.os_on_device = set()
 

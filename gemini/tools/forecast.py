@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunks import fits
 from gemini.config import GeminiConfig
 from gemini.engine.activations import kept_on_device
 from gemini.engine.memory import planned_reserve_bytes
@@ -248,18 +249,40 @@ class AutoForecast(CpuForecast):
 
     def step_peak_bytes(self, plan: PlacementPlan) -> tuple[int, int]:
         first, later = super().step_peak_bytes(plan)
+        if self._evicts_nothing():
+            return first, later  # every step sends the parameters back, the warm-up's too
         # The warm-up's step has cached no parameters yet (``settle``): only the margin's groups.
         cached = sum(cap for i, (_, _, cap) in enumerate(self.layout) if i in self.choice.params)
         return first - cached * self.config.param_dtype.itemsize, later
 
     def settle(self) -> None:
-        # Under bf16/fp16 the step casts the masters into the parameter chunks where they lie,
-        # so every parameter chunk cached on the device stays there after the step (under fp32
-        # the chunk is the master, updated on the host: its device copy is dropped). Auto
-        # caches them all unless the budget makes it evict (the device peak is capped so).
-        if self.config.param_dtype != torch.float32:
+        # Where the plan evicts nothing, every parameter chunk is sent back to the device right
+        # after its update ([Note: parameters stay where nothing is evicted] in
+        # gemini/policies/auto.py). Else under bf16/fp16 the step casts the masters into the
+        # parameter chunks where they lie, so those cached on the device stay there after the
+        # step (under fp32 the chunk is the master, updated on the host: its device copy is
+        # dropped). Auto caches them all unless the budget makes it evict (the device peak is
+        # capped so).
+        if self.config.param_dtype != torch.float32 or self._evicts_nothing():
             every = frozenset(range(len(self.layout)))
             self.choice = DeviceGroups(whole=self.choice.whole, params=every - self.choice.whole)
+
+    def _evicts_nothing(self) -> bool:
+        """Whether every chunk auto may hold fits on the device at once beside the largest
+        non-model peak and the activations it keeps, as ``AutoPlacement.adopt`` decides that
+        periods need not be followed. No budget: the whole device, taken to hold it (the
+        verdict says where it does not); no example inputs: model data alone, as the verdict."""
+        budget = self.config.device_memory
+        if budget is None:
+            return True
+        elem = self.config.param_dtype.itemsize
+        most = sum(whole_group_bytes(cap, param_dtype=self.config.param_dtype) if i in self.choice.whole
+                   else cap * elem * (2 if pg >= 0 else 1) for i, (_, pg, cap) in enumerate(self.layout))
+        if self.peaks is None:
+            return fits(budget, most, self.buffer_bytes)
+        keep_from = self.activations_kept_from()
+        kept = sum(self.peaks.offloaded_sizes[keep_from:]) if keep_from is not None else 0
+        return fits(budget, most, self.buffer_bytes, self.peaks.non_model_bytes, kept, self.reserve_bytes)
 
     def _cached_bytes(self) -> int:
         """What auto holds on the device for good once nothing presses it: the margin's whole

@@ -1,0 +1,95 @@
+"""Under auto, where the plan evicts nothing, parameters updated on the host come back to the
+device inside the step and stay there ([Note: parameters stay where nothing is evicted] in
+gemini/policies/auto.py): ZeRO-Offload's and torchao's placement, at no more traffic."""
+
+from __future__ import annotations
+
+import pytest
+
+import gemini
+from chunks import ChunkState
+from gemini.tools.gpt import GPT, GPTConfig
+from helpers import (DEVICE, assert_params_close, batches, clone_pair, placement_configs, roomy_budget,
+                     train_reference)
+
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
+STEPS = 3
+
+
+def _train(config: gemini.GeminiConfig, *, check_step=None):
+    """Each step's parameters (on the CPU) and report."""
+    base, _ = clone_pair(CFG)
+    model, opt = gemini.initialize(base, config, lr=1e-2, weight_decay=0.1)
+    states, reports = [], []
+    for step, (x, y) in enumerate(batches(CFG, STEPS, batch=2, seq=16, device=DEVICE)):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        states.append({k: v.cpu() for k, v in model.state_dict().items()})
+        reports.append(opt.report)
+        if check_step is not None:
+            check_step(step, opt)
+    opt.close()
+    return states, reports
+
+
+def _reference():
+    """Plain fused AdamW's parameters at each step."""
+    _, ref = clone_pair(CFG)
+    _, want, _ = train_reference(ref, batches(CFG, STEPS, batch=2, seq=16, device=DEVICE), lr=1e-2, weight_decay=0.1)
+    return [{k: v.cpu() for k, v in w.items()} for w in want]
+
+
+def _assert_trained_like(states, want):
+    for step, (got, w) in enumerate(zip(states, want, strict=True)):
+        assert_params_close(got, w, step=step)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_parameters_come_back_in_the_step_where_nothing_is_evicted(precision):
+    """From the first step on, every parameter chunk ends the step on the device (its host copy
+    kept for the next update), and each step moves each parameter byte once to the device and
+    each gradient byte once to the host, as before; every step under the budget, equal to AdamW
+    (bf16: to placement cpu's)."""
+    budget = roomy_budget("64MiB")
+    config = gemini.GeminiConfig(device=DEVICE, placement="auto", gpu_margin_mem_ratio=0.0, chunk_size=8192,
+                                 precision=precision, device_memory=budget)
+    cpu_states, cpu_reports = _train(gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=8192,
+                                                         precision=precision))
+
+    def check(step, opt):
+        rt, report = opt._rt, opt.report
+        assert not rt.placement.track_periods and report.os_chunks_on_device == 0
+        groups = rt.manager.groups
+        assert [g.param.state for g in groups] == [ChunkState.HOST_AND_DEVICE] * len(groups), step
+        param_bytes = sum(g.param.nbytes for g in groups)
+        assert report.model_bytes_by_tier["device"]["param"] == param_bytes
+        if step == 0:  # the warm-up's, fetching and releasing as placement cpu, then the parameters once
+            assert report.h2d_bytes == cpu_reports[0].h2d_bytes + param_bytes
+        else:
+            # bf16: the masters' cast goes into both copies, the used elements only.
+            used = sum(g.param.used_numel * g.param.dtype.itemsize for g in groups)
+            assert report.h2d_bytes == (param_bytes if precision == "fp32" else used)
+            assert report.d2h_bytes == sum(g.grad.nbytes for g in groups if g.grad is not None)
+        if DEVICE == "cpu":
+            assert report.device_peak_bytes <= gemini.GeminiConfig(device_memory=budget).device_memory
+
+    states, _ = _train(config, check_step=check)
+    # bf16: against placement cpu's, the host's Adam too
+    _assert_trained_like(states, cpu_states if precision == "bf16" else _reference())
+
+
+@pytest.mark.standin  # a budget sized for the stand-in's exact counting
+def test_parameters_leave_the_device_where_the_plan_evicts():
+    """Under a budget that makes auto evict, the step does not bring the parameters back (the
+    next forward fetches what its periods need, as the plan schedules)."""
+    fields = placement_configs(16 * CFG.num_params())["auto-evicting"]
+    config = gemini.GeminiConfig(device=DEVICE, **fields)
+
+    def check(step, opt):
+        rt, report = opt._rt, opt.report
+        assert rt.placement.track_periods and rt.placement.resident_params() == set()
+        assert report.model_bytes_by_tier["device"]["param"] < sum(g.param.nbytes for g in rt.manager.groups)
+        assert report.device_peak_bytes <= config.device_memory
+
+    _assert_trained_like(_train(config, check_step=check)[0], _reference())
