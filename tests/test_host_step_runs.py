@@ -202,3 +202,32 @@ def test_reading_p_grad_before_the_step_waits_for_its_copy_first(monkeypatch):
         opt.zero_grad()
         assert_params_close({k: v.cpu() for k, v in gmodel.state_dict().items()},
                             {k: v.cpu() for k, v in want[step].items()}, step=step)
+
+
+def test_reading_p_grad_metadata_waits_for_no_copy(monkeypatch):
+    """Shape, dtype, device, size and the like of a p.grad whose copy is in flight answer without
+    waiting (a loop that logs shapes or checks ``p.grad.numel()`` keeps the overlap); its values
+    still wait, and the step then waits for no group twice."""
+    log = _copies_in_flight(monkeypatch)
+    base, ref = clone_pair(TINY)
+    data = batches(TINY, 2, device=DEVICE)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(gmodel(x), y))
+        log.clear()
+        for p in gmodel.parameters():
+            g = p.grad
+            assert (g.shape, g.dtype, g.device.type, g.size(), g.dim(), g.numel(), g.ndim, len(g)) == (
+                p.shape, p.dtype, p.device.type, p.size(), p.dim(), p.numel(), p.ndim, len(p))
+            assert g.stride() == p.stride() and g.is_contiguous() and not g.requires_grad
+        if step > 0:
+            assert log == [], log
+            head = gmodel.ln_f.weight.grad
+            assert type(head) is PendingGrad and head._chunk is not None
+            head.sum()  # a read of its values waits for its group's copy
+            assert [e[0] for e in log] == ["wait"] and head._chunk is None
+        opt.step()
+        opt.zero_grad()
+        assert_params_close({k: v.cpu() for k, v in gmodel.state_dict().items()},
+                            {k: v.cpu() for k, v in want[step].items()}, step=step)

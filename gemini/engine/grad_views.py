@@ -93,6 +93,15 @@ class UnavailableGrad(torch.Tensor):
         raise RuntimeError(f"UnavailableGrad in {func}")
 
 
+# Reads of a tensor's metadata, not of its values: a PendingGrad answers them without waiting.
+_METADATA = frozenset({
+    *(getattr(torch.Tensor, name).__get__ for name in ("shape", "dtype", "device", "ndim", "layout", "is_cuda",
+                                                       "requires_grad", "is_leaf", "grad_fn")),
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.stride,
+    torch.Tensor.element_size, torch.Tensor.is_contiguous, torch.Tensor.data_ptr, torch.Tensor.__len__,
+})
+
+
 class PendingGrad(torch.Tensor):
     """``p.grad``: a view of a host copy that a copy from the device may still be writing.
 
@@ -104,7 +113,8 @@ class PendingGrad(torch.Tensor):
     finished it, and the step's CPU Adam could not overlap the GPU's backward. So ``p.grad`` is
     this alias of the view instead, which waits for its chunk's copy before the first torch
     function that touches it (a read, an in-place scaling, ``zero_grad``), then behaves as the
-    plain view (results are plain tensors). A loop that never reads ``p.grad`` waits in the step,
+    plain view (results are plain tensors); reads of its metadata (``shape``, ``dtype``, ``numel()``)
+    do not wait. A loop that never reads ``p.grad`` waits in the step,
     run by run. Only while a copy is in flight: otherwise, and always on the CPU stand-in, whose
     copies are synchronous, ``p.grad`` is the plain view.
     """
@@ -119,7 +129,7 @@ class PendingGrad(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        for t in tree_flatten((args, kwargs or {}))[0]:
+        for t in () if func in _METADATA else tree_flatten((args, kwargs or {}))[0]:
             if isinstance(t, PendingGrad) and t._chunk is not None:
                 chunk, t._chunk = t._chunk, None
                 chunk.wait_host()
