@@ -447,28 +447,45 @@ def test_a_running_monitor_is_borrowed_and_left_running():
     assert tracer.max_non_model_peak_bytes > 64 * KiB
 
 
+class _RequestedBytesMonitor(CudaAllocatorMonitor):
+    """The bytes tensors asked the CUDA allocator for (``requested_bytes``), before it rounds
+    them to blocks: what the accounting monitor counts, storage by storage."""
+
+    def _current_bytes(self) -> int:
+        return torch.cuda.memory_stats(self.device)["requested_bytes.all.current"]
+
+    def _peak_bytes(self) -> int:
+        return max(self._folded_peak_bytes, torch.cuda.memory_stats(self.device)["requested_bytes.all.peak"])
+
+
 @pytest.mark.cuda
 def test_cuda_tracer_agrees_with_the_accounting_monitor():
+    """Per period, the accounting monitor's non-model peak is what tensors asked the allocator
+    for; the allocator's own figure (what the budget is measured by) is at least that. Session 17
+    (H200) compared the accounting with the allocated bytes directly: 18% under on one backward
+    period (19.6 vs 23.8 MB), the allocator counting whole blocks (a large block is split only
+    when over 1 MiB would remain), which the plan's reserve holds."""
     torch.manual_seed(0)
     model = TinyGPT().cuda()
     idx, tgt = _batch(16, device="cuda")
     param_bytes = _param_bytes(model)
     _step(model, idx, tgt)  # creates cuBLAS's workspace before anything is measured
     results = []
-    for monitor in (CudaAllocatorMonitor("cuda"), TensorAccountingMonitor("cuda")):
+    for monitor in (CudaAllocatorMonitor("cuda"), _RequestedBytesMonitor("cuda"), TensorAccountingMonitor("cuda")):
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated() - param_bytes if isinstance(monitor, CudaAllocatorMonitor) else 0
+        base = monitor._current_bytes() - param_bytes if isinstance(monitor, CudaAllocatorMonitor) else 0
         tracer = RuntimeTracer(model, monitor, model_bytes_fn=lambda base=base: param_bytes + base)
         with tracer.trace():
             _step(model, idx, tgt)
             torch.cuda.synchronize()
         results.append(tracer.periods)
-    alloc, acc = results
-    assert [p.key for p in alloc] == [p.key for p in acc]
-    for a, b in zip(alloc, acc):
-        if a.non_model_peak_bytes > 1 << 20:
-            assert b.non_model_peak_bytes == pytest.approx(a.non_model_peak_bytes, rel=0.10), (a, b)
+    alloc, requested, acc = results
+    assert [p.key for p in alloc] == [p.key for p in requested] == [p.key for p in acc]
+    for a, r, b in zip(alloc, requested, acc):
+        if r.non_model_peak_bytes > 1 << 20:
+            assert b.non_model_peak_bytes == pytest.approx(r.non_model_peak_bytes, rel=0.05), (a, r, b)
+            assert a.non_model_peak_bytes >= r.non_model_peak_bytes * 0.95, (a, r, b)
 
 
 def test_marks_split_a_period_into_segments_with_their_own_peaks():
