@@ -104,7 +104,8 @@ class PlacementForecast:
         # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
         #   [Note: the warm-up replayed on meta] in gemini/tools/meta_replay.py);
         # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
-        #   margin's groups to the device for its optimizer step. Later it keeps every
+        #   margin's groups to the device for its optimizer step (where it will evict nothing,
+        #   every parameter chunk too, after its update: ``settle``). Later it keeps every
         #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
         #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
         steady = self._kept_peak_bytes(plan)
