@@ -125,6 +125,7 @@ def build_gemini(ratio: float, *, one_host_call: bool = False):
             opt.step()
             opt.zero_grad()
             GEMINI_PEAKS.append(opt.report.device_peak_bytes)
+            GEMINI_MOVED.append((opt.report.h2d_bytes, opt.report.d2h_bytes))
             return loss.detach()
         return step
     return build
@@ -138,6 +139,7 @@ def build_gemini(ratio: float, *, one_host_call: bool = False):
 # allocator's peaks of all the step's intervals), is its peak; the whole GPU's used memory
 # (NVML, every contender alike, the CUDA context and the allocator's cache included) checks it.
 GEMINI_PEAKS: list[int] = []
+GEMINI_MOVED: list[tuple[int, int]] = []  # each step's bytes to the device and to the host
 
 # [Note: does the step begin before the GPU's backward ends?]
 # The host's Adam overlaps the GPU's backward only if ``opt.backward`` returns while the GPU
@@ -239,6 +241,7 @@ def run_one(name: str, args) -> dict:
         if device == "cuda" else None,
         "gpu_used_peak_bytes": nvml.peak_bytes() if nvml is not None else None,
         "backward_returned_ahead": f"{sum(GEMINI_AHEAD)} of {len(GEMINI_AHEAD)}" if GEMINI_AHEAD else None,
+        "moved_bytes_per_step": GEMINI_MOVED[-1] if GEMINI_MOVED else None,  # the last step's (h2d, d2h)
         "n_params": cfg.num_params(), "batch": batch, "seq": seq,
     }
 
@@ -281,8 +284,11 @@ def markdown(result: dict) -> str:
         peak = "-" if r["peak_device_bytes"] is None else f"{r['peak_device_bytes'] / 2**20:.0f}"
         used = "-" if r.get("gpu_used_peak_bytes") is None else f"{r['gpu_used_peak_bytes'] / 2**20:.0f}"
         diff = "-" if ref is None else f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.1e}"
-        ahead = r.get("backward_returned_ahead")
-        note = f"backward returned before the GPU ended it: {ahead} steps" if ahead else ""
+        ahead, moved = r.get("backward_returned_ahead"), r.get("moved_bytes_per_step")
+        notes = [f"backward returned before the GPU ended it: {ahead} steps"] if ahead else []
+        if moved:
+            notes.append(f"a step moved {moved[0] / 2**20:.0f} MiB to the device, {moved[1] / 2**20:.0f} MiB to the host")
+        note = "; ".join(notes)
         lines.append(f"| {r['contender']} | {r['median_step_s']:.4f} | {r['tokens_per_s']:.0f} | {peak} | {used} | {diff} | "
                      f"{note} |")
     return "\n".join(lines) + "\n"
