@@ -93,3 +93,26 @@ def test_parameters_leave_the_device_where_the_plan_evicts():
         assert report.device_peak_bytes <= config.device_memory
 
     _assert_trained_like(_train(config, check_step=check)[0], _reference())
+
+
+
+def test_a_plan_adopted_between_micro_batches_brings_the_parameters_at_once():
+    """Under gradient accumulation the warm-up ends when the second forward begins (it traced the
+    first forward and backward): no step follows there, so the plan's adoption fetches the
+    parameters it keeps then, before the forward's first module runs."""
+    config = gemini.GeminiConfig(device=DEVICE, placement="auto", gpu_margin_mem_ratio=0.0, chunk_size=8192,
+                                 device_memory=roomy_budget("64MiB"))
+    base, ref = clone_pair(CFG)
+    data = batches(CFG, 3, batch=2, seq=16, device=DEVICE)
+    _, want, _ = train_reference(ref, data, micro_batches=3, lr=1e-2, weight_decay=0.1)
+    model, opt = gemini.initialize(base, config, lr=1e-2, weight_decay=0.1)
+    groups = opt._rt.manager.groups
+    at_forward: list[list[ChunkState]] = []
+    model.wte.register_forward_pre_hook(lambda m, args: at_forward.append([g.param.state for g in groups]))
+    for x, y in data:
+        opt.backward(GPT.loss(model(x), y) / 3)
+    opt.step()
+    opt.zero_grad()
+    assert_params_close(model.state_dict(), {k: v.cpu() for k, v in want[0].items()})
+    assert at_forward[1] == at_forward[2] == [ChunkState.HOST_AND_DEVICE] * len(groups)
+    opt.close()

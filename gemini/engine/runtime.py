@@ -138,7 +138,7 @@ class GeminiRuntime:
             self._begin_warmup(args, kwargs)
         elif state is IterationState.TRACING and self.hooks.backward_passes > self._backward_passes_at_trace:
             # Gradient accumulation: the traced iteration is the first forward + backward.
-            self.finish_warmup()
+            self.finish_warmup(step_follows=False)
         elif (state in (IterationState.PLANNED, IterationState.UNPLANNED) and torch.is_grad_enabled()
               and agree_on_trace(self.zero, self.traced_inputs.needs_trace(args, kwargs,
                                                                            planned=state is IterationState.PLANNED))):
@@ -213,7 +213,7 @@ class GeminiRuntime:
         self.hooks.follow_periods(True)
         self.warmup.begin()
 
-    def finish_warmup(self) -> None:
+    def finish_warmup(self, *, step_follows: bool = True) -> None:
         """End the warm-up trace; the auto policy adopts the plan (may raise DeviceBudgetError)."""
         self._move(IterationState.UNPLANNED, IterationState.TRACING)  # PLANNED once the plan is adopted
         self.placement.end_trace()
@@ -232,7 +232,7 @@ class GeminiRuntime:
             activation_bytes = self.activations.plan(self.placement.activation_room_bytes(self.plan))
         self.placement.adopt(self.plan, activation_bytes=activation_bytes)
         self._move(IterationState.ADOPTING, IterationState.UNPLANNED)
-        self._apply_plan(step_follows=True)
+        self._apply_plan(step_follows=step_follows)
 
     def _apply_plan(self, *, step_follows: bool = False) -> None:
         """ADOPTING -> PLANNED: groups moved where the plan wants them; a failed move (an NVMe
