@@ -135,6 +135,17 @@ def _copies_in_flight(monkeypatch) -> list:
     return log
 
 
+def _in_flight_run(monkeypatch, *, steps: int, clip: float = 0.0):
+    """Copies to the host in flight (``_copies_in_flight``'s log), the data, the reference's
+    parameters per step (AdamW, clipped at ``clip``), and gemini's model and optimizer."""
+    log = _copies_in_flight(monkeypatch)
+    base, ref = clone_pair(TINY)
+    data = batches(TINY, steps, device=DEVICE)
+    _, want, _ = train_reference(ref, data, clip=clip, lr=1e-2, weight_decay=0.1)
+    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    return log, data, want, gmodel, opt
+
+
 class _CopyInFlight:
     """Stands in for the CUDA event of a copy to the host still running: records when something
     first waits for it."""
@@ -152,11 +163,7 @@ def test_no_wait_in_backward_and_each_run_waits_for_its_own_copies_just_before_i
     it sends to the host, so it can return while a GPU still computes; the step waits for a
     group's gradients right before the run that updates it, and for no later group's before an
     earlier run: the CPU's Adam of the last groups overlaps the copies of the first."""
-    log = _copies_in_flight(monkeypatch)
-    base, ref = clone_pair(TINY)
-    data = batches(TINY, 3, device=DEVICE)
-    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    log, data, want, gmodel, opt = _in_flight_run(monkeypatch, steps=3)
     for step, (x, y) in enumerate(data):
         loss = GPT.loss(gmodel(x), y)
         log.clear()
@@ -182,11 +189,7 @@ def test_reading_p_grad_before_the_step_waits_for_its_copy_first(monkeypatch):
     """torch's clip_grad_norm_ and a gradient read between backward and step, with the copies
     to the host in flight: each p.grad waits for its group's copy before torch reads it (all
     before the step's first run), and training equals torch's clipped AdamW."""
-    log = _copies_in_flight(monkeypatch)
-    base, ref = clone_pair(TINY)
-    data = batches(TINY, 3, device=DEVICE)
-    _, want, _ = train_reference(ref, data, clip=0.05, lr=1e-2, weight_decay=0.1)
-    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    log, data, want, gmodel, opt = _in_flight_run(monkeypatch, steps=3, clip=0.05)
     for step, (x, y) in enumerate(data):
         opt.backward(GPT.loss(gmodel(x), y))
         log.clear()
@@ -207,12 +210,8 @@ def test_reading_p_grad_before_the_step_waits_for_its_copy_first(monkeypatch):
 def test_reading_p_grad_metadata_waits_for_no_copy(monkeypatch):
     """Shape, dtype, device, size and the like of a p.grad whose copy is in flight answer without
     waiting (a loop that logs shapes or checks ``p.grad.numel()`` keeps the overlap); its values
-    still wait, and the step then waits for no group twice."""
-    log = _copies_in_flight(monkeypatch)
-    base, ref = clone_pair(TINY)
-    data = batches(TINY, 2, device=DEVICE)
-    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
-    gmodel, opt = gemini.initialize(base, _config(), lr=1e-2, weight_decay=0.1)
+    still wait."""
+    log, data, want, gmodel, opt = _in_flight_run(monkeypatch, steps=2)
     for step, (x, y) in enumerate(data):
         opt.backward(GPT.loss(gmodel(x), y))
         log.clear()
