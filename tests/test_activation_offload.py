@@ -245,6 +245,38 @@ def test_a_forward_without_backward_gives_its_host_copies_back(placement):
         assert moved[1] == (reports[0].activation_offload_bytes, 0) and moved[1][0] > 0
 
 
+def test_a_tensor_saved_twice_and_kept_on_the_device_is_one_saved_tensor():
+    """A ReLU's output is saved by the ReLU and by the Linear after it (a ResNet's conv after its
+    ReLU alike). The warm-up offloads it once ([Note: one host copy per saved value]); a planned
+    iteration that keeps it on the device counted the repeat as another saved tensor, no longer
+    matched the traced sizes from there, and offloaded everything after it. Now every planned
+    iteration keeps what the warm-up offloaded, moves nothing to the host, and equals AdamW."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(
+        device=DEVICE, placement="auto", chunk_size=8192, offload_activations=True,
+        activation_offload_min_bytes=MIN_BYTES, device_memory=2**40), lr=1e-2, weight_decay=0.1)
+    ledger = opt._rt.storage.ledger
+    g = torch.Generator().manual_seed(1)
+    moved, offloaded = [], []
+    for step in range(3):
+        x = torch.randn(32, 64, generator=g)
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        counted = (ledger.transfers.activation_kept_bytes, ledger.transfers.activation_d2h_bytes)
+        opt.backward(model(x.to(DEVICE)).square().mean())
+        moved.append((ledger.transfers.activation_kept_bytes - counted[0],
+                      ledger.transfers.activation_d2h_bytes - counted[1]))
+        opt.step()
+        opt.zero_grad()
+        offloaded.append(opt.report.activation_offload_bytes)
+        assert_params_close({k: v.cpu() for k, v in model.state_dict().items()}, ref.state_dict(), step=step)
+    assert moved[0][1] > 0 and moved[1:] == [(moved[0][1], 0)] * 2, moved
+
+
 def test_config_fields_are_validated():
     with pytest.raises(ValueError, match="offload_activations"):
         gemini.GeminiConfig(offload_activations="yes")

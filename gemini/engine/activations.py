@@ -86,7 +86,10 @@ def kept_on_device(sizes: tuple[int, ...], room_bytes: int, *, prefetch: bool) -
 #   key holds the storage's address, offset, shape, strides and dtype.
 # Writes autograd cannot see (through ``t.data``) change no key: as with
 # ``torch.autograd.graph.save_on_cpu``, the copy has the values of the moment it was saved.
-# The table holds its handles weakly ([Note: host copies die with their graph]).
+# The table holds its handles weakly ([Note: host copies die with their graph]). A tensor the
+# plan keeps on the device has a handle in the table too: its repeats are no new saved tensors,
+# as in the warm-up that offloaded it once (counted again, a ReLU's output that the next Linear
+# saves too no longer matched the traced sizes, and everything after it was offloaded).
 #
 # [Note: host copies die with their graph]
 # A handle is held by the graph that saved it, and by nothing of ours but weak references:
@@ -121,10 +124,11 @@ def _without_graph(t: torch.Tensor) -> torch.Tensor:
 class _Kept:
     """A saved tensor the plan keeps on the device: held only to see when its graph goes."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "source", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, source: torch.Tensor) -> None:
         self.tensor = tensor
+        self.source = weakref.ref(source)  # the tensor saved (see [Note: one host copy per saved value])
 
 
 class _Offloaded:
@@ -254,8 +258,9 @@ class ActivationOffload:
             self._following = False  # not the traced iteration: offload everything from here
         if self._following and self.keep_from is not None and index >= self.keep_from:
             self.ledger.transfers.activation_kept_bytes += nbytes
-            kept = _Kept(_without_graph(t))
+            kept = _Kept(_without_graph(t), t)
             self._kept.append(weakref.ref(kept))
+            self._seen[key] = kept  # its repeats are no new saved tensors, as in the trace
             return kept
         with trace_range("gemini::offload_activation"):
             packed = self._copy_out(index, t, nbytes)
