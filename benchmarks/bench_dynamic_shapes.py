@@ -1,25 +1,30 @@
-"""Step time when the sequence length changes every step (dynamic padding), under placement auto.
+"""Step time when the input shape changes every step (dynamic padding, token-budget batches), under placement auto.
 
-    python benchmarks/bench_dynamic_shapes.py                  # the CPU standing in for the device
-    python benchmarks/bench_dynamic_shapes.py --device cuda    # on a GPU
+    python benchmarks/bench_dynamic_shapes.py                      # the CPU standing in for the device
+    python benchmarks/bench_dynamic_shapes.py --batching tokens    # batches cut to a token budget
+    python benchmarks/bench_dynamic_shapes.py --device cuda        # on a GPU
 
 A loader that pads each batch to its longest sequence gives the model a new input shape nearly
 every step. Auto's plan was traced on one shape; it used to trace again at every change, so such
 a run was one warm-up after another (every group released, as placement cpu, plus the tracing)
 and its plan never ran. Now a plan traced on longer inputs covers shorter ones ([Note: a trace
-covers smaller inputs] in tracer/signature.py). Side by side, one step each in turn on the same
-sequence of lengths (drawn once, seeded):
+covers smaller inputs] in tracer/signature.py). A loader that cuts batches to a token budget
+(``--batching tokens``: batch x sequence of 1 x C, 2 x C/2 or 4 x C/4) gives shapes none of which
+covers another: each new one replaced the plan in force, so every change was traced; now the last
+plans are kept and each shape is traced once ([Note: plans kept per input signature]). Side by
+side, one step each in turn on the same sequence of shapes (drawn once, seeded):
 
 - plain PyTorch with fused AdamW, everything on the device (no budget): the compute itself;
-- gemini auto under a budget (the activations of the longest batch plus 40% of the model data);
-- the same, tracing again at every new shape (the behaviour before: a benchmark's counterfactual,
-  patched in here, not a setting);
+- gemini auto under a budget (the largest non-model peak of any shape plus 40% of the model data);
+- the same with one plan at a time (the behaviour before plans were kept);
+- the same, tracing again at every new shape (the behaviour before covering);
 - gemini placement cpu under the same budget (what a warm-up moves).
+(The last three are counterfactuals patched in here, not settings.)
 
 Each row: the median step, how many steps were traced, the bytes moved host-to-device per step
 (median), and the largest measured device peak against the budget.
-Writes benchmarks/results/dynamic_shapes_<device>_<size>.json and .md (``--size`` small, medium or
-55m: bench_step.py's GPTs and batches).
+Writes benchmarks/results/dynamic_shapes_<device>_<size>[_tokens].json and .md (``--size`` small,
+medium or 55m: bench_step.py's GPTs; its batch is the padded batch and 1 x C's multiplier).
 """
 
 from __future__ import annotations
@@ -39,14 +44,15 @@ import gemini  # noqa: E402
 from bench_step import SIZES, machine_info, write_results  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from tracer import TracedInputs, input_signature  # noqa: E402
+from tracer.signature import PlanChoice  # noqa: E402
 
 
 class _TracesEveryChange(TracedInputs):
     """The behaviour before covering: any other input signature is traced again."""
 
-    def needs_trace(self, args, kwargs, *, planned: bool) -> bool:
+    def choose(self, args, kwargs, *, planned: bool) -> PlanChoice:
         self.covered = None
-        return input_signature(args, kwargs) != self.signature
+        return PlanChoice(trace=input_signature(args, kwargs) != self.signature)
 
 
 def _sync(device: str) -> None:
@@ -56,7 +62,7 @@ def _sync(device: str) -> None:
 
 class Contender:
     def __init__(self, name: str, cfg: GPTConfig, device: str, *, placement: str | None, budget: int,
-                 chunk_size: int, retrace_every_change: bool = False) -> None:
+                 chunk_size: int, traced_inputs: TracedInputs | None = None) -> None:
         self.name, self.device, self.budget = name, device, budget
         torch.manual_seed(0)
         model = GPT(cfg)
@@ -69,8 +75,8 @@ class Contender:
             config = gemini.GeminiConfig(device=device, placement=placement, device_memory=budget,
                                          chunk_size=chunk_size, gpu_margin_mem_ratio=ratio)
             self.model, self.opt = gemini.initialize(model, config, lr=1e-4)
-            if retrace_every_change:
-                self.opt._rt.traced_inputs = _TracesEveryChange()
+            if traced_inputs is not None:
+                self.opt._rt.traced_inputs = traced_inputs
             self.gemini = True
         self.times: list[float] = []
         self.traced = 0
@@ -113,39 +119,50 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24, help="timed steps, after 2 untimed")
     p.add_argument("--lengths", default=None,
                    help="the sequence lengths a batch is padded to (default 5/8, 6/8, 7/8 and all of the context)")
+    p.add_argument("--batching", default="padded", choices=["padded", "tokens"],
+                   help="padded: the batch padded to one of --lengths; tokens: 1, 2 or 4 times the batch "
+                        "of the context, a half or a quarter of it")
     p.add_argument("--chunk-size", type=int, default=2**17)
-    p.add_argument("--out", default=None, help="result file stem (default dynamic_shapes_<device>_<size>)")
+    p.add_argument("--out", default=None, help="result file stem (default dynamic_shapes_<device>_<size>[_tokens])")
     args = p.parse_args()
     fields, args.batch, context = SIZES[args.size]
     cfg = GPTConfig(**fields)
-    lengths = ([int(n) for n in args.lengths.split(",")] if args.lengths
-               else [context * k // 8 for k in (5, 6, 7, 8)])
+    if args.batching == "tokens":
+        shapes = [(args.batch * k, context // k) for k in (1, 2, 4)]
+    else:
+        lengths = ([int(n) for n in args.lengths.split(",")] if args.lengths
+                   else [context * k // 8 for k in (5, 6, 7, 8)])
+        shapes = [(args.batch, n) for n in lengths]
     rng = random.Random(0)
-    seqs = [rng.choice(lengths) for _ in range(args.steps + 2)]
+    drawn = [rng.choice(shapes) for _ in range(args.steps + 2)]
     g = torch.Generator().manual_seed(1)
-    data = [synthetic_batch(cfg, args.batch, seq, generator=g, device=args.device) for seq in seqs]
+    data = [synthetic_batch(cfg, batch, seq, generator=g, device=args.device) for batch, seq in drawn]
 
-    # The budget: what auto's warm-up of the longest batch plans for besides the model data (its
-    # non-model peak, buffers and safety reserve), with 10% to spare, plus 40% of the model data.
-    # Probed twice: the second warm-up runs after the device's one-time allocations (cuBLAS's
-    # workspace), as every contender's will; on the GPU a probe under placement cpu, whose first
-    # step measured the non-model peak alone, left auto's warm-up 55 MB short (H200, 2026-11-26).
-    longest = max(range(len(seqs)), key=seqs.__getitem__)
-    for _ in range(2):
+    # The budget: what auto's warm-up of the hungriest shape plans for besides the model data
+    # (its non-model peak, buffers and safety reserve), with 10% to spare, plus 40% of the model
+    # data. Probed after one warm-up: the later ones run after the device's one-time allocations
+    # (cuBLAS's workspace), as every contender's will; on the GPU a probe under placement cpu,
+    # whose first step measured the non-model peak alone, left auto's warm-up 55 MB short (H200,
+    # 2026-11-26).
+    plans = []
+    for batch, seq in [shapes[-1]] + shapes:
         probe = Contender("probe", cfg, args.device, placement="auto", budget=2**40, chunk_size=args.chunk_size)
-        probe.step(*data[longest], timed=False)
-        plan = probe.opt._rt.plan
+        probe.step(*synthetic_batch(cfg, batch, seq, generator=g, device=args.device), timed=False)
+        plans.append(probe.opt._rt.plan)
         probe.opt.close()
         del probe
+    plan = max(plans[1:], key=lambda p: p.max_non_model_bytes)
     model_bytes = 16 * cfg.num_params()
     budget = int(plan.max_non_model_bytes * 1.1 + plan.fixed_bytes + plan.reserve_bytes + 0.4 * model_bytes + 2**20)
 
     contenders = [
         Contender("torch AdamW(fused), no budget", cfg, args.device, placement=None, budget=0, chunk_size=0),
-        Contender("gemini auto (shorter inputs on the longer trace's plan)", cfg, args.device, placement="auto",
-                  budget=budget, chunk_size=args.chunk_size),
-        Contender("gemini auto, traced at every new shape (before)", cfg, args.device, placement="auto",
-                  budget=budget, chunk_size=args.chunk_size, retrace_every_change=True),
+        Contender("gemini auto (plans kept; smaller inputs on a larger trace's plan)", cfg, args.device,
+                  placement="auto", budget=budget, chunk_size=args.chunk_size),
+        Contender("gemini auto, one plan at a time (before plans were kept)", cfg, args.device, placement="auto",
+                  budget=budget, chunk_size=args.chunk_size, traced_inputs=TracedInputs(capacity=1)),
+        Contender("gemini auto, traced at every new shape (before covering)", cfg, args.device, placement="auto",
+                  budget=budget, chunk_size=args.chunk_size, traced_inputs=_TracesEveryChange()),
         Contender("gemini cpu", cfg, args.device, placement="cpu", budget=budget, chunk_size=args.chunk_size),
     ]
     for i, (x, y) in enumerate(data):
@@ -157,15 +174,16 @@ def main() -> None:
     n_params = cfg.num_params()
     model_name = (f"GPT d{cfg.n_embd} L{cfg.n_layer} H{cfg.n_head} ctx{cfg.block_size} "
                   f"({n_params / 1e6:.1f}M parameters)")
-    result = {"machine": info, "size": args.size, "model": model_name, "batch": args.batch,
-              "lengths": seqs, "budget_bytes": budget, "model_bytes": model_bytes, "rows": rows}
-    lines = [f"# Dynamic sequence lengths, device {args.device}", "",
+    result = {"machine": info, "size": args.size, "model": model_name, "batching": args.batching,
+              "shapes": drawn, "budget_bytes": budget, "model_bytes": model_bytes, "rows": rows}
+    title = "Dynamic sequence lengths" if args.batching == "padded" else "Batches cut to a token budget"
+    lines = [f"# {title}, device {args.device}", "",
              f"{info['date']} on {info['cpu']} ({info['cores']} cores, torch {info['torch']})"
              + (f", {info.get('gpu')}" if args.device == "cuda" else "") + ".", "",
              f"Command: `python benchmarks/bench_dynamic_shapes.py --device {args.device} --size {args.size} "
-             f"--steps {args.steps}`", "",
-             f"{model_name}, {model_bytes / 2**20:.0f} MiB of model data, batch {args.batch}, "
-             f"each step padded to one of {lengths} (seeded); budget {budget / 2**20:.1f} MiB (the longest batch's "
+             f"--steps {args.steps} --batching {args.batching}`", "",
+             f"{model_name}, {model_bytes / 2**20:.0f} MiB of model data, each step's batch x sequence one of "
+             f"{[f'{b}x{n}' for b, n in shapes]} (seeded); budget {budget / 2**20:.1f} MiB (the hungriest shape's "
              f"activations plus 40% of the model data). One step of each contender in turn; medians of "
              f"{args.steps} steps after 2.", "",
              "| contender | median step s | / torch | steps traced | h2d MiB / step (median) | peak / budget |",
@@ -177,7 +195,8 @@ def main() -> None:
         else:
             extra = "- | - | -"
         lines.append(f"| {r['contender']} | {r['median_step_s']:.4f} | {r['median_step_s'] / base:.2f} | {extra} |")
-    write_results(args.out or f"dynamic_shapes_{args.device}_{args.size}", result, "\n".join(lines) + "\n")
+    stem = f"dynamic_shapes_{args.device}_{args.size}" + ("_tokens" if args.batching == "tokens" else "")
+    write_results(args.out or stem, result, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@
 #                    allocations live at each one's peak, by the code that made them, and the step's
 #                    phases (does the backward return ahead of the GPU?) (gpu_stepdiag_*.log)
 #   dynamic          bench_dynamic_shapes.py: auto under dynamic padding, covering plans against tracing
-#                    at every new shape (gpu_dynamic_shapes.md)
+#                    at every new shape (gpu_dynamic_shapes.md), and batches cut to a token budget,
+#                    kept plans against one plan at a time (gpu_dynamic_shapes_tokens.md)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -82,7 +83,9 @@ for s in "$@"; do
         pinned)
             stage pinned 45 "$PY" benchmarks/bench_pinned_copies.py --rounds 5 ;;
         dynamic)
-            stage dynamic 90 "$PY" benchmarks/bench_dynamic_shapes.py --device cuda --steps 24 --out gpu_dynamic_shapes ;;
+            stage dynamic 90 "$PY" benchmarks/bench_dynamic_shapes.py --device cuda --steps 24 --out gpu_dynamic_shapes
+            stage dynamic_tokens 90 "$PY" benchmarks/bench_dynamic_shapes.py --device cuda --steps 24 \
+                --batching tokens --out gpu_dynamic_shapes_tokens ;;
         fit)
             stage fit 70 "$PY" benchmarks/bench_gpu_capacity.py --device cuda --fit --budget 4GiB --embd 1024 --steps 4 \
                 --time-limit 64 ;;

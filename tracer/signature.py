@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-__all__ = ["InputSignature", "TensorSignature", "TracedInputs", "input_signature"]
+__all__ = ["KEPT_PLANS", "InputSignature", "PlanChoice", "TensorSignature", "TracedInputs", "input_signature"]
 
 # Plain values that can change what a forward allocates (a sequence length passed as an
 # int, a flag) are part of the signature by value; other objects by type only.
@@ -95,30 +95,61 @@ def _covers(mine: Any, other: Any) -> bool:
 # that overran the budget (no plan) traces again at any change: a smaller batch is the usual
 # answer to its error. Under ZeRO the ranks trace together when any needs to ([Note: ranks trace
 # together] in gemini/parallel/zero.py), each on its own inputs.
-class TracedInputs:
-    """The inputs auto's plan was traced on, and whether later ones need a trace of their own
-    (see [Note: a trace covers smaller inputs])."""
+class PlanChoice(NamedTuple):
+    """What an iteration's inputs run on: a trace of their own (``trace``), a kept plan other
+    than the one in force (``plan``), or neither: the plan in force (or none: ``UNPLANNED``)."""
 
-    def __init__(self) -> None:
-        self.signature: InputSignature | None = None
+    trace: bool = False
+    plan: Any = None
+
+
+# Plans kept for inputs traced before, the most recently used last (torch.compile keeps 8
+# compiled graphs per function by default for the same reason: a few shapes in turn).
+KEPT_PLANS = 8
+
+
+class TracedInputs:
+    """The inputs auto's plans were traced on, each with its plan (the last :data:`KEPT_PLANS`),
+    and which plan later inputs run on (see [Note: a trace covers smaller inputs] and [Note:
+    plans kept per input signature])."""
+
+    def __init__(self, capacity: int = KEPT_PLANS) -> None:
+        self.signature: InputSignature | None = None  # the inputs of the plan in force (or of the warm-up)
         self.covered: InputSignature | None = None  # this iteration's, run on a larger trace's plan
         self._overran: list[InputSignature] = []  # inputs that overran the budget on such a plan
+        self._kept: list[tuple[InputSignature, Any]] = []  # (traced inputs, their plan), least recently used first
+        self._capacity = capacity
 
     def trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """The warm-up traces these inputs."""
         self.signature, self.covered = input_signature(args, kwargs), None
 
-    def needs_trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, planned: bool) -> bool:
-        """Whether an iteration on these inputs must be traced; ``planned``: the traced inputs
-        have a plan (under the budget)."""
+    def keep(self, plan: Any) -> None:
+        """The warm-up of :attr:`signature` planned ``plan``: inputs it covers may run on it later."""
+        self._forget(self.signature)
+        self._kept.append((self.signature, plan))
+        del self._kept[:-self._capacity]
+
+    def choose(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, planned: bool) -> PlanChoice:
+        """What an iteration on these inputs runs on; ``planned``: the plan of :attr:`signature`
+        is in force (not ``UNPLANNED``: its warm-up overran the budget and stays without a plan
+        for the same inputs)."""
         signature, self.covered = input_signature(args, kwargs), None
         if signature == self.signature:
-            return False
-        covered = self.signature is not None and self.signature.covers(signature)
-        if planned and covered and signature not in self._overran:
-            self.covered = signature
-            return False
-        return True
+            return PlanChoice()
+        if (planned and self.signature is not None and self.signature.covers(signature)
+                and signature not in self._overran):
+            self.covered = signature  # the plan in force bounds them: no move
+            return PlanChoice()
+        kept = ([k for k in reversed(self._kept) if k[0] == signature]
+                or [k for k in reversed(self._kept) if k[0].covers(signature) and signature not in self._overran])
+        if not kept:
+            return PlanChoice(trace=True)
+        self._kept.remove(kept[0])
+        self._kept.append(kept[0])
+        traced, plan = kept[0]
+        self.signature, self.covered = traced, (signature if traced != signature else None)
+        return PlanChoice(plan=plan)
 
     def overran(self, *, planned: bool = True) -> None:
         """This iteration overran the budget: if it ran on a plan (``planned``; a warm-up's
@@ -126,7 +157,22 @@ class TracedInputs:
         trace's plan, whenever they come again)."""
         if not planned:
             return
-        if self.covered is None:
-            self.signature = None  # the plan's own inputs: what else uses the device has changed
+        if self.covered is None:  # the plan's own inputs: what else uses the device has changed
+            self._forget(self.signature)
+            self.signature = None
         elif self.covered not in self._overran:
             self._overran.append(self.covered)
+
+    def _forget(self, signature: InputSignature | None) -> None:
+        self._kept = [k for k in self._kept if k[0] != signature]
+
+
+# [Note: plans kept per input signature]
+# A new trace used to replace the plan in force, so inputs that take turns and do not cover each
+# other were traced at every turn: a multi-task model called with the task's name
+# (``model(x, "a")`` then ``model(x, "b")``), batches cut to a token budget (8 x 16 then 4 x 32
+# tokens), micro-batches of one step that differ so: every such iteration a warm-up moving
+# chunks as placement "cpu" does, its plan used once if at all. Each plan is kept with the
+# inputs it was traced on (the last few), and inputs that one of them covers switch to it
+# without a trace: only the groups its choice places differently move. A kept plan is dropped
+# when its own inputs overrun the budget on it, as the plan in force was.

@@ -38,6 +38,7 @@ back when autograd unpacks it; the device copy lives as long as autograd needs i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import weakref
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from chunks import ChunkStorage
+from gemini.policies.plan import MemoryPlan
 from offload.profiling import trace_range
 
 logger = logging.getLogger(__name__)
@@ -181,14 +183,16 @@ class ActivationOffload:
         self._following = False  # this iteration matches the traced one so far
 
     # ------------------------------------------------------------------------ the plan
-    def record_trace(self) -> None:
-        """The warm-up's iteration ends: its sizes and unpack order are the reference."""
-        self.traced_sizes = tuple(self._sizes)
-        self.traced_unpack_order = tuple(self._unpack_order)
+    def with_trace(self, plan: MemoryPlan) -> MemoryPlan:
+        """``plan`` with the warm-up's saved sizes and unpack order, the reference of every
+        iteration that runs on it."""
+        return dataclasses.replace(plan, saved_sizes=tuple(self._sizes), saved_unpack_order=tuple(self._unpack_order))
 
-    def plan(self, room_bytes: int) -> int:
-        """Keep on the device the last saved tensors that fit in ``room_bytes`` (after, on CUDA,
-        room for one prefetched tensor); returns the bytes this commits in every period."""
+    def plan(self, plan: MemoryPlan, room_bytes: int) -> int:
+        """Follow ``plan``'s traced iteration, keeping on the device the last saved tensors that
+        fit in ``room_bytes`` (after, on CUDA, room for one prefetched tensor); returns the bytes
+        this commits in every period."""
+        self.traced_sizes, self.traced_unpack_order = plan.saved_sizes, plan.saved_unpack_order
         sizes = self.traced_sizes or ()
         keep_from, committed, self.prefetch = kept_on_device(
             sizes, room_bytes, prefetch=self._cuda and len(self.traced_unpack_order) > 1)

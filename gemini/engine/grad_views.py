@@ -50,6 +50,8 @@ the engine settles only without it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -284,6 +286,24 @@ class GradViews:
         if refused:
             raise RuntimeError("gemini: tensors were assigned to p.grad where gemini's gradient cannot be replaced "
                                "(it was kept): " + "; ".join(refused))
+
+    def clear(self, params: Iterable[nn.Parameter], *, set_to_none: bool) -> None:
+        """``zero_grad``: forget every gradient (``params``' ``.grad`` too), or with ``set_to_none=False``
+        keep them as zeros, as torch does, so the views put back read zeros."""
+        self.hide()
+        if not set_to_none:
+            with torch.no_grad():
+                for g in self.manager.trainable_groups:
+                    if g.any_grad_ready and g.step_grad.state is not ChunkState.RELEASED:
+                        for tier in g.step_grad.tiers:
+                            g.step_grad.payload(tier).zero_()
+            self.expose()
+            return
+        for g in self.manager.trainable_groups:
+            g.grad_ready = [False] * len(g.slots)
+            g.grad_shard_filled = False
+        for p in params:
+            p.grad = None
 
     @torch.no_grad()
     def adopt_assigned(self, buffer) -> None:

@@ -15,13 +15,14 @@ class IterationState(enum.Enum):
     - ``TRACING``: auto's warm-up iteration runs under the tracer; chunks move as under "cpu";
       a backward that raises gives the trace up (back to ``UNTRACED``).
     - ``PLANNED``: the warm-up's plan drives placement (the margin's groups on the device,
-      eviction in the traced order); new input shapes send it back to ``TRACING``.
+      eviction in the traced order); inputs no kept plan covers send it back to ``TRACING``,
+      inputs a plan kept from an earlier trace covers bring that plan back (through ``ADOPTING``).
     - ``UNPLANNED``: the warm-up ended without a plan (it overran the budget and raised
       DeviceBudgetError); chunks keep moving as in the warm-up until new input shapes trace
-      again.
-    - ``ADOPTING``: the plan is adopted, but moving the groups where it wants them failed part-way
-      (an NVMe read error bringing a group back from its files); the next step or forward moves
-      them again, then ``PLANNED``.
+      again or a kept plan covers them.
+    - ``ADOPTING``: a plan is adopted, being moved to: the next forward runs ``PLANNED``, unless
+      moving the groups where it wants them failed part-way (an NVMe read error bringing a group
+      back from its files): then the next step or forward moves them again.
     """
 
     FIXED = "fixed"

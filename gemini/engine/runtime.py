@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from chunks import ChunkGroup, ChunkManager, ChunkState, ChunkStorage, MemoryLedger, Tier, missing_bytes
+from chunks import ChunkGroup, ChunkManager, ChunkStorage, MemoryLedger, Tier, missing_bytes
 from gemini.engine.activations import ActivationOffload
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
@@ -91,25 +91,10 @@ class GeminiRuntime:
 
     # ------------------------------------------------------------------------ gradients
     def zero_grad(self, *, set_to_none: bool = True) -> None:
-        """Forget the accumulated gradients (``set_to_none=False``: keep them as zeros, as torch
-        does, so exposed ``p.grad`` views read zeros; the chunks' storage is kept for reuse)."""
+        """Forget the accumulated gradients (``set_to_none=False``: keep them as zeros, as torch does)."""
         self._end_aborted_backward()
         self.grads_cleared_at_pass = self.hooks.backward_passes
-        if not set_to_none:
-            self.grad_views.hide()
-            with torch.no_grad():
-                for g in self.manager.trainable_groups:
-                    if g.any_grad_ready and g.step_grad.state is not ChunkState.RELEASED:
-                        for tier in g.step_grad.tiers:
-                            g.step_grad.payload(tier).zero_()
-            self.grad_views.expose()
-            return
-        self.grad_views.hide()
-        for g in self.manager.trainable_groups:
-            g.grad_ready = [False] * len(g.slots)
-            g.grad_shard_filled = False
-        for p in self.module_params:
-            p.grad = None
+        self.grad_views.clear(self.module_params, set_to_none=set_to_none)
 
     def settle_grad_views(self) -> None:
         """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless
@@ -137,13 +122,11 @@ class GeminiRuntime:
             # The warm-up traces a training iteration, not an evaluation forward before it.
             self._begin_warmup(args, kwargs)
         elif state is IterationState.TRACING and self.hooks.backward_passes > self._backward_passes_at_trace:
-            # Gradient accumulation: the traced iteration is the first forward + backward.
+            # Gradient accumulation: the first forward + backward is the traced iteration.
             self.finish_warmup(step_follows=False)
-        elif (state in (IterationState.PLANNED, IterationState.UNPLANNED) and torch.is_grad_enabled()
-              and agree_on_trace(self.zero, self.traced_inputs.needs_trace(args, kwargs,
-                                                                           planned=state is IterationState.PLANNED))):
-            logger.info("auto placement: inputs the plan does not cover (here or on another rank); tracing again")
-            self._retrace(args, kwargs)
+            self._choose_plan(args, kwargs)
+        elif state in (IterationState.PLANNED, IterationState.UNPLANNED) and torch.is_grad_enabled():
+            self._choose_plan(args, kwargs)
         self.residency.begin_forward()
         if self.activations is not None:
             self.activations.begin_forward()
@@ -165,9 +148,9 @@ class GeminiRuntime:
         self._evaluation_window = False
 
     def on_backward_begin(self) -> None:
-        """A backward pass begins: no gradient view may move under autograd's feet; where no
-        chunk ever moves, autograd accumulates into the chunks themselves (not under
-        create_graph=True: a graph-carrying gradient, which the gradient hook refuses)."""
+        """A backward pass begins: no gradient view may move under autograd's feet; where no chunk
+        ever moves, autograd accumulates into the chunks (not under create_graph=True: a gradient
+        with a graph, which the gradient hook refuses)."""
         if self.placement.follows_modules or torch.is_grad_enabled():
             self.grad_views.hide()
         else:
@@ -219,19 +202,36 @@ class GeminiRuntime:
         self.placement.end_trace()
         try:
             agree = functools.partial(agree_on_budget, self.zero, reducer=self.residency.reducer)
-            self.plan = self.warmup.end(agree=agree)
+            plan = self.warmup.end(agree=agree)
         except Exception:
             self.end_window()
             self.hooks.follow_periods(False)  # UNPLANNED: no period to trace or count
             raise
-        self.warmup_peak_bytes = self.plan.warmup_peak_bytes
-        self.unreported_plan = self.plan
-        activation_bytes = 0
         if self.activations is not None:
-            self.activations.record_trace()
-            activation_bytes = self.activations.plan(self.placement.activation_room_bytes(self.plan))
-        self.placement.adopt(self.plan, activation_bytes=activation_bytes)
-        self._move(IterationState.ADOPTING, IterationState.UNPLANNED)
+            plan = self.activations.with_trace(plan)
+        plan = self.placement.with_trace(plan)
+        self.warmup_peak_bytes = plan.warmup_peak_bytes
+        self.unreported_plan = plan
+        self.traced_inputs.keep(plan)
+        self._adopt(plan, step_follows=step_follows)
+
+    def _choose_plan(self, args: tuple, kwargs: dict) -> None:
+        """A training forward's inputs keep the plan, bring back a kept one or are traced: see
+        [Note: plans kept per input signature] in tracer/signature.py."""
+        choice = self.traced_inputs.choose(args, kwargs, planned=self.state is IterationState.PLANNED)
+        if agree_on_trace(self.zero, choice.trace):
+            logger.info("auto placement: inputs no plan covers (here or on another rank); tracing again")
+            self._retrace(args, kwargs)
+        elif choice.plan is not None:
+            logger.info("auto placement: inputs a plan kept from an earlier trace covers; it is in force again")
+            self._adopt(choice.plan, step_follows=False)
+
+    def _adopt(self, plan: MemoryPlan, *, step_follows: bool) -> None:
+        self.plan = plan
+        activation_bytes = (0 if self.activations is None
+                            else self.activations.plan(plan, self.placement.activation_room_bytes(plan)))
+        self.placement.adopt(plan, activation_bytes=activation_bytes)
+        self._move(IterationState.ADOPTING, IterationState.UNPLANNED, IterationState.PLANNED)
         self._apply_plan(step_follows=step_follows)
 
     def _apply_plan(self, *, step_follows: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -113,11 +114,14 @@ class AutoPlacement(PlacementPolicy):
         margin = max(0, plan.margin_bytes)
         return margin - int(self.margin_ratio * margin)
 
+    def with_trace(self, plan: MemoryPlan) -> MemoryPlan:  # what its warm-up found, kept with it
+        return dataclasses.replace(plan, read_outside=frozenset(self._read_outside))
+
     def adopt(self, plan: MemoryPlan, *, activation_bytes: int = 0) -> None:
-        """Take the warm-up's plan: choose the optimizer-state groups that live on the device,
-        next to ``activation_bytes`` of saved activations the engine keeps there (at most
-        :meth:`activation_room_bytes`)."""
+        """Take a warm-up's plan (or a kept one: [Note: plans kept per input signature]): choose the
+        optimizer-state groups on the device, next to ``activation_bytes`` of saved activations."""
         self.plan = plan
+        self._read_outside = set(plan.read_outside)
         margin = max(0, plan.margin_bytes)
         # Those bytes are part of every period's non-model memory from now on.
         self.activation_bytes = activation_bytes
@@ -142,10 +146,8 @@ class AutoPlacement(PlacementPolicy):
         evicts_nothing = not self.track_periods and not self.gathers_params
         self._resident = {g.index for g in self.manager.groups} if evicts_nothing else set()
         self._settled = evicts_nothing and len(self.os_on_device) == len(trainable)
-        logger.info(
-            "auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the device",
-            plan.margin_bytes, self.margin_ratio, len(self.os_on_device), len(trainable),
-        )
+        logger.info("auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the "
+                    "device", plan.margin_bytes, self.margin_ratio, len(self.os_on_device), len(trainable))
 
     def abandon_plan(self) -> None:
         """Back to warm-up behaviour: optimizer states to the host, nothing kept resident."""

@@ -36,6 +36,13 @@ class MemoryPlan:
     # gathers ahead of their use (the warm-up records the order and gathers nothing ahead):
     # see [Note: the warm-up plans the prefetch] in gemini/engine/warmup.py.
     prefetch_bytes: int = 0
+    # What else the warm-up found, kept with the plan for inputs that come back to it ([Note:
+    # plans kept per input signature] in tracer/signature.py): the groups its forward read
+    # outside their modules (AutoPlacement), and under activation offload the eligible saved
+    # tensors' bytes in packing order and the order backward unpacked them (ActivationOffload).
+    read_outside: frozenset[int] = frozenset()
+    saved_sizes: tuple[int, ...] | None = None
+    saved_unpack_order: tuple[int, ...] = ()
 
     @classmethod
     def from_trace(cls, periods: tuple[PeriodRecord, ...], **kwargs) -> MemoryPlan:

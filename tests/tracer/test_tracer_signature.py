@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tracer import TracedInputs, input_signature
+from tracer.signature import PlanChoice
 
 
 def _sig(*args, **kwargs):
@@ -41,21 +42,69 @@ def test_plain_values_and_keywords_must_be_equal():
     assert _sig(torch.zeros(2, 3, requires_grad=True)).covers(_sig(torch.zeros(2, 3)))
 
 
+def _traces(inputs: TracedInputs, *args, planned: bool = True) -> bool:
+    return inputs.choose(args, {}, planned=planned).trace
+
+
 def test_traced_inputs_keep_the_plan_for_covered_inputs_until_an_iteration_overran():
     inputs = TracedInputs()
     inputs.trace((_ids(4, 64),), {})
-    assert not inputs.needs_trace((_ids(4, 64),), {}, planned=True) and inputs.covered is None  # the traced ones
-    assert not inputs.needs_trace((_ids(4, 40),), {}, planned=True)
+    assert inputs.choose((_ids(4, 64),), {}, planned=True) == PlanChoice() and inputs.covered is None  # the traced ones
+    assert inputs.choose((_ids(4, 40),), {}, planned=True) == PlanChoice()
     assert inputs.covered == _sig(_ids(4, 40))  # run on the larger trace's plan
-    assert inputs.needs_trace((_ids(4, 40),), {}, planned=False)  # no plan (the warm-up overran): trace
-    assert inputs.needs_trace((_ids(4, 80),), {}, planned=True)  # longer
-    inputs.needs_trace((_ids(4, 40),), {}, planned=True)
+    assert _traces(inputs, _ids(4, 40), planned=False)  # no plan (the warm-up overran): trace
+    assert _traces(inputs, _ids(4, 80))  # longer
+    inputs.choose((_ids(4, 40),), {}, planned=True)
     inputs.overran()  # the budget refused it on that plan: its own trace next time
-    assert inputs.needs_trace((_ids(4, 40),), {}, planned=True)
-    assert not inputs.needs_trace((_ids(4, 48),), {}, planned=True)  # others still covered
+    assert _traces(inputs, _ids(4, 40))
+    assert not _traces(inputs, _ids(4, 48))  # others still covered
     inputs.trace((_ids(4, 40),), {})
     inputs.overran(planned=False)  # a warm-up's overrun: its own error, the trace stands
-    assert not inputs.needs_trace((_ids(4, 40),), {}, planned=True)
+    assert not _traces(inputs, _ids(4, 40))
     inputs.overran()  # the plan's own inputs (another engine holds more of the device now)
-    assert inputs.needs_trace((_ids(4, 40),), {}, planned=True)  # traced again
-    assert inputs.needs_trace((_ids(4, 20),), {}, planned=True)  # nothing is covered until then
+    assert _traces(inputs, _ids(4, 40))  # traced again
+    assert _traces(inputs, _ids(4, 20))  # nothing is covered until then
+
+
+def test_inputs_that_take_turns_come_back_to_their_kept_plans():
+    """[Note: plans kept per input signature]: a multi-task model's calls, batches cut to a token
+    budget; the plan in force first where it covers, the least recently used plan forgotten."""
+    inputs = TracedInputs(capacity=2)
+    inputs.trace((_ids(8, 16), "a"), {})
+    inputs.keep("plan a")
+    assert _traces(inputs, _ids(8, 16), "b")  # a plain value differs: no plan covers
+    inputs.trace((_ids(8, 16), "b"), {})
+    inputs.keep("plan b")
+    assert inputs.choose((_ids(8, 16), "a"), {}, planned=True) == PlanChoice(plan="plan a")
+    assert inputs.signature == _sig(_ids(8, 16), "a") and inputs.covered is None
+    assert inputs.choose((_ids(8, 16), "a"), {}, planned=True) == PlanChoice()  # in force now
+    assert inputs.choose((_ids(2, 16), "b"), {}, planned=True) == PlanChoice(plan="plan b")  # covered by b's
+    assert inputs.covered == _sig(_ids(2, 16), "b")
+    assert inputs.choose((_ids(8, 16), "b"), {}, planned=True) == PlanChoice()  # b's own, in force
+    # Token budget: neither shape covers the other; a third plan forgets the least recently used (a's).
+    assert _traces(inputs, _ids(4, 32), "b")
+    inputs.trace((_ids(4, 32), "b"), {})
+    inputs.keep("plan b long")
+    assert inputs.choose((_ids(8, 16), "b"), {}, planned=True) == PlanChoice(plan="plan b")
+    assert inputs.choose((_ids(4, 30), "b"), {}, planned=True) == PlanChoice(plan="plan b long")
+    assert _traces(inputs, _ids(8, 16), "a")  # forgotten
+    # Inputs that the plan in force covers stay on it, though another kept plan covers them too.
+    inputs.choose((_ids(8, 16), "b"), {}, planned=True)
+    assert inputs.choose((_ids(4, 16), "b"), {}, planned=True) == PlanChoice()
+    assert inputs.choose((_ids(8, 16), "b"), {}, planned=False) == PlanChoice()  # the same inputs: no trace
+    assert inputs.choose((_ids(4, 16), "b"), {}, planned=False) == PlanChoice(plan="plan b")  # none in force
+
+
+def test_a_kept_plan_whose_own_inputs_overran_is_forgotten():
+    inputs = TracedInputs()
+    for name in ("a", "b"):
+        inputs.trace((_ids(4, 8), name), {})
+        inputs.keep(f"plan {name}")
+    assert inputs.choose((_ids(4, 8), "a"), {}, planned=True) == PlanChoice(plan="plan a")
+    inputs.overran()  # on its own plan: what else uses the device changed
+    assert _traces(inputs, _ids(4, 8), "a") and _traces(inputs, _ids(2, 8), "a")
+    assert inputs.choose((_ids(4, 8), "b"), {}, planned=True) == PlanChoice(plan="plan b")
+    inputs.choose((_ids(2, 8), "b"), {}, planned=True)
+    inputs.overran()  # covered inputs overran b's plan: they are traced when they come again
+    assert _traces(inputs, _ids(2, 8), "b")
+    assert inputs.choose((_ids(4, 8), "b"), {}, planned=True) == PlanChoice()  # the plan itself stays
