@@ -12,7 +12,8 @@ import gemini
 from chunks import Tier, chunk_capacity
 from gemini.tools.gpt import GPT, GPTConfig
 from gemini.engine.memory import DeviceBudgetError
-from tracer import Phase
+from gemini.engine.iteration_state import IterationState
+from tracer import Phase, input_signature
 from helpers import (CUDA_ATOL, CUDA_RTOL, DEVICE, MOVES_DROP_ACCUMULATORS, assert_params_close, batches, clone_pair,
                      roomy_budget, train_gemini, train_reference)
 
@@ -348,6 +349,12 @@ def test_smaller_inputs_that_overrun_a_larger_traces_plan_are_traced_when_they_c
         assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
         assert opt.report.device_peak_bytes <= budget, f"step {step}"
     assert not opt._rt.tracing and opt._rt.traced_inputs.covered is None  # the small batch's own plan
+    # The refusal charged the small inputs only, not the steps that landed before it: the big
+    # batch's plan is kept and comes back ([Note: plans kept per input signature]).
+    opt.backward(gmodel(big).square().mean())
+    assert opt._rt.state is IterationState.PLANNED and opt._rt.traced_inputs.signature == input_signature((big,), {})
+    opt.step()
+    assert opt.report.device_peak_bytes <= budget and opt.report.timeline is None
 
 
 def test_a_budget_that_fits_everything_needs_no_period_tracking():

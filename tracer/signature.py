@@ -119,10 +119,16 @@ class TracedInputs:
         self._overran: list[InputSignature] = []  # inputs that overran the budget on such a plan
         self._kept: list[tuple[InputSignature, Any]] = []  # (traced inputs, their plan), least recently used first
         self._capacity = capacity
+        self._used: list[tuple[InputSignature | None, InputSignature | None]] = []  # this step's (signature, covered)
 
     def trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """The warm-up traces these inputs."""
         self.signature, self.covered = input_signature(args, kwargs), None
+        self._used.append((self.signature, None))
+
+    def start_step(self) -> None:
+        """A step landed: what the next one's forwards run on is charged to it (see :meth:`overran`)."""
+        self._used = []
 
     def keep(self, plan: Any) -> None:
         """The warm-up of :attr:`signature` planned ``plan``: inputs it covers may run on it later."""
@@ -135,11 +141,10 @@ class TracedInputs:
         is in force (not ``UNPLANNED``: its warm-up overran the budget and stays without a plan
         for the same inputs)."""
         signature, self.covered = input_signature(args, kwargs), None
-        if signature == self.signature:
-            return PlanChoice()
-        if (planned and self.signature is not None and self.signature.covers(signature)
-                and signature not in self._overran):
-            self.covered = signature  # the plan in force bounds them: no move
+        if signature == self.signature or (planned and self.signature is not None and signature not in self._overran
+                                           and self.signature.covers(signature)):
+            self.covered = None if signature == self.signature else signature  # the plan in force: no move
+            self._used.append((self.signature, self.covered))
             return PlanChoice()
         kept = ([k for k in reversed(self._kept) if k[0] == signature]
                 or [k for k in reversed(self._kept) if k[0].covers(signature) and signature not in self._overran])
@@ -149,19 +154,25 @@ class TracedInputs:
         self._kept.append(kept[0])
         traced, plan = kept[0]
         self.signature, self.covered = traced, (signature if traced != signature else None)
+        self._used.append((self.signature, self.covered))
         return PlanChoice(plan=plan)
 
     def overran(self, *, planned: bool = True) -> None:
-        """This iteration overran the budget: if it ran on a plan (``planned``; a warm-up's
-        overrun is its own error), its inputs are traced next time (if it ran on a larger
-        trace's plan, whenever they come again)."""
+        """This iteration overran the budget: if it ran on plans (``planned``; a warm-up's overrun
+        is its own error), the inputs of each forward since the last landed step are traced when
+        they come again: a plan's own inputs at once (what else uses the device has changed), a
+        larger trace's inputs whenever they come. Micro-batches of one step may have run on
+        different plans, and the step's peak does not say whose it was."""
+        used, self._used = self._used or [(self.signature, self.covered)], []
         if not planned:
             return
-        if self.covered is None:  # the plan's own inputs: what else uses the device has changed
-            self._forget(self.signature)
-            self.signature = None
-        elif self.covered not in self._overran:
-            self._overran.append(self.covered)
+        for signature, covered in used:
+            if covered is None:
+                self._forget(signature)
+                if signature == self.signature:
+                    self.signature = None
+            elif covered not in self._overran:
+                self._overran.append(covered)
 
     def _forget(self, signature: InputSignature | None) -> None:
         self._kept = [k for k in self._kept if k[0] != signature]
@@ -174,5 +185,8 @@ class TracedInputs:
 # tokens), micro-batches of one step that differ so: every such iteration a warm-up moving
 # chunks as placement "cpu" does, its plan used once if at all. Each plan is kept with the
 # inputs it was traced on (the last few), and inputs that one of them covers switch to it
-# without a trace: only the groups its choice places differently move. A kept plan is dropped
-# when its own inputs overrun the budget on it, as the plan in force was.
+# without a trace: only the groups its choice places differently move (the plan in force first,
+# where it covers them: no move at all). A kept plan is dropped when its own inputs overrun the
+# budget on it, as the plan in force was; a step refused over the budget charges every plan its
+# forwards ran on since the last landed step, since micro-batches of one step may run on
+# different plans and the step's peak does not say whose it was.

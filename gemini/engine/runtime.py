@@ -118,8 +118,7 @@ class GeminiRuntime:
         if self.state is IterationState.ADOPTING:
             self._apply_plan()
         state = self.state
-        if state is IterationState.UNTRACED and torch.is_grad_enabled():
-            # The warm-up traces a training iteration, not an evaluation forward before it.
+        if state is IterationState.UNTRACED and torch.is_grad_enabled():  # training, not an evaluation before it
             self._begin_warmup(args, kwargs)
         elif state is IterationState.TRACING and self.hooks.backward_passes > self._backward_passes_at_trace:
             # Gradient accumulation: the first forward + backward is the traced iteration.
@@ -340,6 +339,7 @@ class GeminiRuntime:
         """Reset the per-step peaks and transfer counters."""
         self.end_window()
         self.storage.ledger.start_step()
+        self.traced_inputs.start_step()
         self.memory.reset_peak()
         self.warmup_peak_bytes = 0
         self.system.reset_peak()

@@ -43,7 +43,11 @@ def test_plain_values_and_keywords_must_be_equal():
 
 
 def _traces(inputs: TracedInputs, *args, planned: bool = True) -> bool:
-    return inputs.choose(args, {}, planned=planned).trace
+    """Whether an iteration on ``args`` is traced; one that runs on a plan is a landed step."""
+    choice = inputs.choose(args, {}, planned=planned)
+    if not choice.trace:
+        inputs.start_step()
+    return choice.trace
 
 
 def test_traced_inputs_keep_the_plan_for_covered_inputs_until_an_iteration_overran():
@@ -52,6 +56,7 @@ def test_traced_inputs_keep_the_plan_for_covered_inputs_until_an_iteration_overr
     assert inputs.choose((_ids(4, 64),), {}, planned=True) == PlanChoice() and inputs.covered is None  # the traced ones
     assert inputs.choose((_ids(4, 40),), {}, planned=True) == PlanChoice()
     assert inputs.covered == _sig(_ids(4, 40))  # run on the larger trace's plan
+    inputs.start_step()
     assert _traces(inputs, _ids(4, 40), planned=False)  # no plan (the warm-up overran): trace
     assert _traces(inputs, _ids(4, 80))  # longer
     inputs.choose((_ids(4, 40),), {}, planned=True)
@@ -61,9 +66,28 @@ def test_traced_inputs_keep_the_plan_for_covered_inputs_until_an_iteration_overr
     inputs.trace((_ids(4, 40),), {})
     inputs.overran(planned=False)  # a warm-up's overrun: its own error, the trace stands
     assert not _traces(inputs, _ids(4, 40))
+    inputs.choose((_ids(4, 40),), {}, planned=True)
     inputs.overran()  # the plan's own inputs (another engine holds more of the device now)
     assert _traces(inputs, _ids(4, 40))  # traced again
     assert _traces(inputs, _ids(4, 20))  # nothing is covered until then
+
+
+def test_an_overrun_charges_every_plan_the_step_ran_on():
+    """Micro-batches of one step on two plans (b's own inputs, a's larger trace covering c): the
+    step's peak does not say whose it was, so each is traced when it comes again, and a landed
+    step in between charges nothing to the next one's refusal."""
+    inputs = TracedInputs()
+    for name, rows in (("a", 8), ("b", 4)):
+        inputs.trace((_ids(rows, 8), name), {})
+        inputs.keep(f"plan {name}")
+    inputs.start_step()
+    assert inputs.choose((_ids(4, 8), "b"), {}, planned=True) == PlanChoice()  # in force
+    inputs.start_step()  # landed
+    assert inputs.choose((_ids(2, 8), "a"), {}, planned=True) == PlanChoice(plan="plan a")  # covered
+    assert inputs.choose((_ids(4, 8), "b"), {}, planned=True) == PlanChoice(plan="plan b")
+    inputs.overran()
+    assert _traces(inputs, _ids(4, 8), "b") and _traces(inputs, _ids(2, 8), "a")
+    assert inputs.choose((_ids(8, 8), "a"), {}, planned=True) == PlanChoice(plan="plan a")  # its own: kept
 
 
 def test_inputs_that_take_turns_come_back_to_their_kept_plans():
@@ -100,10 +124,12 @@ def test_a_kept_plan_whose_own_inputs_overran_is_forgotten():
     for name in ("a", "b"):
         inputs.trace((_ids(4, 8), name), {})
         inputs.keep(f"plan {name}")
+        inputs.start_step()
     assert inputs.choose((_ids(4, 8), "a"), {}, planned=True) == PlanChoice(plan="plan a")
     inputs.overran()  # on its own plan: what else uses the device changed
     assert _traces(inputs, _ids(4, 8), "a") and _traces(inputs, _ids(2, 8), "a")
     assert inputs.choose((_ids(4, 8), "b"), {}, planned=True) == PlanChoice(plan="plan b")
+    inputs.start_step()
     inputs.choose((_ids(2, 8), "b"), {}, planned=True)
     inputs.overran()  # covered inputs overran b's plan: they are traced when they come again
     assert _traces(inputs, _ids(2, 8), "b")
