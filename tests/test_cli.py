@@ -148,6 +148,23 @@ def test_plan_prints_where_each_kind_goes_and_whether_it_fits(tmp_path, capsys):
     assert "fits: NO" in capsys.readouterr().out
 
 
+def test_plan_of_a_zero_run_gives_one_ranks_share(capsys):
+    """``--world-size`` (and ``--shard-params``): one rank's figures, [Note: a plan under ZeRO]."""
+    totals = {}
+    for extra in ([], ["--world-size", "4"], ["--world-size", "4", "--shard-params"]):
+        assert main(["plan", *SMALL_GPT, "--placement", "cpu", *extra]) == 0
+        out = capsys.readouterr().out
+        rows = {line.split("  ")[0].strip(): float(line.split()[-2]) for line in out.splitlines()
+                if line.startswith(("parameters", "gradients", "optimizer states"))}
+        totals[len(extra)] = rows
+        assert ("ZeRO across 4 ranks (4 on this host)" in out) == bool(extra)
+    one, zero2, zero3 = totals[0], totals[2], totals[3]
+    assert zero2["gradients"] == pytest.approx(one["gradients"] / 4, rel=0.01)
+    assert zero2["optimizer states (m, v)"] == pytest.approx(one["optimizer states (m, v)"] / 4, rel=0.01)
+    assert zero2["parameters"] == one["parameters"] and zero3["parameters"] == pytest.approx(one["parameters"] / 4,
+                                                                                             rel=0.01)
+
+
 def test_python_dash_m_gemini_runs_the_cli():
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     done = subprocess.run([sys.executable, "-m", "gemini", "plan", *SMALL_GPT], capture_output=True, text=True,
@@ -406,6 +423,9 @@ EFFECTS = {
     "--steps": (["--steps", "3"], lambda b, tmp: b.kwargs["steps"] == 3),  # tune-margin's
     "--rounds": (["--rounds", "2"], lambda b, tmp: b.kwargs["rounds"] == 2),
     "--headroom-fraction": (["--headroom-fraction", "0.2"], lambda b, tmp: b.kwargs["headroom_fraction"] == 0.2),
+    "--world-size": (["--world-size", "4"], lambda b, tmp: b.kwargs["world_size"] == 4),  # plan's
+    "--ranks-per-host": (["--world-size", "4", "--ranks-per-host", "2"], lambda b, tmp: b.kwargs["ranks_per_host"] == 2),
+    "--shard-params": (["--shard-params"], lambda b, tmp: b.config.shard_params),
 }
 # What only a whole training run shows (demo and train), and the test that checks it there.
 END_TO_END = {

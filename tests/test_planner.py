@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import psutil
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 import gemini
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 from gemini.engine.memory import DeviceBudgetError
+from gemini.tools import planner
 from helpers import DEVICE, TINY, batches, make_gpt
 
 
@@ -64,6 +67,21 @@ def test_plan_agrees_with_what_a_real_run_measures(tmp_path, name):
     assert plan.trainable_groups == r.os_chunks_total
     if "nvme" in name:
         assert plan.nvme_groups > 0 and r.nvme_bytes > 0
+
+
+def test_ranks_on_one_host_share_its_memory(monkeypatch):
+    """[Note: a plan under ZeRO]: with ``world_size`` the figures are one rank's, and the host
+    check counts the ranks on one host against its memory: a host with room for two ranks'
+    chunks fits two, not four."""
+    config = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000)
+    one = gemini.plan_placement(_model(), config, world_size=4, ranks_per_host=1)
+    per_rank = one.tier_bytes("host") + one.tier_bytes("device")  # the stand-in's device is host memory
+    monkeypatch.setattr(planner.psutil, "virtual_memory", lambda: SimpleNamespace(available=int(2.5 * per_rank)))
+    two = gemini.plan_placement(_model(), config, world_size=4, ranks_per_host=2)
+    four = gemini.plan_placement(_model(), config, world_size=4)  # planned ahead: every rank on this host
+    assert two.fits and two.model_bytes_by_tier == one.model_bytes_by_tier
+    assert four.ranks_per_host == 4 and not four.fits
+    assert any("4 ranks of" in p for p in four.problems), four.problems
 
 
 def test_auto_host_and_nvme_figures_are_those_of_ratio_zero(tmp_path):

@@ -115,6 +115,34 @@ def test_each_rank_measures_the_footprint_of_its_shards(two_rank_runs, name, tmp
         assert run["reports"][-1]["model_bytes_by_tier"] == want
 
 
+# auto with a margin ratio: without example inputs the plan gives ratio 0's figures (its notes say so).
+@pytest.mark.parametrize("name", [n for n, s in SPECS if not s["config"].get("gpu_margin_mem_ratio")])
+def test_the_planner_forecasts_each_ranks_footprint(two_rank_runs, name, tmp_path):
+    """[Note: a plan under ZeRO]: plan_placement inside the process group (as a user's script
+    asks it) and ahead of it (``world_size=2``, here) lays the chunks out as each rank does and
+    gives one rank's bytes, tier by tier and kind by kind, as each rank's ledger counted them
+    (auto: host and NVMe, which its plan gives without example inputs)."""
+    cfg = zw.config(_spec(dict(SPECS)[name]), str(tmp_path))
+    ahead = gemini.plan_placement(zw.make_net(), cfg, world_size=2)
+    assert ahead.world_size == 2 and ahead.ranks_per_host == 2
+    assert any("ZeRO across 2 ranks" in note for note in ahead.notes)
+    tiers = ("host", "nvme") if cfg.placement == "auto" else ("device", "host", "nvme")
+    for rank, run in enumerate(two_rank_runs[name]):
+        measured = run["reports"][-1]["model_bytes_by_tier"]
+        assert run["plan_world"] == 2
+        for plan in (ahead.model_bytes_by_tier, run["plan_bytes"]):
+            assert {t: plan[t] for t in tiers} == {t: measured[t] for t in tiers}, (rank, plan, measured)
+    single = gemini.plan_placement(zw.make_net(), cfg)  # no process group here: one process, nothing sharded
+    total = lambda plan: sum(plan.tier_bytes(t) for t in ("device", "host", "nvme"))  # noqa: E731
+    assert single.world_size == 1 and total(single) > total(ahead)
+
+
+def test_planner_rank_counts_are_validated():
+    for field, value in (("world_size", 0), ("ranks_per_host", 1.5), ("world_size", True)):
+        with pytest.raises(ValueError, match=field):
+            gemini.plan_placement(zw.make_net(), gemini.GeminiConfig(device="cpu"), **{field: value})
+
+
 def test_ranks_agree_on_fp16_overflow_and_bf16_trains(tmp_path):
     """fp16 whose first steps overflow skips the same steps on both ranks; bf16 trains."""
     run_ranks(zw.run_low_precision, str(tmp_path), timeout_seconds=120)

@@ -114,15 +114,18 @@ def config(spec: dict, tmp: str) -> gemini.GeminiConfig:
 
 
 def run_specs(rank: int, world: int, specs: list[dict], out_dir: str) -> None:
-    """Train each spec's configuration; save (states, reports) per spec and rank."""
+    """Train each spec's configuration; save (states, reports, the planner's per-rank bytes and
+    world, asked inside the process group as a user's script would) per spec and rank."""
     for i, spec in enumerate(specs):
         mb = spec.get("micro_batches", 1)
+        plan = gemini.plan_placement(make_net(), config(spec, out_dir))
         model, opt = gemini.initialize(make_net(), config(spec, out_dir), lr=1e-2, weight_decay=0.01)
         device = spec.get("device", "cpu")  # the batches where the model computes
         data = [tuple(t.to(device) for t in batch) for batch in make_data(spec["steps"], mb)]
         states, reports = train_gemini(model, opt, data, rank, world, spec["steps"],
                                        micro_batches=mb, model_clip=spec.get("model_clip", 0.0))
-        torch.save({"states": states, "reports": reports}, f"{out_dir}/spec{i}_rank{rank}.pt")
+        torch.save({"states": states, "reports": reports, "plan_bytes": plan.model_bytes_by_tier,
+                    "plan_world": plan.world_size}, f"{out_dir}/spec{i}_rank{rank}.pt")
         opt.close()
 
 

@@ -18,7 +18,7 @@ import sys
 from gemini.engine.memory import DeviceBudgetError
 from gemini.tools.cli_commands import cmd_demo, cmd_plan, cmd_report, cmd_train, cmd_tune_margin
 from gemini.tools.cli_options import HelpFormatter, add_engine_args, add_margin_arg, add_model_args, add_output_args
-from gemini.tools.cli_options import add_run_args, check_arguments, int_in, number_in, ratio_list, run_number
+from gemini.tools.cli_options import POSITIVE, add_run_args, check_arguments, int_in, number_in, ratio_list, run_number
 from gemini.tools.tune import DEFAULT_RATIOS
 from offload import format_size
 
@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(pl, _TRAIN_MODEL)
     add_engine_args(pl, placement=True, static=True)
     add_margin_arg(pl)
+    z = pl.add_argument_group("ZeRO (plan a data-parallel run: one rank's figures)")
+    z.add_argument("--world-size", type=POSITIVE, default=None, help="data-parallel ranks (default 1)")
+    z.add_argument("--ranks-per-host", type=POSITIVE, default=None,
+                   help="ranks sharing one host's memory and drive (default: all of --world-size)")
+    z.add_argument("--shard-params", action="store_true", help="ZeRO-3: each rank keeps 1/world of the parameters")
     pl.set_defaults(func=cmd_plan)
     return p
 

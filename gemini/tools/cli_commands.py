@@ -256,11 +256,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with torch.device("meta"):  # no memory: plans models larger than this machine
         model = GPT(cfg)
     # The configured device, even one this machine lacks: GPU bytes are not host bytes.
-    config = _gemini_config(args, report_path=None)
+    config = _gemini_config(args, report_path=None, shard_params=args.shard_params)
     # One forward and backward of a batch on the meta device counts the activations.
     targets = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
     plan = plan_placement(model, config, example_inputs=(((args.batch, args.seq), torch.long),),
-                          loss_fn=lambda logits: GPT.loss(logits, targets))
+                          loss_fn=lambda logits: GPT.loss(logits, targets), world_size=args.world_size,
+                          ranks_per_host=args.ranks_per_host)
     print(plan.table())
     return 0 if plan.fits else 1
 

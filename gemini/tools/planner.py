@@ -29,6 +29,7 @@ from gemini.config import GeminiConfig
 from gemini.policies import check_supported
 from gemini.policies.footprint import chunk_bytes, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
+from gemini.parallel.zero import resolve_group
 from gemini.tools.forecast import PlacementForecast, forecast_for, forecast_type
 from gemini.tools.meta_run import meta_peaks
 from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, shallower_pipeline, undo_ratio
@@ -41,8 +42,8 @@ __all__ = ["PlacementPlan", "plan_placement"]
 
 # Rows of the plan's table: what a person asks about, and the chunk kinds behind it.
 _ROWS = (
-    ("parameters", (ChunkKind.PARAM,)),
-    ("gradients", (ChunkKind.GRAD,)),
+    ("parameters", (ChunkKind.PARAM, ChunkKind.PARAM_SHARD)),
+    ("gradients", (ChunkKind.GRAD, ChunkKind.GRAD_SHARD)),
     ("optimizer states (fp32 master, m, v)", (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)),
 )
 
@@ -83,6 +84,10 @@ class PlacementPlan:
     # placement "auto" with example inputs and a budget: the margin the warm-up will leave
     # (budget - reserve - the warm-up's peak), of which gpu_margin_mem_ratio holds whole groups.
     margin_bytes: int | None = None
+    # ZeRO: every figure above is one of ``world_size`` ranks'; ``ranks_per_host`` of them share
+    # one host's memory (see [Note: a plan under ZeRO]).
+    world_size: int = 1
+    ranks_per_host: int = 1
     problems: list[str] = field(default_factory=list)  # why it does not fit; empty: it fits
     notes: list[str] = field(default_factory=list)
 
@@ -134,7 +139,8 @@ class PlacementPlan:
 def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
                    param_groups: list[dict[str, Any]] | None = None,
                    example_inputs: Sequence[Any] | None = None,
-                   loss_fn: Callable[[Any], torch.Tensor] | None = None) -> PlacementPlan:
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                   world_size: int | None = None, ranks_per_host: int | None = None) -> PlacementPlan:
     """Where ``initialize(model, config, param_groups=...)`` will put every chunk, before it runs.
 
     With ``example_inputs`` (the model's positional arguments: tensors, or ``(shape, dtype)``
@@ -147,6 +153,11 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
     ``device_memory``) auto's host and NVMe figures are those of ratio 0 and the notes say so.
     ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
     output). Without them the verdict says that activations were not counted.
+
+    Under ZeRO the figures are one rank's: ``world_size`` ranks (default: as ``initialize``
+    resolves ``GeminiConfig.process_group``, torch.distributed's world where it is initialized),
+    ``ranks_per_host`` of them on each host (default: torchrun's ``LOCAL_WORLD_SIZE``, or every
+    rank of ``world_size`` when it is given); see [Note: a plan under ZeRO].
     """
     config = GeminiConfig() if config is None else config  # as initialize takes it
     if not isinstance(config, GeminiConfig):
@@ -156,12 +167,14 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
         raise ValueError("loss_fn is given but example_inputs is not: the loss runs on the model's output for "
                          "example_inputs; pass both (or neither: activations are then not counted)")
     check_supported(config)  # what initialize refuses, the plan does not call fitting
+    world, per_host = _ranks(config, world_size, ranks_per_host)
     _, named_groups, frozen = split_param_groups(model, param_groups)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
-    chunk_size = resolve_chunk_size(config, numels)
+    chunk_size = resolve_chunk_size(config, numels, world=world)
     # The manager's layout needs no memory: the same groups register() will build.
-    layout = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=chunk_size,
-                          param_dtype=config.param_dtype).layout(named_groups, frozen)
+    manager = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=chunk_size, param_dtype=config.param_dtype,
+                           world=world, shard_params=config.shard_params)
+    layout = manager.layout(named_groups, frozen)
     trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
     elem = config.param_dtype.itemsize
     buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
@@ -186,33 +199,70 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
     os_on_device = [i for i in trainable if i in choice.whole]
     problems: list[str] = []
     notes: list[str] = []
-    nvme = _nvme_layout(config, layout, trainable, [i for i in trainable if i not in choice.whole], problems)
-    by_tier = named_bytes(chunk_bytes(layout, choice, param_dtype=config.param_dtype, nvme_groups=nvme.nvme_groups))
+    nvme = _nvme_layout(config, layout, trainable, [i for i in trainable if i not in choice.whole], problems,
+                        world=world)
+    by_tier = named_bytes(chunk_bytes(layout, choice, param_dtype=config.param_dtype, nvme_groups=nvme.nvme_groups,
+                                      world=world, shard_params=manager.shard_params))
     plan = PlacementPlan(
         placement=config.placement, precision=config.precision, chunk_size=chunk_size,
         n_params=sum(n for group in numels for n in group), chunk_groups=len(layout),
         trainable_groups=len(trainable), os_groups_on_device=len(os_on_device), nvme_groups=len(nvme.nvme_groups),
         model_bytes_by_tier=by_tier, buffer_bytes=buffer_bytes, device_working_set_bytes=working_set,
         nvme_staging_bytes=nvme.staging_bytes, nvme_undo_bytes=nvme.undo_bytes,
-        nvme_undo_file_bytes=_undo_file_bytes(nvme, layout, config), device_budget_bytes=config.device_memory,
+        nvme_undo_file_bytes=_undo_file_bytes(nvme, layout, config, world), device_budget_bytes=config.device_memory,
         cpu_memory_bytes=config.cpu_memory, host_available_bytes=psutil.virtual_memory().available,
         nvme_free_bytes=_free_disk_bytes(config.nvme_dir), non_model_peak_bytes=non_model,
-        margin_bytes=forecast.margin_bytes, problems=problems, notes=notes,
+        margin_bytes=forecast.margin_bytes, world_size=world, ranks_per_host=per_host, problems=problems, notes=notes,
     )
+    if world > 1:
+        plan.notes.append(
+            f"ZeRO across {world} ranks ({per_host} on this host): every figure is one rank's (1/{world} of the "
+            f"gradients and optimizer states{', and of the parameters' if manager.shard_params else ''}); the "
+            f"host's memory and drive are counted for its {per_host} ranks; the predicted device peak leaves out "
+            f"ZeRO's reduce-scatter buckets in flight"
+            f"{' and the chunk group gathered ahead of its use' if manager.shard_params else ''}")
     _check_device(plan, forecast)
     _check_host_and_nvme(plan, forecast)
     return plan
 
 
+# [Note: a plan under ZeRO]
+# Under ZeRO each rank keeps 1/world of every chunk group's gradients (its reduced shard) and
+# optimizer states, and with shard_params of its parameters; capacities are rounded up to a
+# multiple of the world so every shard is equal (chunks/manager.py). The plan lays the chunks out
+# as initialize will on each rank and counts one rank's bytes: they equal that rank's report's
+# model_bytes_by_tier. The ranks on one host share its memory and its drive, so the host and NVMe
+# checks count ranks_per_host ranks against them (DeepSpeed's memory estimators ask for the GPUs
+# per node for the same reason). The predicted device peak is of one rank without ZeRO's own
+# buffers (the reduce-scatter buckets in flight; under shard_params the chunk group gathered
+# ahead of its use: [Note: the warm-up plans the prefetch]): the plan's note says so.
+def _ranks(config: GeminiConfig, world_size: int | None, ranks_per_host: int | None) -> tuple[int, int]:
+    """(the ranks ZeRO shards across, those sharing one host): see [Note: a plan under ZeRO]."""
+    for name, value in (("world_size", world_size), ("ranks_per_host", ranks_per_host)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive int, or None (default: as initialize resolves "
+                             f"GeminiConfig.process_group)")
+    if world_size is None:
+        zero = resolve_group(config.process_group)  # as initialize resolves it
+        world = zero.world if zero is not None else 1
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun's ranks on this host
+        per_host = int(local) if world > 1 and local.isdigit() and int(local) > 0 else 1
+    else:
+        world = per_host = world_size  # planned ahead: on one host unless told otherwise
+    per_host = min(world, per_host if ranks_per_host is None else ranks_per_host)
+    return world, per_host
+
+
 def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups: list[int],
-                 problems: list[str]) -> NvmeLayout:
+                 problems: list[str], *, world: int) -> NvmeLayout:
     """The NVMe tier's choice among the groups whose optimizer states are on the host tier."""
-    os_bytes = offloaded_bytes(layout, host_groups, config.param_dtype)
+    os_bytes = offloaded_bytes(layout, host_groups, config.param_dtype, world=world)
     if config.cpu_memory is None and config.nvme_dir is None:
         return NvmeLayout(frozenset(), sum(b for _, b in os_bytes), 0, 0)
 
     def choose(indices: list[int]) -> NvmeLayout:
-        return choose_nvme_groups(offloaded_bytes(layout, indices, config.param_dtype), cpu_memory=config.cpu_memory,
+        return choose_nvme_groups(offloaded_bytes(layout, indices, config.param_dtype, world=world),
+                                  cpu_memory=config.cpu_memory,
                                   fraction=config.nvme_offload_fraction, depth=config.nvme_pipeline_depth,
                                   nvme_available=config.nvme_dir is not None, undo_ratio=undo_ratio(config.param_dtype))
 
@@ -297,10 +347,12 @@ def _check_host_and_nvme(plan: PlacementPlan, forecast: PlacementForecast) -> No
     host_bytes = plan.tier_bytes("host") + plan.nvme_staging_bytes + plan.nvme_undo_bytes
     if config.resolved_device().type == "cpu":
         host_bytes += plan.tier_bytes("device")  # the CPU stand-in's "device" is host memory too
-    if host_bytes > plan.host_available_bytes:
+    ranks = plan.ranks_per_host  # they share the host and its drive: [Note: a plan under ZeRO]
+    each = f" ({ranks} ranks of {format_size(host_bytes)})" if ranks > 1 else ""
+    if host_bytes * ranks > plan.host_available_bytes:
         plan.problems.append(
-            f"host memory: {format_size(host_bytes)} needed, {format_size(plan.host_available_bytes)} available now; "
-            f"{forecast.host_advice}")
+            f"host memory: {format_size(host_bytes * ranks)} needed{each}, {format_size(plan.host_available_bytes)} "
+            f"available now; {forecast.host_advice}")
     if plan.nvme_staging_bytes:
         plan.notes.append(f"the NVMe pipeline stages up to {format_size(plan.nvme_staging_bytes)} in host memory")
     nvme_bytes = plan.tier_bytes("nvme")
@@ -310,21 +362,22 @@ def _check_host_and_nvme(plan: PlacementPlan, forecast: PlacementForecast) -> No
         plan.notes.append(f"a step is all or nothing: it holds the NVMe files from before it while writing new ones "
                           f"(up to {format_size(2 * nvme_bytes + plan.nvme_undo_file_bytes)} on the drive) and "
                           f"copies the streamed groups' parameters aside ({undo})")
-        nvme_bytes = 2 * nvme_bytes + plan.nvme_undo_file_bytes  # at the peak of a step
+        nvme_bytes = (2 * nvme_bytes + plan.nvme_undo_file_bytes) * ranks  # at the peak of a step
     if config.nvme_dir is not None and not os.path.isdir(config.nvme_dir):
         plan.problems.append(f"nvme_dir {os.fspath(config.nvme_dir)!r} is not a folder: create it (or mount the "
                              f"drive) first")
     elif plan.nvme_free_bytes is not None and nvme_bytes > plan.nvme_free_bytes:
-        plan.problems.append(f"NVMe: {format_size(nvme_bytes)} of files but {format_size(plan.nvme_free_bytes)} free "
-                             f"under {os.fspath(config.nvme_dir)}")
+        plan.problems.append(f"NVMe: {format_size(nvme_bytes)} of files{each and f' ({ranks} ranks)'} but "
+                             f"{format_size(plan.nvme_free_bytes)} free under {os.fspath(config.nvme_dir)}")
 
 
-def _undo_file_bytes(nvme: NvmeLayout, layout, config: GeminiConfig) -> int:
+def _undo_file_bytes(nvme: NvmeLayout, layout, config: GeminiConfig, world: int) -> int:
     """Bytes of the NVMe files holding the step's copies aside, when they go to files."""
     if not nvme.undo_on_nvme:
         return 0
     ratio = undo_ratio(config.param_dtype)
-    return sum(math.ceil(b * ratio) for _, b in offloaded_bytes(layout, sorted(nvme.nvme_groups), config.param_dtype))
+    return sum(math.ceil(b * ratio) for _, b in offloaded_bytes(layout, sorted(nvme.nvme_groups), config.param_dtype,
+                                                                 world=world))
 
 
 def _free_disk_bytes(folder: str | os.PathLike | None) -> int | None:
