@@ -4,6 +4,7 @@ cpu``, torchao's ``CPUOffloadOptimizer`` and plain PyTorch, same model, same dat
     python benchmarks/bench_peers.py --device cuda                   # a 1.3B GPT on the GPU
     python benchmarks/bench_peers.py --device cuda --model gpt-350m  # a smaller one
     python benchmarks/bench_peers.py --device cpu --model gpt-small  # smoke test of the script
+    python benchmarks/bench_peers.py --device cuda --micro-batches 4 # gradient accumulation: 4 a step
 
 Each contender trains the same GPT (fp32 weights, the same initial values and batches) for
 ``--steps`` steps in a process of its own (so that CUDA's caching allocator, DeepSpeed's
@@ -88,16 +89,20 @@ def make_batches(cfg: GPTConfig, batch: int, seq: int, steps: int, device: str):
     return [synthetic_batch(cfg, batch, seq, generator=g, device=device) for _ in range(steps)]
 
 
-# Each builder returns step(x, y) -> loss (a float), training the model one step.
+# Each builder returns step(micro) -> loss, training the model one step on the (x, y) pairs of
+# ``micro`` (--micro-batches of them: gradient accumulation, each loss divided by their number).
 
 def torch_loop(model: GPT, opt: torch.optim.Optimizer):
     """The plain loop, for any torch optimizer (AdamW itself, or behind torchao's wrapper)."""
-    def step(x, y):
-        loss = GPT.loss(model(x), y)
-        loss.backward()
+    def step(micro):
+        total = 0.0
+        for x, y in micro:
+            loss = GPT.loss(model(x), y) / len(micro)
+            loss.backward()
+            total += loss.detach()
         opt.step()
         opt.zero_grad()
-        return loss.detach()
+        return total
     return step
 
 
@@ -115,9 +120,12 @@ def build_gemini(ratio: float, *, one_host_call: bool = False):
                                      device_memory=args.device_memory)
         gmodel, opt = gemini.initialize(model, config, lr=LR, weight_decay=WEIGHT_DECAY)
 
-        def step(x, y):
-            loss = GPT.loss(gmodel(x), y)
-            opt.backward(loss)
+        def step(micro):
+            total = 0.0
+            for x, y in micro:
+                loss = GPT.loss(gmodel(x), y) / len(micro)
+                opt.backward(loss)
+                total += loss.detach()
             if device == "cuda":  # see [Note: does the step begin before the GPU's backward ends?]
                 done = torch.cuda.Event()
                 done.record()
@@ -126,7 +134,7 @@ def build_gemini(ratio: float, *, one_host_call: bool = False):
             opt.zero_grad()
             GEMINI_PEAKS.append(opt.report.device_peak_bytes)
             GEMINI_MOVED.append((opt.report.h2d_bytes, opt.report.d2h_bytes))
-            return loss.detach()
+            return total
         return step
     return build
 
@@ -171,7 +179,7 @@ def build_deepspeed(model: GPT, device: str, args):
     _, batch, _ = MODELS[args.model]
     ds_config = {
         "train_micro_batch_size_per_gpu": batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": args.micro_batches,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999],
                                                   "eps": 1e-8}},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": device == "cuda"},
@@ -181,11 +189,14 @@ def build_deepspeed(model: GPT, device: str, args):
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
-    def step(x, y):
-        loss = GPT.loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
+    def step(micro):
+        total = 0.0
+        for x, y in micro:  # DeepSpeed divides by gradient_accumulation_steps, and steps at the last
+            loss = GPT.loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / len(micro)
+        return total
     return step
 
 
@@ -215,7 +226,9 @@ def run_one(name: str, args) -> dict:
     """One contender, in this process: build, train, measure."""
     device = args.device
     model, cfg, batch, seq = make_model(args.model)
-    batches = make_batches(cfg, batch, seq, args.warmup + args.steps, device)
+    n = args.micro_batches
+    flat = make_batches(cfg, batch, seq, (args.warmup + args.steps) * n, device)
+    batches = [flat[i : i + n] for i in range(0, len(flat), n)]
     nvml = None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -224,10 +237,10 @@ def run_one(name: str, args) -> dict:
             nvml.start()
     step = BUILDERS[name](model, device, args)
     losses, seconds = [], []
-    for x, y in batches:
+    for micro in batches:
         sync(device)
         start = time.perf_counter()
-        loss = step(x, y)
+        loss = step(micro)
         sync(device)
         seconds.append(time.perf_counter() - start)
         losses.append(float(loss))
@@ -235,7 +248,7 @@ def run_one(name: str, args) -> dict:
     median = statistics.median(timed)
     return {
         "contender": name, "ok": True, "median_step_s": median, "min_step_s": min(timed),
-        "tokens_per_s": batch * seq / median, "losses": losses,
+        "tokens_per_s": n * batch * seq / median, "losses": losses,
         # See [Note: gemini's peak in a benchmark].
         "peak_device_bytes": (max(GEMINI_PEAKS) if GEMINI_PEAKS else torch.cuda.max_memory_allocated())
         if device == "cuda" else None,
@@ -250,7 +263,8 @@ def run_isolated(name: str, args, *, device_memory: int | str | None = None) -> 
     """One contender in a process of its own (gemini's budget: ``device_memory``, else
     ``--device-memory``)."""
     cmd = [sys.executable, __file__, "--one", name, "--device", args.device, "--model", args.model,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--port", str(args.port)]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--port", str(args.port),
+           "--micro-batches", str(args.micro_batches)]
     budget = device_memory if device_memory is not None else args.device_memory
     if budget is not None:
         cmd += ["--device-memory", str(budget)]
@@ -269,7 +283,9 @@ def markdown(result: dict) -> str:
              f"{m['date']} on {m.get('gpu', m['cpu'])} (torch {m['torch']}"
              + (f", CUDA {m['cuda']}, driver {m['driver']}" if m.get("cuda") else "") + f"). {result['steps']} timed "
              f"steps after {result['warmup']} of warm-up, each contender in a process of its own; fp32 weights; "
-             f"{result['n_params'] / 1e6:.3g}M parameters, batch {result['batch']}x{result['seq']}.", "",
+             f"{result['n_params'] / 1e6:.3g}M parameters, batch {result['batch']}x{result['seq']}"
+             + (f", {result['micro_batches']} micro-batches a step (gradient accumulation)"
+                if result.get("micro_batches", 1) > 1 else "") + ".", "",
              f"Command: `{result['command']}`", ""]
     if m["device"] == "cpu":
         lines += ["A smoke test of the script, not a comparison: on the CPU stand-in placement auto measures "
@@ -300,6 +316,7 @@ def main() -> int:
     p.add_argument("--model", default="gpt-1.3b", choices=list(MODELS))
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--micro-batches", type=int, default=1, help="forward/backward passes a step (accumulation)")
     p.add_argument("--at-peak-of", default="torchao CPUOffloadOptimizer",
                    help="after the others, gemini auto (ratio 1) with device_memory = this contender's measured peak")
     p.add_argument("--device-memory", default=None, help="gemini's device budget (bytes or '8GiB'); default none")
@@ -308,6 +325,8 @@ def main() -> int:
     p.add_argument("--timeout", type=int, default=540, help="seconds per contender")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a contender, run by run_isolated
     args = p.parse_args()
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches {args.micro_batches}: expected 1 or more")
     if args.device_memory is not None and args.device_memory.isdigit():
         args.device_memory = int(args.device_memory)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -343,9 +362,11 @@ def main() -> int:
     info = machine_info(args.device)
     fields, batch, seq = MODELS[args.model]
     result = {"machine": info, "model": args.model, "n_params": GPTConfig(**fields).num_params(), "batch": batch,
-              "seq": seq, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+              "seq": seq, "steps": args.steps, "warmup": args.warmup, "micro_batches": args.micro_batches, "rows": rows,
               "command": "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])}
-    write_results("gpu_peers" if args.device == "cuda" else "peers_cpu", result, markdown(result))
+    stem = ("gpu_peers" if args.device == "cuda" else "peers_cpu") + (
+        f"_accum{args.micro_batches}" if args.micro_batches > 1 else "")
+    write_results(stem, result, markdown(result))
     return 0
 
 

@@ -21,6 +21,7 @@
 #                    then scripts/gpu_alias_diag.py (gpu_alias.log): can a parameter on the host stay
 #                    a CUDA tensor over its pinned memory and keep its autograd accumulator
 #   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
+#   peers_accum      the same (after peers) with 4 micro-batches a step (gpu_peers_accum4.md)
 #   stepdiag         scripts/gpu_step_diag.py for torch, gemini ratio 1 and ratio 0 on the 355M GPT: the
 #                    allocations live at each one's peak, by the code that made them, and the step's
 #                    phases (does the backward return ahead of the GPU?) (gpu_stepdiag_*.log)
@@ -99,6 +100,10 @@ for s in "$@"; do
                 >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"
             PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 250 "$PY" benchmarks/bench_peers.py --device cuda \
                 --model gpt-350m --steps 5 --warmup 2 --timeout 75 ;;
+        peers_accum)  # after peers (its wheels installed): gradient accumulation, 4 micro-batches a step
+            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers_accum 200 "$PY" benchmarks/bench_peers.py --device cuda \
+                --model gpt-350m --steps 4 --warmup 2 --timeout 60 --micro-batches 4 --at-peak-of none \
+                --contenders "torch AdamW(fused),gemini auto (ratio 0),DeepSpeed ZeRO-2 offload,torchao CPUOffloadOptimizer" ;;
         diag)
             stage diag 60 "$PY" scripts/gpu_diag.py
             stage alias 40 "$PY" scripts/gpu_alias_diag.py ;;

@@ -5,6 +5,7 @@ gemini/policies/auto.py): ZeRO-Offload's and torchao's placement, at no more tra
 from __future__ import annotations
 
 import pytest
+import torch
 
 import gemini
 from chunks import ChunkState
@@ -116,3 +117,117 @@ def test_a_plan_adopted_between_micro_batches_brings_the_parameters_at_once():
     assert_params_close(model.state_dict(), {k: v.cpu() for k, v in want[0].items()})
     assert at_forward[1] == at_forward[2] == [ChunkState.HOST_AND_DEVICE] * len(groups)
     opt.close()
+
+
+MICRO = 3  # micro-batches a step
+
+
+def _micro_batches(model, data, backward, step, *, between=None, before_step=None, after_backward=None):
+    """MICRO micro-batches of ``data`` a step through ``backward(loss)`` and ``step()``, the
+    edits of ``p.grad``: ``between(model)`` after each backward but the last, ``before_step(model)``;
+    yields after each step."""
+    for s in range(len(data) // MICRO):
+        for i in range(MICRO):
+            x, y = data[s * MICRO + i]
+            backward(GPT.loss(model(x), y) / MICRO)
+            del x, y
+            if after_backward is not None:
+                after_backward()
+            if i < MICRO - 1 and between is not None:
+                between(model)
+        if before_step is not None:
+            before_step(model)
+        step()
+        yield s
+
+
+def _accumulate(config: gemini.GeminiConfig, *, steps: int = STEPS, **edits):
+    """Each step's parameters and report, the gradient chunks' states after each backward, and
+    the data (:func:`_micro_batches`)."""
+    base, _ = clone_pair(CFG)
+    model, opt = gemini.initialize(base, config, lr=1e-2, weight_decay=0.1)
+    data = batches(CFG, steps * MICRO, batch=2, seq=16, device=DEVICE)
+    states, reports, grads = [], [], []
+    record = lambda: grads.append([g.grad.state for g in opt._rt.manager.trainable_groups])  # noqa: E731
+    for _ in _micro_batches(model, data, opt.backward, lambda: (opt.step(), opt.zero_grad()),
+                            after_backward=record, **edits):
+        states.append({k: v.cpu() for k, v in model.state_dict().items()})
+        reports.append(opt.report)
+    opt.close()
+    return states, reports, grads, data
+
+
+def _reference_accumulating(data, **edits):
+    """Plain fused AdamW over the same micro-batches, with the same edits of ``p.grad``."""
+    _, ref = clone_pair(CFG)
+    ref.to(DEVICE)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    return [{k: v.detach().cpu().clone() for k, v in ref.state_dict().items()}
+            for _ in _micro_batches(ref, data, torch.Tensor.backward, lambda: (opt.step(), opt.zero_grad()), **edits)]
+
+
+def _roomy_ratio0() -> gemini.GeminiConfig:
+    return gemini.GeminiConfig(device=DEVICE, placement="auto", gpu_margin_mem_ratio=0.0, chunk_size=8192,
+                               device_memory=roomy_budget("64MiB"))
+
+
+def test_accumulated_gradients_stay_on_the_device_between_backward_passes():
+    """[Note: accumulated gradients stay on the device]: once a backward has added onto
+    gradients sent to the host (the first step's second micro-batch), the gradients stay on the
+    device until the step, which sends them once: every later step moves the parameters to the
+    device once and the gradients to the host once (it moved each micro-batch's gradients both
+    ways), under the budget, equal to AdamW; one backward a step sends them after it as before
+    and holds nothing longer."""
+    config = _roomy_ratio0()
+    states, reports, grads, data = _accumulate(config)
+    _assert_trained_like(states, _reference_accumulating(data))
+    _, probe = gemini.initialize(clone_pair(CFG)[0], config)
+    param_bytes = sum(g.param.nbytes for g in probe._rt.manager.groups)
+    grad_bytes = sum(g.grad.nbytes for g in probe._rt.manager.trainable_groups)
+    probe.close()
+    for step, r in enumerate(reports[1:], start=1):
+        assert (r.h2d_bytes, r.d2h_bytes) == (param_bytes, grad_bytes), step
+        if DEVICE == "cpu":
+            assert r.device_peak_bytes <= config.device_memory
+    on_device = [ChunkState.DEVICE] * len(grads[0])
+    assert grads[0] == [ChunkState.HOST] * len(grads[0])  # the warm-up's first backward sent them
+    assert grads[1:] == [on_device] * (len(grads) - 1)
+    _, single = _train(config)
+    assert all(r.d2h_bytes == grad_bytes for r in single[1:])
+    base, _ = clone_pair(CFG)
+    model, opt = gemini.initialize(base, config, lr=1e-2)
+    for x, y in batches(CFG, 2, batch=2, seq=16, device=DEVICE):
+        opt.backward(GPT.loss(model(x), y))
+        assert {g.grad.state for g in opt._rt.manager.trainable_groups} == {ChunkState.HOST}
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+
+
+@pytest.mark.parametrize("edit", ["p.grad.mul_", "clip_grad_norm_", "model.clip_grad_norm_", "p.grad = None"])
+def test_gradients_edited_between_backward_passes_are_what_the_next_one_adds_onto(edit):
+    """torch code that writes ``p.grad`` between two backward passes (and clipping before the
+    step) writes the gradients the device keeps; the next backward adds onto them as plain
+    PyTorch adds onto the edited ``.grad``, and the step reads them."""
+
+    def between(model):
+        params = [p for p in model.parameters() if p.grad is not None]
+        if edit == "p.grad.mul_":
+            for p in params:
+                p.grad.mul_(0.5)
+        elif edit == "clip_grad_norm_":
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        elif edit == "model.clip_grad_norm_" and hasattr(model, "clip_grad_norm_"):
+            model.clip_grad_norm_(0.05)
+        elif edit == "model.clip_grad_norm_":
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+        else:
+            params[0].grad = None
+
+    def before_step(model):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+    config = _roomy_ratio0()
+    states, reports, grads, data = _accumulate(config, between=between, before_step=before_step)
+    _assert_trained_like(states, _reference_accumulating(data, between=between, before_step=before_step))
+    assert ChunkState.DEVICE in grads[-2]  # edited where they stay

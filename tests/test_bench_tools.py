@@ -62,10 +62,13 @@ def test_capacity_search_where_nothing_trains_says_so_down_to_one_layer(monkeypa
     assert not any(r["ok"] for r in rows)
 
 
-def test_peers_contenders_start_alike_and_gemini_trains_like_plain_adamw():
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_peers_contenders_start_alike_and_gemini_trains_like_plain_adamw(micro_batches):
     """Same initial values, same batches: with fp32, gemini (states on the host, or in the
-    margin) gives plain fused AdamW's losses exactly, so the table compares like with like."""
-    args = argparse.Namespace(device="cpu", model="gpt-small", steps=3, warmup=1, device_memory=None, port=0)
+    margin) gives plain fused AdamW's losses exactly, so the table compares like with like (with
+    gradient accumulation too)."""
+    args = argparse.Namespace(device="cpu", model="gpt-small", steps=3, warmup=1, device_memory=None, port=0,
+                              micro_batches=micro_batches)
     plain = bench_peers.run_one("torch AdamW(fused)", args)
     for name in ("gemini auto (ratio 0)", "gemini auto (ratio 1)"):
         got = bench_peers.run_one(name, args)

@@ -201,23 +201,6 @@ class Residency(StepMoves):
             self._backward_uses_open[g.index] = self._backward_uses_open.get(g.index, 0) + 1
         self._make_resident(groups)
 
-    def grad_buffer(self, group: ChunkGroup):
-        """The gradient chunk, with a device copy to receive this backward's gradients."""
-        grad = group.grad
-        if grad.state is not ChunkState.RELEASED and not grad.is_on(Tier.DEVICE) and not group.any_grad_ready:
-            # A stale host copy from before zero_grad: nothing in it to accumulate onto.
-            grad.release()
-        if not grad.is_on(Tier.DEVICE):
-            self.make_room(grad.nbytes, keep={group.index})
-        if grad.state is ChunkState.RELEASED:
-            # Slots not marked ready are written with copy_ before they are ever read; zeros
-            # where whole-chunk reductions read what no slot writes: ZeRO's buckets (slots
-            # without a gradient in this pass, the padding) and the gaps between aligned slots.
-            grad.allocate(Tier.DEVICE, zero=group.grad_shard is not None or grad.has_gaps)
-        else:
-            grad.move_to(Tier.DEVICE)
-        return grad
-
     def after_backward(self, group: ChunkGroup) -> None:
         """``group``'s backward is over: every gradient it will get has arrived."""
         self._fetched_for_backward.discard(group.index)
@@ -226,9 +209,8 @@ class Residency(StepMoves):
             self._maybe_drop_params(group)
         if group.trainable and self.reducer is not None:
             self.reducer.group_done(group)  # reduce-scattered into its shard (ZeRO)
-        elif (group.trainable and group.grad.state is not ChunkState.RELEASED
-              and not self.policy.keep_grads_on_device(group)):
-            group.grad.move_to(Tier.HOST)
+        elif group.trainable:
+            self.grad_done(group)
 
     def end_backward(self, *, iteration: bool = True) -> None:
         """The backward pass is over (after ``after_backward`` of every group it touched); with

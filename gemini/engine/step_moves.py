@@ -19,12 +19,56 @@ __all__ = ["StepMoves"]
 
 
 class StepMoves:
-    """The step's side of :class:`gemini.engine.residency.Residency`: gradients and optimizer
-    states together before the update, parameters from the masters after it."""
+    """The step's side of :class:`gemini.engine.residency.Residency`: gradients where the
+    backward writes them and the step reads them, gradients and optimizer states together
+    before the update, parameters from the masters after it."""
 
     manager: ChunkManager
     policy: PlacementPolicy
     quiet: Callable[[], AbstractContextManager]
+    make_room: Callable[..., None]  # Residency's: evict what the policy names
+    grads_come_back = False  # a backward added onto gradients sent to the host (see grad_done)
+
+    def grad_buffer(self, group: ChunkGroup):
+        """The gradient chunk, with a device copy to receive this backward's gradients."""
+        grad = group.grad
+        if grad.state is not ChunkState.RELEASED and not grad.is_on(Tier.DEVICE) and not group.any_grad_ready:
+            # A stale host copy from before zero_grad: nothing in it to accumulate onto.
+            grad.release()
+        if not grad.is_on(Tier.DEVICE):
+            self.make_room(grad.nbytes, keep={group.index})
+        if grad.state is ChunkState.RELEASED:
+            # Slots not marked ready are written with copy_ before they are ever read; zeros
+            # where whole-chunk reductions read what no slot writes: ZeRO's buckets (slots
+            # without a gradient in this pass, the padding) and the gaps between aligned slots.
+            grad.allocate(Tier.DEVICE, zero=group.grad_shard is not None or grad.has_gaps)
+        else:
+            # see [Note: accumulated gradients stay on the device]
+            self.grads_come_back |= grad.state is ChunkState.HOST
+            grad.move_to(Tier.DEVICE)
+        return grad
+
+    # [Note: accumulated gradients stay on the device]
+    # A group whose optimizer states update on the host sends its gradients there as soon as its
+    # backward is over ([Note: host groups updated as their gradients land] in
+    # gemini/optim/adam_batches.py). Under gradient accumulation the next backward of the same
+    # step then brought them back to add onto, a copy it waited for, group by group: each
+    # micro-batch but the first moved every gradient both ways (and the step used only the last
+    # copy). Where the policy has room for every gradient on the device (``resident_grads``: auto
+    # where its plan evicts nothing, which counted them), they stay there once a backward has
+    # added onto gradients sent away, and the step sends them, as it does those of groups updated
+    # on the device: one copy to the host a step, none back. Learnt from the first such backward
+    # (micro-batches a step rarely change), so a loop with one backward a step keeps its copies
+    # overlapping the backward and holds nothing on the device longer. ``p.grad`` views the device
+    # copy meanwhile, and clipping scales it, as under placement "cuda".
+    def grad_done(self, group: ChunkGroup) -> None:
+        """``group``'s gradients of this backward are in (no ZeRO): to the host where its
+        optimizer states update there, unless they stay ([Note: accumulated gradients stay on the
+        device])."""
+        if group.grad.state is ChunkState.RELEASED or self.policy.keep_grads_on_device(group):
+            return
+        if not (self.grads_come_back and group.index in self.policy.resident_grads()):
+            group.grad.move_to(Tier.HOST)
 
     def before_step(self, group: ChunkGroup) -> Tier:
         """Put the gradient and optimizer states of ``group`` together; return that tier."""

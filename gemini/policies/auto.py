@@ -106,11 +106,12 @@ class AutoPlacement(PlacementPolicy):
     def resident_params(self) -> set[int]:
         return self._resident  # see [Note: parameters stay where nothing is evicted]
 
+    resident_grads = resident_params  # the plan that evicts nothing has room for the gradients too
+
     # -------------------------------------------------------------------------- planning
     def activation_room_bytes(self, plan: MemoryPlan) -> int:
         """The part of ``plan``'s margin that optimizer states leave to saved activations kept on
-        the device (with activation offload; see [Note: activation offload] in
-        gemini/engine/activations.py)."""
+        the device ([Note: activation offload] in gemini/engine/activations.py)."""
         margin = max(0, plan.margin_bytes)
         return margin - int(self.margin_ratio * margin)
 
@@ -388,8 +389,7 @@ class AutoPlacement(PlacementPolicy):
         return total
 
     def prefetch(self) -> list[int]:
-        """The next period's groups not on the device, if they fit next to both periods'
-        non-model peaks."""
+        """The next period's groups not on the device, if they fit beside both periods' non-model peaks."""
         plan = self.plan
         nxt = self.period + 1
         if plan is None or self._diverged or nxt >= len(plan.access):

@@ -115,6 +115,11 @@ class PlacementPolicy:
         step that updated them on the host)."""
         return set()
 
+    def resident_grads(self) -> set[int]:
+        """Groups updated on the host whose gradients may stay on the device from their backward
+        until the step ([Note: accumulated gradients stay on the device] in gemini/engine/step_moves.py)."""
+        return set()
+
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
         """Whether releasing ``groups`` between uses in backward can free anything (see [Note: a
         group between its uses in backward] in gemini/engine/residency.py)."""
