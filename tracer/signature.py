@@ -124,7 +124,7 @@ class TracedInputs:
     def trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """The warm-up traces these inputs."""
         self.signature, self.covered = input_signature(args, kwargs), None
-        self._used.append((self.signature, None))
+        self._charge()
 
     def start_step(self) -> None:
         """A step landed: what the next one's forwards run on is charged to it (see :meth:`overran`)."""
@@ -144,7 +144,7 @@ class TracedInputs:
         if signature == self.signature or (planned and self.signature is not None and signature not in self._overran
                                            and self.signature.covers(signature)):
             self.covered = None if signature == self.signature else signature  # the plan in force: no move
-            self._used.append((self.signature, self.covered))
+            self._charge()
             return PlanChoice()
         kept = ([k for k in reversed(self._kept) if k[0] == signature]
                 or [k for k in reversed(self._kept) if k[0].covers(signature) and signature not in self._overran])
@@ -154,7 +154,7 @@ class TracedInputs:
         self._kept.append(kept[0])
         traced, plan = kept[0]
         self.signature, self.covered = traced, (signature if traced != signature else None)
-        self._used.append((self.signature, self.covered))
+        self._charge()
         return PlanChoice(plan=plan)
 
     def overran(self, *, planned: bool = True) -> None:
@@ -173,6 +173,10 @@ class TracedInputs:
                     self.signature = None
             elif covered not in self._overran:
                 self._overran.append(covered)
+
+    def _charge(self) -> None:  # this forward runs on (signature, covered): once each until a step lands
+        if (self.signature, self.covered) not in self._used:
+            self._used.append((self.signature, self.covered))
 
     def _forget(self, signature: InputSignature | None) -> None:
         self._kept = [k for k in self._kept if k[0] != signature]

@@ -88,6 +88,9 @@ def test_an_overrun_charges_every_plan_the_step_ran_on():
     inputs.overran()
     assert _traces(inputs, _ids(4, 8), "b") and _traces(inputs, _ids(2, 8), "a")
     assert inputs.choose((_ids(8, 8), "a"), {}, planned=True) == PlanChoice(plan="plan a")  # its own: kept
+    for _ in range(100):  # forwards that never step (gradients for analysis) charge each plan once
+        inputs.choose((_ids(8, 8), "a"), {}, planned=True)
+    assert len(inputs._used) == 1
 
 
 def test_inputs_that_take_turns_come_back_to_their_kept_plans():
