@@ -128,3 +128,27 @@ def test_ranks_whose_batches_outgrow_their_traces_at_different_steps_trace_toget
             assert all(peak <= 200_000 for peak in r[stage]["peaks"]), (stage, rank, r[stage]["peaks"])
             for step, got in enumerate(r[stage]["states"]):
                 _assert_close(got, want[step], f"ZeRO-{stage} rank {rank} step {step}")
+
+
+def test_ranks_whose_tasks_take_turns_trace_each_once_and_switch_plans_alone(tmp_path):
+    """[Note: plans kept per input signature] under ZeRO-2: each rank's task changes every step,
+    the ranks in opposite phase. Both trace together while either meets a task no kept plan
+    covers (the first two steps), then each switches between its kept plans with no trace and
+    no collective of its own; training equals AdamW on the mean of the ranks' losses."""
+    run_ranks(zl.run_alternating_tasks, str(tmp_path), timeout_seconds=240)
+    ranks = [torch.load(tmp_path / f"tasks_rank{rank}.pt", weights_only=True) for rank in range(2)]
+    model = zl.make_two_task_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    want = []
+    for step, batch in enumerate(zw.make_data(zl.TASK_STEPS)):
+        loss = sum(zw.loss_fn(model(x, zl.task_of(step, r)), y)
+                   for r, (x, y) in enumerate(zw.local(batch, r, 2) for r in range(2))) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    for rank, r in enumerate(ranks):
+        assert r["traced"] == [True, True] + [False] * (zl.TASK_STEPS - 2), (rank, r["traced"])
+        for step, got in enumerate(r["states"]):
+            _assert_close(got, want[step], f"rank {rank} step {step}")
+

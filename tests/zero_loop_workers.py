@@ -162,3 +162,46 @@ def run_uneven_batches(rank: int, world: int, out_dir: str) -> None:
         results[3 if shard else 2] = out
         opt.close()
     torch.save(results, f"{out_dir}/uneven_rank{rank}.pt")
+
+
+class TwoTaskNet(torch.nn.Module):
+    """A shared layer and a head per task (tests/test_auto_kept_plans.py's idea on ZeRO's data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.a = torch.nn.Linear(32, 4)
+        self.b = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor, task: str) -> torch.Tensor:
+        return getattr(self, task)(torch.nn.functional.gelu(self.inp(x)))
+
+
+def make_two_task_net() -> TwoTaskNet:
+    torch.manual_seed(0)
+    return TwoTaskNet()
+
+
+def task_of(step: int, rank: int) -> str:
+    """The ranks take the tasks in turn, in opposite phase."""
+    return "a" if (step + rank) % 2 == 0 else "b"
+
+
+TASK_STEPS = 5
+
+
+def run_alternating_tasks(rank: int, world: int, out_dir: str) -> None:
+    """ZeRO-2 under auto, each rank's task changing every step ([Note: plans kept per input
+    signature]): per step, whether this rank traced, and the parameters."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=CHUNK, device_memory="64MiB")
+    model, opt = gemini.initialize(make_two_task_net(), cfg, lr=1e-2, weight_decay=0.01)
+    out = {"traced": [], "states": []}
+    for step, batch in enumerate(make_data(TASK_STEPS)):
+        x, y = local(batch, rank, world)
+        opt.backward(loss_fn(model(x, task_of(step, rank)), y))
+        opt.step()
+        opt.zero_grad()
+        out["traced"].append(opt.report.timeline is not None)
+        out["states"].append(model.state_dict())
+    opt.close()
+    torch.save(out, f"{out_dir}/tasks_rank{rank}.pt")
