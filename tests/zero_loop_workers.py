@@ -205,3 +205,38 @@ def run_alternating_tasks(rank: int, world: int, out_dir: str) -> None:
         out["states"].append(model.state_dict())
     opt.close()
     torch.save(out, f"{out_dir}/tasks_rank{rank}.pt")
+
+
+PLANNED = [(placement, shard) for placement in ("cuda", "cpu", "auto") for shard in (False, True)]
+
+
+def run_planned_peaks(rank: int, world: int, out_dir: str) -> None:
+    """Per (placement, shard_params) of PLANNED: plan_placement's predicted device peak for this
+    rank (asked inside the process group, with example inputs) and the peaks of 3 real steps."""
+    from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)
+    out = {}
+    for placement, shard in PLANNED:
+        config = gemini.GeminiConfig(device="cpu", placement=placement, chunk_size=8192, shard_params=shard,
+                                     device_memory="64MiB")
+        with torch.device("meta"):
+            meta = GPT(cfg)
+        target = torch.empty(4, 32, dtype=torch.long, device="meta")
+        plan = gemini.plan_placement(meta, config, example_inputs=(((4, 32), torch.long),),
+                                     loss_fn=lambda logits: GPT.loss(logits, target))
+        torch.manual_seed(0)
+        model, opt = gemini.initialize(GPT(cfg), config, lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        peaks = []
+        for _ in range(3):
+            x, y = synthetic_batch(cfg, 4, 32, generator=g)
+            opt.backward(GPT.loss(model(x), y))
+            del x, y
+            opt.step()
+            opt.zero_grad()
+            peaks.append(opt.report.device_peak_bytes)
+        opt.close()
+        out[f"{placement}-{int(shard)}"] = {"first": plan.first_step_peak_bytes, "later": plan.device_peak_bytes,
+                                            "peaks": peaks}
+    torch.save(out, f"{out_dir}/planned_rank{rank}.pt")

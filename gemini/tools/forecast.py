@@ -194,9 +194,10 @@ class AutoForecast(CpuForecast):
 
     @classmethod
     def residents(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups | None:
-        # After the warm-up every parameter chunk stays cached (the budget allowing); which
+        # After the warm-up every parameter chunk stays cached (the budget allowing; ZeRO-3
+        # gathers them for each use instead: [Note: a plan under ZeRO] in planner.py); which
         # groups the margin keeps whole is known only from the warm-up's peak.
-        return DeviceGroups(params=frozenset(range(len(layout))))
+        return None if config.shard_params else DeviceGroups(params=frozenset(range(len(layout))))
 
     def _margin_choice(self, margin_bytes: int) -> DeviceGroups:
         """The groups ``gpu_margin_mem_ratio`` keeps in the margin, by the engine's own rule
@@ -271,9 +272,12 @@ class AutoForecast(CpuForecast):
     def _evicts_nothing(self) -> bool:
         """Whether every chunk auto may hold fits on the device at once beside the largest
         non-model peak and the activations it keeps, as ``AutoPlacement.adopt`` decides that
-        periods need not be followed. No budget: the whole device, taken to hold it (the
-        verdict says where it does not); no example inputs: model data alone, as the verdict."""
+        periods need not be followed (and ZeRO-3 gathers no parameters for good). No budget: the
+        whole device, taken to hold it (the verdict says where it does not); no example inputs:
+        model data alone, as the verdict."""
         budget = self.config.device_memory
+        if self.config.shard_params:
+            return False
         if budget is None:
             return True
         elem = self.config.param_dtype.itemsize
@@ -294,7 +298,7 @@ class AutoForecast(CpuForecast):
         pinned = sum(whole_group_bytes(cap, param_dtype=param_dtype) for i, (_, _, cap) in enumerate(self.layout)
                      if i in whole)
         params = sum(cap * elem for i, (_, _, cap) in enumerate(self.layout) if i not in whole)
-        return pinned + params
+        return pinned + (0 if self.config.shard_params else params)  # ZeRO-3: gathered for each use
 
 
 # Each placement's forecast by its policy class: the name was looked up once, by placement_type.

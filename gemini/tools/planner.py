@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import shutil
+import dataclasses
 from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -175,6 +176,8 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
     manager = ChunkManager(ChunkStorage(torch.device("cpu")), chunk_size=chunk_size, param_dtype=config.param_dtype,
                            world=world, shard_params=config.shard_params)
     layout = manager.layout(named_groups, frozen)
+    # The forecasts read shard_params as ZeRO-3 in effect (with one rank it shards nothing).
+    config = dataclasses.replace(config, shard_params=manager.shard_params)
     trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
     elem = config.param_dtype.itemsize
     buffer_bytes = sum(b.numel() * (elem if b.is_floating_point() else b.element_size()) for b in model.buffers())
@@ -233,9 +236,12 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
 # as initialize will on each rank and counts one rank's bytes: they equal that rank's report's
 # model_bytes_by_tier. The ranks on one host share its memory and its drive, so the host and NVMe
 # checks count ranks_per_host ranks against them (DeepSpeed's memory estimators ask for the GPUs
-# per node for the same reason). The predicted device peak is of one rank without ZeRO's own
-# buffers (the reduce-scatter buckets in flight; under shard_params the chunk group gathered
-# ahead of its use: [Note: the warm-up plans the prefetch]): the plan's note says so.
+# per node for the same reason). Under shard_params auto caches no parameters after its warm-up
+# (ZeRO-3 gathers them for each use), and the forecasts read ``config.shard_params`` as ZeRO-3 in
+# effect. The predicted device peak is of one rank (within 1% of each rank's measured peak in
+# tests/test_zero_loop.py) without ZeRO's own buffers (the reduce-scatter buckets in flight;
+# under shard_params the chunk group gathered ahead of its use: [Note: the warm-up plans the
+# prefetch]): the plan's note says so.
 def _ranks(config: GeminiConfig, world_size: int | None, ranks_per_host: int | None) -> tuple[int, int]:
     """(the ranks ZeRO shards across, those sharing one host): see [Note: a plan under ZeRO]."""
     for name, value in (("world_size", world_size), ("ranks_per_host", ranks_per_host)):
