@@ -118,7 +118,6 @@ def test_plans_that_evict_are_switched_within_the_budget(accumulate, caplog):
     assert not [r for r in caplog.records if "diverged" in r.getMessage()]
     _check(got, want, reports, budget)
     assert [s is IterationState.TRACING for s in states].count(True) == 2
-    assert all(r.h2d_bytes + r.d2h_bytes < 2 * 264_192 * 2 for r in reports[2:])  # not a warm-up's traffic
     period = 1 if accumulate else 2
     for step in range(2 + period, STEPS):
         same = reports[step - period]
