@@ -231,3 +231,20 @@ def test_gradients_edited_between_backward_passes_are_what_the_next_one_adds_ont
     states, reports, grads, data = _accumulate(config, between=between, before_step=before_step)
     _assert_trained_like(states, _reference_accumulating(data, between=between, before_step=before_step))
     assert ChunkState.DEVICE in grads[-2]  # edited where they stay
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_accumulated_low_precision_gradients_stay_and_train_as_placement_cpu(precision):
+    """bf16 / fp16 (its loss scaler reading the gradients the step brings to the host): the
+    accumulated gradients stay on the device and go to the host once a step, and training equals
+    placement cpu's (whose host Adam is the same) bit for bit."""
+    auto = gemini.GeminiConfig(device=DEVICE, placement="auto", gpu_margin_mem_ratio=0.0, chunk_size=8192,
+                               precision=precision, device_memory=roomy_budget("64MiB"))
+    cpu = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=8192, precision=precision)
+    states, reports, grads, _ = _accumulate(auto)
+    want, _, _, _ = _accumulate(cpu)
+    for step, (got, w) in enumerate(zip(states, want, strict=True)):
+        assert_params_close(got, w, rtol=0, atol=0, step=step)
+    grad_bytes = reports[-1].model_bytes_by_tier["host"]["grad"]
+    assert grad_bytes > 0 and all(r.d2h_bytes == grad_bytes for r in reports[1:])
+    assert set(grads[-1]) == {ChunkState.DEVICE}
