@@ -141,6 +141,11 @@ def test_planner_rank_counts_are_validated():
     for field, value in (("world_size", 0), ("ranks_per_host", 1.5), ("world_size", True)):
         with pytest.raises(ValueError, match=field):
             gemini.plan_placement(zw.make_net(), gemini.GeminiConfig(device="cpu"), **{field: value})
+    # More ranks on a host than in the run (one process here: no process group) is refused, not clamped.
+    for kwargs in (dict(ranks_per_host=2), dict(world_size=2, ranks_per_host=4)):
+        with pytest.raises(ValueError, match="ranks_per_host"):
+            gemini.plan_placement(zw.make_net(), gemini.GeminiConfig(device="cpu"), **kwargs)
+    assert gemini.plan_placement(zw.make_net(), gemini.GeminiConfig(device="cpu"), ranks_per_host=1).ranks_per_host == 1
 
 
 def test_ranks_agree_on_fp16_overflow_and_bf16_trains(tmp_path):

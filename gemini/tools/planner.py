@@ -255,8 +255,10 @@ def _ranks(config: GeminiConfig, world_size: int | None, ranks_per_host: int | N
         per_host = int(local) if world > 1 and local.isdigit() and int(local) > 0 else 1
     else:
         world = per_host = world_size  # planned ahead: on one host unless told otherwise
-    per_host = min(world, per_host if ranks_per_host is None else ranks_per_host)
-    return world, per_host
+    if ranks_per_host is not None and ranks_per_host > world:
+        raise ValueError(f"ranks_per_host={ranks_per_host} must be at most the {world} rank(s) ZeRO shards across "
+                         f"(world_size={world_size}, else the process group's)")
+    return world, min(world, per_host) if ranks_per_host is None else ranks_per_host
 
 
 def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups: list[int],
