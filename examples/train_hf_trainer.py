@@ -2,6 +2,7 @@
 
     python examples/train_hf_trainer.py
     python examples/train_hf_trainer.py --device cuda --budget 8GiB --weights path/to/llama --steps 100
+    torchrun --nproc-per-node 2 examples/train_hf_trainer.py    # ZeRO over two processes
 
 The model is built on the meta device (``accelerate.init_empty_weights``: no memory), its
 weights streamed from safetensors chunk group by chunk group straight into gemini's chunks
@@ -9,7 +10,8 @@ weights streamed from safetensors chunk group by chunk group straight into gemin
 real one, a folder as ``save_pretrained`` writes it). ``GeminiTrainer`` then trains it like
 ``transformers.Trainer`` would — learning rate schedule with warm-up, gradient accumulation,
 clipping, logging — under a device budget below the model's data, and ``save_model`` writes
-safetensors that ``from_pretrained`` loads. Needs ``pip install 'gemini-offload[hf]'``; without
+safetensors that ``from_pretrained`` loads. Under torchrun each process is a rank of gemini's
+ZeRO (its share of the chunks, its share of each batch), as DeepSpeed's ZeRO is under Trainer. Needs ``pip install 'gemini-offload[hf]'``; without
 it the script says so and exits cleanly.
 """
 
@@ -82,13 +84,16 @@ def main(argv: list[str] | None = None) -> int:
             model=model, args=training, weights=weights, train_dataset=_Tokens(4 * args.steps, args.seq, config.vocab_size),
             gemini_config=gemini.GeminiConfig(device=args.device, placement="auto", device_memory=args.budget))
         trainer.train()
-        for log in trainer.state.log_history:
+        main_process = trainer.is_world_process_zero()  # under torchrun: rank 0 prints and reloads
+        for log in trainer.state.log_history if main_process else ():
             if "loss" in log:
                 print(f"step {log['step']}: loss {log['loss']:.4f} grad_norm {log['grad_norm']:.3f} "
                       f"lr {log['learning_rate']:.2e} device peak {log['gemini_device_peak_mib']:.1f} MiB")
-        trainer.save_model(out / "final")
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
-        print(f"saved and reloaded with from_pretrained: {sum(t.numel() for t in reloaded.parameters())} parameters")
+        trainer.save_model(out / "final")  # every rank (a collective under ZeRO); rank 0 writes
+        if main_process:
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+            print(f"saved and reloaded with from_pretrained: {sum(t.numel() for t in reloaded.parameters())} "
+                  f"parameters; {trainer.gemini_world_size} rank(s)")
         trainer.close()
     return 0
 

@@ -21,6 +21,13 @@ torch. Here gemini owns the parameters, so:
   by chunk group (:func:`gemini.save_pretrained`), so ``AutoModel*.from_pretrained`` loads them;
   ``resume_from_checkpoint`` reads them back and restores the optimizer state exactly.
 - Each training log line carries the step's memory report: device peak and bytes per tier.
+- Under torchrun (several ranks) gemini's ZeRO shards the chunks over Trainer's process group.
+  The accelerator leaves the model unwrapped (DDP would all-reduce the gradients ZeRO already
+  reduce-scatters, and keep a second copy of them); Trainer's data loader still gives each rank
+  its share of every batch, and gradients are averaged as under DDP, so a run equals plain
+  Trainer's DDP run. The model is saved by every rank together (rank 0 writes), and a checkpoint's
+  optimizer state is one file per rank (:func:`gemini.save_checkpoint` ``sharded=True``, no
+  gathering), which resumes on the same number of ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("gemini.hf needs the 'hf' extra: pip install 'gemini-offload[hf]' "
                       "(transformers, safetensors, accelerate)") from e
 
+from gemini.checkpoint import load_checkpoint, save_checkpoint
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
 from gemini.module import GeminiModel
@@ -50,12 +58,28 @@ from gemini.parallel.zero import resolve_group
 __all__ = ["GeminiTrainer"]
 
 _MiB = 2**20
+# Under ZeRO a checkpoint's optimizer state: this folder, one file per rank (sharded, see the note).
+OPTIMIZER_SHARDS_NAME = "gemini_optimizer"
 
 
 class _GeminiAccelerator(accelerate.Accelerator):
     """The accelerator Trainer drives, with the backward pass and skipped steps gemini's."""
 
     gemini_optimizer: HybridAdam | None = None
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if self.gemini_optimizer is None or self.num_processes == 1 or not isinstance(model, GeminiModel):
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        # Several ranks: no DistributedDataParallel around the chunks (see the module's note).
+        if model not in self._models:
+            self._models.append(model)
+        dynamo = self.state.dynamo_plugin
+        if dynamo.backend != accelerate.utils.DynamoBackend.NO and not accelerate.utils.is_compiled_module(model):
+            if dynamo.use_regional_compilation:
+                raise ValueError("GeminiTrainer on several ranks compiles the whole model: regional compilation "
+                                 "(use_regional_compilation=True) is not supported")
+            model = torch.compile(model, **dynamo.to_kwargs())
+        return model
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.gemini_optimizer is None:
@@ -95,10 +119,7 @@ class GeminiTrainer(transformers.Trainer):
             raise ValueError(f"TrainingArguments.optim={args.optim!r} is not supported by GeminiTrainer: gemini "
                              f"trains with AdamW (HybridAdam); use optim='adamw_torch_fused' (the default)")
         config = _resolve_config(gemini_config, args)
-        if resolve_group(config.process_group) is not None:
-            # Trainer saves optimizer.pt on rank 0 alone; under ZeRO state_dict() is a collective.
-            raise ValueError("GeminiTrainer runs in one process: ZeRO (a process group of several ranks) is not "
-                             "supported under Trainer yet; train with gemini.initialize and your own loop")
+        self.gemini_world_size = _check_world(config, args)
         # Trainer's mixed precision would autocast and scale on top of gemini's own (see the note).
         args = dataclasses.replace(args, bf16=False, fp16=False)
         groups = self._param_groups(model, args)
@@ -148,16 +169,57 @@ class GeminiTrainer(transformers.Trainer):
         self.gemini_optimizer.close()
 
     # -------------------------------------------------------------------- checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.gemini_world_size == 1:
+            return super().save_model(output_dir, _internal_call)
+        # Every rank: a collective under ZeRO (some Trainer versions call _save on rank 0 alone).
+        self._save(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
-        save_pretrained(self.model, output_dir)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+        save_pretrained(self.model, output_dir)  # under ZeRO every rank gathers, rank 0 writes
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         load_pretrained_into(self.model, resume_from_checkpoint)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.gemini_world_size == 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Trainer writes optimizer.pt from rank 0's state_dict(), a gathering collective under ZeRO
+        # (every rank would hold the whole state): each rank writes its own shard instead.
+        save_checkpoint(os.path.join(output_dir, OPTIMIZER_SHARDS_NAME), self.model, self.gemini_optimizer,
+                        sharded=True)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        shards = None if checkpoint is None else os.path.join(checkpoint, OPTIMIZER_SHARDS_NAME)
+        if shards is None or not os.path.isdir(shards):
+            # Trainer's optimizer.pt: the consolidated state, which loads into any number of ranks.
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # This rank's file; on another number of ranks a FileNotFoundError says so (not a silent skip).
+        load_checkpoint(shards, self.model, self.gemini_optimizer, sharded=True)
+        scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+def _check_world(config: GeminiConfig, args) -> int:
+    """The number of ranks gemini shards over, which must be Trainer's: under torchrun Trainer
+    joins the process group first (``args.device`` sets it up), then gemini finds it."""
+    args.device  # noqa: B018 - Trainer's distributed setup (torchrun's process group), done once
+    comm = resolve_group(config.process_group)
+    world = 1 if comm is None else comm.world
+    if world != args.world_size:
+        raise ValueError(f"GeminiConfig.process_group has {world} rank(s) but Trainer runs {args.world_size} "
+                         f"process(es): leave process_group=None under Trainer (its world is used)")
+    return world
 
 
 def _resolve_config(config: GeminiConfig | None, args) -> GeminiConfig:

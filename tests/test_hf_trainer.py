@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -12,8 +13,10 @@ pytest.importorskip("safetensors")
 pytest.importorskip("accelerate")
 
 import gemini  # noqa: E402
-from gemini.hf import GeminiTrainer  # noqa: E402
+import hf_trainer_workers  # noqa: E402
+from gemini.hf import OPTIMIZER_SHARDS_NAME, GeminiTrainer  # noqa: E402
 from helpers import DEVICE  # noqa: E402
+from multiprocess import run_ranks  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -149,11 +152,59 @@ def test_fp16_overflow_skips_the_step_and_holds_the_scheduler(tmp_path):
     assert any(not torch.equal(after[k], before[k]) for k in before)
 
 
-def test_zero_under_trainer_is_refused_loudly(tmp_path, monkeypatch):
-    """Trainer saves optimizer.pt on rank 0 alone, a collective under ZeRO: refused, not a hang."""
+def test_a_process_group_other_than_trainers_is_refused(tmp_path, monkeypatch):
+    """gemini shards over Trainer's world: a group of another size (Trainer runs one process
+    here) would shard over ranks whose batches Trainer does not split."""
     import gemini.hf
 
-    monkeypatch.setattr(gemini.hf, "resolve_group", lambda group: object())  # as with 2 ranks
-    with pytest.raises(ValueError, match="one process"):
+    class _TwoRanks:
+        world = 2
+
+    monkeypatch.setattr(gemini.hf, "resolve_group", lambda group: _TwoRanks())
+    with pytest.raises(ValueError, match=r"process_group has 2 rank\(s\) but Trainer runs 1 process"):
         GeminiTrainer(model=_llama(), args=_args(tmp_path), train_dataset=_Tokens(),
                       gemini_config=gemini.GeminiConfig(device=DEVICE, placement="cpu"))
+
+
+def _ranks_record(folder):
+    return [json.loads((folder / f"record.rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_two_ranks_under_zero_equal_plain_trainer_with_ddp(tmp_path):
+    """torchrun's two processes: GeminiTrainer (ZeRO-2 under placement cpu, ZeRO-3 under auto)
+    trains and saves the model plain Trainer does with DDP, logs the same losses, norms and
+    evaluation losses, and is not wrapped in DDP (gemini reduce-scatters the gradients itself)."""
+    kinds = ["plain", "zero2-cpu", "zero3-auto"]
+    run_ranks(hf_trainer_workers.train_and_save, str(tmp_path), kinds, timeout_seconds=240)
+    want = _load(tmp_path / "plain")
+    want_logs, want_evals = (_ranks_record(tmp_path / "plain")[0][k] for k in ("logs", "eval_losses"))
+    assert len(want_logs) == 6 and len(want_evals) == 2
+    for kind in kinds[1:]:
+        _assert_models_close(_load(tmp_path / kind), want)
+        for rank, record in enumerate(_ranks_record(tmp_path / kind)):
+            assert record["unwrapped"], f"{kind} rank {rank}: the model was wrapped (DDP?)"
+            assert record["world_size"] == 2 and record["grad_reduce_bytes"] > 0, (kind, rank, record)
+            for got, w in zip(record["logs"], want_logs, strict=True):  # Trainer gathers the loss: every rank alike
+                assert got["loss"] == pytest.approx(w["loss"], rel=1e-5)
+                assert got["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+                assert got["learning_rate"] == pytest.approx(w["learning_rate"], rel=1e-9)
+            assert record["eval_losses"] == pytest.approx(want_evals, rel=1e-5)
+    assert max(h["grad_norm"] for h in want_logs) > 0.5  # clipping was active
+
+
+def test_two_ranks_resume_from_their_sharded_checkpoint_exactly(tmp_path):
+    """Under ZeRO a checkpoint's optimizer state is one file per rank (no gathering), data only;
+    resuming from it on two ranks gives the run that never stopped."""
+    run_ranks(hf_trainer_workers.resume, str(tmp_path), timeout_seconds=240)
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    shards = sorted(p.name for p in (ckpt / OPTIMIZER_SHARDS_NAME).iterdir())
+    assert shards == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    for name in shards:
+        torch.load(ckpt / OPTIMIZER_SHARDS_NAME / name, weights_only=True)  # data only
+    assert not (ckpt / "optimizer.pt").exists()
+    _assert_models_close(_load(tmp_path / "resumed"), _load(tmp_path / "straight"), rel=1e-6)
+    # One process cannot take two ranks' shards: said, not skipped (Trainer skips a missing optimizer.pt).
+    alone = GeminiTrainer(model=_llama(), args=_args(tmp_path / "alone"), train_dataset=_Tokens(),
+                          gemini_config=gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=4096))
+    with pytest.raises(FileNotFoundError, match="rank00000-of-00001.*world size that saved it"):
+        alone.train(resume_from_checkpoint=str(ckpt))
