@@ -165,13 +165,13 @@ class GeminiModel(NotCopyable, nn.Module):
                 full = src.payload()
             for t, slot, _ in entries:
                 if id(t) not in copies:
-                    copies[id(t)] = full[slot.offset : slot.end].view(slot.shape).detach().to("cpu", torch.float32,
-                                                                                              copy=True)
+                    copies[id(t)] = runtime.memory.to_host(full[slot.offset : slot.end].view(slot.shape),
+                                                           torch.float32)
         for key, t in own.items():
             if isinstance(t, nn.Parameter):
                 out[prefix + key] = copies[id(t)]
             else:
-                out[prefix + key] = t.detach().to("cpu", copy=True)
+                out[prefix + key] = runtime.memory.to_host(t)
         return out
 
     def _per_group(self, pairs: list[tuple[nn.Parameter, Any]], *, modify: bool):

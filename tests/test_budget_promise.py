@@ -118,6 +118,29 @@ def test_a_peak_exactly_at_the_budget_passes_and_one_byte_less_is_refused(placem
     assert where == "iteration" and _missing_bytes(err) == 1
 
 
+@pytest.mark.standin
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+def test_state_dicts_taken_inside_a_step_are_host_memory(placement):
+    """model.state_dict(), optimizer.state_dict() and sharded_state_dict() are copies on the CPU:
+    host memory beside a GPU. On the stand-in, taken between backward and step (inside the
+    measured window) and kept, they add nothing to the steps' measured peaks."""
+    def peaks(take: bool) -> list[int]:
+        base, _ = clone_pair(CFG)
+        gmodel, opt = gemini.initialize(base, _config(placement, 2**40), lr=1e-2)  # a budget: measured
+        kept, out = [], []
+        for x, y in batches(CFG, 3, batch=2, seq=16):
+            opt.backward(GPT.loss(gmodel(x), y))
+            if take:
+                kept += [gmodel.state_dict(), opt.state_dict(), opt.sharded_state_dict()]
+            opt.step()
+            opt.zero_grad()
+            out.append(opt.report.device_peak_bytes)
+        assert not take or kept[-2]["state"]  # the optimizer's state was there to copy
+        return out
+
+    assert peaks(take=True) == peaks(take=False)
+
+
 @pytest.mark.parametrize("placement", ["cuda", "static"])
 def test_the_chunks_kept_on_the_device_fit_the_budget_to_the_byte(placement):
     """cuda and static check at initialize that the chunks they keep on the device fit: a

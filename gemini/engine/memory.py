@@ -108,6 +108,17 @@ class DeviceMemory:
         with _disable_current_modes():
             yield
 
+    def to_host(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A copy of ``t`` in host memory, for the user (``state_dict()``'s values). On the CPU
+        stand-in the copy is host memory as it would be beside a GPU: made with the monitor quiet
+        and left out of it while it lives, so that a state_dict() taken inside a measured window
+        (between backward and step, or across a step GradScaler skipped) is not device memory."""
+        with self.quiet():
+            out = t.detach().to("cpu", dtype, copy=True)
+        if self._accounting is not None:
+            self._accounting.exclude(out)
+        return out
+
     # [Note: the step's non-model peak]
     # A report's device_non_model_peak_bytes is the most the device held besides model data
     # (chunks and buffers) at any time in the step. The monitor sees all bytes, and only

@@ -78,8 +78,9 @@ def full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, hyper: HyperSt
     index = _param_index(param_groups)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for g in rt.manager.trainable_groups:
-        steps = g.steps.cpu()
-        if not bool((steps > 0).any()):
+        steps = rt.memory.to_host(g.steps)  # what is returned is host memory, also on the stand-in
+        counts = steps.tolist()
+        if not any(counts):
             continue  # torch creates state at a parameter's first step
         with rt.resident(g, modify=False):
             if g.shard is not None:  # every rank's ranges, gathered (a collective)
@@ -87,12 +88,12 @@ def full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, hyper: HyperSt
             else:
                 m, v = (c.payload() for c in (g.exp_avg, g.exp_avg_sq))
             for slot, p in zip(g.slots, g.params):
-                if steps[slot.index] == 0:
+                if counts[slot.index] == 0:
                     continue
                 state[index[id(p)]] = {
-                    "step": steps[slot.index].clone(),
-                    "exp_avg": m[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
-                    "exp_avg_sq": v[slot.offset : slot.end].view(slot.shape).detach().cpu().clone(),
+                    "step": rt.memory.to_host(steps[slot.index]),
+                    "exp_avg": rt.memory.to_host(m[slot.offset : slot.end].view(slot.shape)),
+                    "exp_avg_sq": rt.memory.to_host(v[slot.offset : slot.end].view(slot.shape)),
                 }
     groups, extra = hyper
     for entry, hp in zip(groups, param_groups):
@@ -179,11 +180,11 @@ def sharded_state_dict(rt: GeminiRuntime, hyper: HyperState) -> dict[str, Any]:
     for g in rt.manager.groups:
         with rt.resident(g, modify=False) if g.trainable else contextlib.nullcontext():
             n = g.os_numel
-            entry = {"master": _master_range(g).detach().cpu().clone()}
+            entry = {"master": rt.memory.to_host(_master_range(g))}
             if g.trainable:
-                entry["exp_avg"] = g.exp_avg.payload()[:n].detach().cpu().clone()
-                entry["exp_avg_sq"] = g.exp_avg_sq.payload()[:n].detach().cpu().clone()
-                entry["steps"] = g.steps.detach().cpu().clone()
+                entry["exp_avg"] = rt.memory.to_host(g.exp_avg.payload()[:n])
+                entry["exp_avg_sq"] = rt.memory.to_host(g.exp_avg_sq.payload()[:n])
+                entry["steps"] = rt.memory.to_host(g.steps)
         groups[g.index] = entry
     param_groups, extra = hyper
     return {"layout": _layout_signature(rt), "groups": groups, "param_groups": param_groups, "gemini": extra}
