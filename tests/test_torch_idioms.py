@@ -296,6 +296,40 @@ def test_no_sync_accumulation_loop_trains_like_torch(name):
     _assert_same_run(got, want)
 
 
+@pytest.mark.parametrize("name", _names(["cpu", "cuda", "auto-evicting"]))
+def test_torch_autocast_and_grad_scaler_train_like_torch(name):
+    """torch.amp's recipe over fp32 chunks: autocast fp16, GradScaler's scale / unscale_ (in place
+    through p.grad) / clip_grad_norm_ / step (skipped while the scaled gradients overflow) /
+    update. The scale, the skipped steps and the parameters follow torch's."""
+    (ref, ref_opt), (gmodel, opt) = _pair(name)
+    data = batches(CFG, 2 * STEPS, batch=2, seq=16)
+
+    def amp_loop(model, optimizer):
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**24)  # overflows at first: steps skipped
+        scales, snapshots = [], []
+        for x, y in data:
+            with torch.autocast(DEVICE, dtype=torch.float16):
+                loss = GPT.loss(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scales.append(scaler.get_scale())
+            # Kept as numpy copies: a skipped step leaves auto's measured window open, where on the
+            # CPU stand-in a torch tensor kept alive would count as device memory.
+            snapshots.append({k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()})
+        return scales, [{k: torch.from_numpy(a) for k, a in s.items()} for s in snapshots]
+
+    want_scales, want = amp_loop(ref, ref_opt)
+    got_scales, got = amp_loop(gmodel, opt)
+    assert want_scales[0] < 2.0**24 and want_scales[-1] == want_scales[-2]  # skipped, then stepped
+    assert got_scales == want_scales
+    _assert_same_run(got, want)
+    assert not torch.equal(got[-1]["wte.weight"], got[0]["wte.weight"])  # steps landed
+
+
 def test_fp16_gradients_are_refused_loudly_and_model_clip_works():
     """Under fp16 the chunks hold loss-scaled gradients: torch's clip must fail loudly instead of
     clipping scaled values (or returning 0); model.clip_grad_norm_ returns the unscaled norm."""
