@@ -1,6 +1,6 @@
 """gemini-offload: train models whose parameters, gradients and Adam states exceed the device."""
 
-from gemini.checkpoint import load_checkpoint, save_checkpoint
+from gemini.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from gemini.config import GeminiConfig
 from gemini.initialize import initialize
 from gemini.optim.loss_scaler import DynamicLossScaler
@@ -27,6 +27,7 @@ __all__ = [
     "ReportRun",
     "TimelinePeriod",
     "WarmupTimeline",
+    "consolidate_checkpoint",
     "initialize",
     "load_checkpoint",
     "plan_placement",

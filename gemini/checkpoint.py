@@ -4,8 +4,11 @@
   ``nn.Module`` loads it) and ``optimizer.state_dict()`` (``torch.optim.AdamW``'s format), both
   gathered from every rank's shards and written by rank 0. It loads into any number of ranks:
   each rank takes its own range of every tensor.
-- Sharded: each rank writes its own ranges (``optimizer.sharded_state_dict()``) and the
-  module's buffers, with no communication; it loads only into the same world size and layout.
+- Sharded: each rank writes its own ranges (``optimizer.sharded_state_dict()``), the module's
+  buffers and a manifest of where each parameter lies, with no communication. It loads as it is
+  into the same world size and layout; into another, or with :func:`consolidate_checkpoint`
+  (``python -m gemini consolidate``), its files are made whole first ([Note: a sharded checkpoint
+  made whole] in gemini/consolidate.py).
 
 Under ZeRO both functions are collectives: every rank of the group calls them.
 
@@ -47,17 +50,15 @@ import torch
 from torch import nn
 
 from gemini.checkpoint_file import CheckpointCorruptionError, CheckpointDiskFullError, atomic_save, read_checkpoint
+from gemini.consolidate import SHARD_KEYS, consolidate_checkpoint, manifest, shard_file, shard_files
 from gemini.engine.load_transaction import LoadTransaction
 from gemini.module import GeminiModel
 from gemini.optim.hybrid_adam import HybridAdam
 
-__all__ = ["CheckpointCorruptionError", "CheckpointDiskFullError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointCorruptionError", "CheckpointDiskFullError", "consolidate_checkpoint", "load_checkpoint",
+           "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-
-def _shard_file(folder: Path, rank: int, world: int) -> Path:
-    return folder / f"rank{rank:05d}-of-{world:05d}.pt"
 
 
 def _buffers(model: GeminiModel) -> dict[str, torch.Tensor]:
@@ -78,8 +79,8 @@ def save_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     path = Path(path)
     if sharded:
         path.mkdir(parents=True, exist_ok=True)
-        atomic_save({"buffers": _buffers(model), "optimizer": optimizer.sharded_state_dict()},
-                     _shard_file(path, rank, world))
+        atomic_save({"buffers": _buffers(model), "optimizer": optimizer.sharded_state_dict(),
+                     "manifest": manifest(model, optimizer)}, shard_file(path, rank, world))
     else:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         if rank == 0:
@@ -96,10 +97,17 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     Reads with ``torch.load(weights_only=True)`` (a file holding pickled objects is refused with
     ``pickle.UnpicklingError``: loading never runs code from the file) and checks every tensor
     against its saved CRC-32 (``CheckpointCorruptionError`` names the tensor and the file) before
-    anything is loaded into the model or the optimizer."""
+    anything is loaded into the model or the optimizer. A sharded checkpoint of another world size
+    is made whole first (:func:`consolidate_checkpoint`: every rank reads every rank's file)."""
     path = Path(path)
     file = _file_to_load(path, optimizer, sharded=sharded)
-    state = read_checkpoint(file, keys=("buffers", "optimizer") if sharded else ("model", "optimizer"))
+    if file is None:  # another world's shards
+        file, sharded = path, False
+        state = consolidate_checkpoint(path)
+        logger.info("%s: a sharded checkpoint of another world size, made whole to load", path)
+    else:
+        keys, optional = (SHARD_KEYS, ("manifest",)) if sharded else (("model", "optimizer"), ())
+        state = read_checkpoint(file, keys=keys, optional=optional)  # files from before manifests load too
     model._runtime.manager.adopt_assigned()  # an assigned p.data is loaded into, as by load_state_dict
     with _named(file):  # every check before the first write; what fails names the file
         if sharded:
@@ -119,8 +127,9 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
         model._load_into(state["model"], tx)
 
 
-def _file_to_load(path: Path, optimizer: HybridAdam | None, *, sharded: bool) -> Path:
-    """The file ``load_checkpoint`` reads: ``path``, or with ``sharded`` this rank's file in it."""
+def _file_to_load(path: Path, optimizer: HybridAdam | None, *, sharded: bool) -> Path | None:
+    """The file ``load_checkpoint`` reads: ``path``, or with ``sharded`` this rank's file in it
+    (None: the folder holds the files of another world size only)."""
     if not sharded:
         if path.is_dir():
             raise ValueError(f"load_checkpoint({str(path)!r}): that is a folder; a sharded checkpoint (the folder "
@@ -132,12 +141,14 @@ def _file_to_load(path: Path, optimizer: HybridAdam | None, *, sharded: bool) ->
         raise ValueError(f"load_checkpoint({str(path)!r}, sharded=True): that is a file; sharded=True reads the "
                          f"folder save_checkpoint(..., sharded=True) wrote (load a file with sharded=False)")
     rank, world = optimizer._rt.manager.rank, optimizer._rt.manager.world
-    file = _shard_file(path, rank, world)
-    if not file.exists():
-        found = sorted(p.name for p in path.glob("rank*-of-*.pt"))
-        raise FileNotFoundError(f"no shard {file.name} in {path} for rank {rank} of {world} (found {found}); "
-                                f"a sharded checkpoint loads only into the world size that saved it")
-    return file
+    file = shard_file(path, rank, world)
+    if file.exists():
+        return file
+    worlds = sorted(shard_files(path))
+    if worlds and world not in worlds:
+        return None
+    raise FileNotFoundError(f"no shard {file.name} in {path} for rank {rank} of {world} (found the files of "
+                            f"{worlds or 'no'} sharded checkpoint(s) of that many ranks)")
 
 
 @contextlib.contextmanager

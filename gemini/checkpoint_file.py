@@ -146,11 +146,12 @@ def _canonical(obj: Any) -> tuple:
     return (type(obj).__name__, repr(obj))
 
 
-def _verify(state: dict[str, Any], file: Path, keys: tuple[str, ...]) -> None:
-    """Check the top-level ``keys``, the structure and every tensor against the CRC-32s saved
-    with them (files from before the checksums: what they have)."""
+def _verify(state: dict[str, Any], file: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """Check the top-level ``keys`` (those in ``optional`` may be absent: files written before
+    they existed), the structure and every tensor against the CRC-32s saved with them (files
+    from before the checksums: what they have)."""
     unexpected = sorted(set(state) - {*keys, _CHECKSUMS, _STRUCTURE}, key=str)
-    missing = [k for k in keys if k not in state]
+    missing = [k for k in keys if k not in state and k not in optional]
     if unexpected or missing:
         raise CheckpointCorruptionError(
             f"checkpoint {file} holds the keys {sorted(state, key=str)}, not {list(keys)}: it is damaged or not what "
@@ -276,9 +277,9 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
     _fsync_folder(folder)
 
 
-def read_checkpoint(file: Path, *, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The dict ``atomic_save`` wrote at ``file`` with the top-level ``keys``, verified (the checksums
-    removed). Anything wrong with the file raises one error naming it: ``CheckpointCorruptionError``
+def read_checkpoint(file: Path, *, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The dict ``atomic_save`` wrote at ``file`` with the top-level ``keys`` (those of ``optional``
+    may be missing), verified (the checksums removed). Anything wrong with the file raises one error naming it: ``CheckpointCorruptionError``
     (empty, truncated, damaged, not a checkpoint), ``pickle.UnpicklingError`` (it holds objects that
     loading would have to run code for), ``FileNotFoundError``."""
     if file.stat().st_size == 0:
@@ -305,7 +306,7 @@ def read_checkpoint(file: Path, *, keys: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointCorruptionError(f"checkpoint {file} holds a {type(state).__name__}, not the dict "
                                         f"save_checkpoint writes", path=str(file))
-    _verify(state, file, keys)
+    _verify(state, file, keys, optional)
     return state
 
 

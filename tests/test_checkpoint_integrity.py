@@ -136,3 +136,34 @@ def test_a_refused_sharded_load_leaves_the_buffers_as_they_were(tmp_path):
     after = other.state_dict()
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
     assert int(after["bn.num_batches_tracked"]) == 0 and int(model.state_dict()["bn.num_batches_tracked"]) == 3
+
+
+def test_a_sharded_checkpoint_is_made_whole_only_from_one_saves_files(tmp_path):
+    """Files of different saves (ranges that do not tile a chunk group) are refused naming the
+    file; a file from before the manifest still loads into its own world size, and making it
+    whole says why it cannot. Nothing is loaded by a refused load."""
+    from gemini.checkpoint_file import atomic_save
+
+    model, opt = _trained(steps=2, chunk_size=3000)
+    gemini.save_checkpoint(tmp_path / "one", model, opt, sharded=True)
+    mine = (tmp_path / "one" / "rank00000-of-00001.pt").read_bytes()
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for rank in range(2):  # each "rank" of two the whole group: the second range begins at 0 again
+        (mixed / f"rank{rank:05d}-of-00002.pt").write_bytes(mine)
+    with pytest.raises(CheckpointCorruptionError, match=r"rank00001-of-00002\.pt: chunk group 0's range begins at "
+                                                        r"element 0, the ranks before it end at [1-9]"):
+        gemini.consolidate_checkpoint(mixed)
+    other, other_opt = _trained(steps=1, chunk_size=3000)
+    before = _loaded(other, other_opt)
+    with pytest.raises(CheckpointCorruptionError, match="different saves"):
+        gemini.load_checkpoint(mixed, other, other_opt, sharded=True)  # another world's files: made whole
+    assert _same(_loaded(other, other_opt), before)
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    atomic_save({"buffers": {}, "optimizer": opt.sharded_state_dict()}, legacy / "rank00000-of-00001.pt")
+    with pytest.raises(ValueError, match="before sharded checkpoints carried a manifest: load it into 1 rank"):
+        gemini.consolidate_checkpoint(legacy)
+    gemini.load_checkpoint(legacy, other, other_opt, sharded=True)
+    assert _same(_loaded(other, other_opt), _loaded(model, opt))

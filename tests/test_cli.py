@@ -14,6 +14,7 @@ import sys
 from contextlib import redirect_stdout
 
 import pytest
+import torch
 
 import gemini
 from gemini.tools import cli, cli_commands
@@ -551,3 +552,39 @@ def test_plan_refuses_what_train_refuses(argv, field, capsys):
     assert field in capsys.readouterr().err
     assert main(["train", "--device", "cpu", *SMALL_GPT, "--steps", "1", *argv]) == 2
     assert field in capsys.readouterr().err
+
+
+def test_consolidate_writes_the_consolidated_checkpoint_of_a_sharded_one(tmp_path, capsys):
+    """``gemini consolidate FOLDER OUT`` (DeepSpeed's zero_to_fp32.py): the file save_checkpoint
+    writes unsharded, checksums included; it resumes a fresh model and optimizer exactly."""
+    from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+    def engine(seed):
+        torch.manual_seed(seed)
+        return gemini.initialize(GPT(cfg), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2048),
+                                 lr=1e-2, weight_decay=0.1)
+
+    model, opt = engine(0)
+    x, y = synthetic_batch(cfg, 2, 16)
+    for _ in range(2):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    gemini.save_checkpoint(tmp_path / "shards", model, opt, sharded=True)
+    assert main(["consolidate", str(tmp_path / "shards"), str(tmp_path / "whole.pt")]) == 0
+    assert "whole.pt" in capsys.readouterr().out
+    assert set(torch.load(tmp_path / "whole.pt", weights_only=True)) >= {"model", "optimizer", "checksums"}
+    other, other_opt = engine(1)
+    gemini.load_checkpoint(tmp_path / "whole.pt", other, other_opt)
+    for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    want, got = opt.state_dict(), other_opt.state_dict()
+    assert got["state"].keys() == want["state"].keys() and want["state"]
+    for i in want["state"]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["state"][i][key], want["state"][i][key]), (i, key)
+
+    assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "out.pt")]) == 2
+    assert "holds no sharded checkpoint" in capsys.readouterr().err

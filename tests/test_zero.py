@@ -165,9 +165,10 @@ def test_ranks_agree_on_fp16_overflow_and_bf16_trains(tmp_path):
 
 @pytest.mark.parametrize("shard_params", [False, True], ids=["zero2", "zero3"])
 def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
-    """2 ranks save (consolidated and sharded) after 2 steps; 1 rank resumes from the
-    consolidated file, 2 ranks from either; and 1 rank's consolidated file resumes in 2 ranks.
-    Every resumed run's last 2 steps equal the reference's."""
+    """2 ranks save (consolidated and sharded) after 2 steps; 1 rank resumes from either, 2 ranks
+    from either; 1 rank's checkpoints resume in 2 ranks. A sharded checkpoint of another world
+    size is made whole (gemini.consolidate_checkpoint), bit for bit the consolidated file of the
+    same step. Every resumed run's last 2 steps equal the reference's."""
     cfg = {"placement": "cpu", "chunk_size": CHUNK, "shard_params": shard_params}
     ref, _, _ = zw.train_reference(4)
     two = tmp_path / "two"
@@ -175,20 +176,43 @@ def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
     run_ranks(zw.checkpoint_round_trip, str(two), "save", cfg)
     run_ranks(zw.checkpoint_round_trip, str(two), "load_sharded", cfg)
     zw.checkpoint_round_trip(0, 1, str(two), "load_consolidated", cfg)  # in this process: one rank
+    zw.checkpoint_round_trip(0, 1, str(two), "load_sharded", cfg)  # two ranks' shards, made whole
+    whole = torch.load(two / "consolidated.pt", weights_only=True)
+    for key in ("checksums", "structure_crc32"):
+        whole.pop(key)
+    _assert_same_data(gemini.consolidate_checkpoint(two / "sharded"), whole)
     # A plain module loads the consolidated model part.
     plain = zw.make_net(seed=5)
-    plain.load_state_dict(torch.load(two / "consolidated.pt", weights_only=True)["model"])
+    plain.load_state_dict(whole["model"])
     _assert_close(plain.state_dict(), ref[1], "plain module from the 2-rank checkpoint")
     one = tmp_path / "one"
     one.mkdir()
     zw.checkpoint_round_trip(0, 1, str(one), "save", cfg)
     run_ranks(zw.checkpoint_round_trip, str(one), "load_consolidated", cfg)
+    run_ranks(zw.checkpoint_round_trip, str(one), "load_sharded", cfg)  # one rank's shard into two
     for folder, phase, world in [(two, "save", 2), (two, "load_sharded", 2), (two, "load_consolidated", 1),
-                                 (one, "load_consolidated", 2), (one, "save", 1)]:
+                                 (two, "load_sharded", 1), (one, "load_consolidated", 2), (one, "load_sharded", 2),
+                                 (one, "save", 1)]:
         for rank in range(world):
             states = torch.load(folder / f"{phase}_world{world}_rank{rank}.pt", weights_only=True)
             for step, got in enumerate(states):
                 _assert_close(got, ref[2 + step], f"{folder.name}/{phase} in {world} rank(s), rank {rank}, step {step}")
+
+
+def _assert_same_data(got, want, where: str = "") -> None:
+    """Equal containers, keys and values; tensors of equal dtype, shape and bits."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for k in want:
+            _assert_same_data(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same_data(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 def test_process_group_without_distributed_is_a_clear_error():

@@ -2,8 +2,9 @@
 
 Commands: ``demo`` (a GPT several times the device budget, trained with per-step reports),
 ``train`` (a GPT of a chosen size under any placement and budgets), ``tune-margin`` (the
-margin tuner), ``report`` (summarise and plot a JSON Lines file of reports) and ``plan``
-(before training: whether a model fits and where its bytes will go). This module builds the
+margin tuner), ``report`` (summarise and plot a JSON Lines file of reports), ``plan``
+(before training: whether a model fits and where its bytes will go) and ``consolidate`` (a
+sharded checkpoint made one file for any number of ranks). This module builds the
 parser and runs a command, showing the user's errors without a traceback; the options are in
 :mod:`gemini.tools.cli_options`, what each command runs in :mod:`gemini.tools.cli_commands`.
 """
@@ -16,7 +17,7 @@ import re
 import sys
 
 from gemini.engine.memory import DeviceBudgetError
-from gemini.tools.cli_commands import cmd_demo, cmd_plan, cmd_report, cmd_train, cmd_tune_margin
+from gemini.tools.cli_commands import cmd_consolidate, cmd_demo, cmd_plan, cmd_report, cmd_train, cmd_tune_margin
 from gemini.tools.cli_options import HelpFormatter, add_engine_args, add_margin_arg, add_model_args, add_output_args
 from gemini.tools.cli_options import POSITIVE, add_run_args, check_arguments, int_in, number_in, ratio_list, run_number
 from gemini.tools.tune import DEFAULT_RATIOS
@@ -116,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks sharing one host's memory and drive (default: all of --world-size)")
     z.add_argument("--shard-params", action="store_true", help="ZeRO-3: each rank keeps 1/world of the parameters")
     pl.set_defaults(func=cmd_plan)
+
+    c = command("consolidate", "make a sharded checkpoint (one file per rank) one file for any number of ranks",
+                "Read every rank's file of a checkpoint saved with save_checkpoint(..., sharded=True) (or by "
+                "GeminiTrainer on several ranks: checkpoint-N/gemini_optimizer) and write the consolidated "
+                "checkpoint: the model's fp32 state_dict and AdamW's optimizer state, as "
+                "save_checkpoint(..., sharded=False) writes it (DeepSpeed's zero_to_fp32.py).")
+    c.add_argument("folder", help="the sharded checkpoint's folder (rank00000-of-0000N.pt, ...)")
+    c.add_argument("out", help="the consolidated checkpoint file to write")
+    c.set_defaults(func=cmd_consolidate)
     return p
 
 

@@ -2,8 +2,8 @@
 
 ``demo`` and ``train`` train a seeded GPT on one synthetic batch with a line per step,
 ``tune-margin`` runs the margin tuner on that GPT, ``report`` summarises (and plots) a JSON
-Lines file of reports, ``plan`` plans a GPT built on the meta device. Each returns the exit
-status; the parser and error handling are in :mod:`gemini.tools.cli`.
+Lines file of reports, ``plan`` plans a GPT built on the meta device, ``consolidate`` makes a
+sharded checkpoint whole. Each returns the exit status; the parser and error handling are in :mod:`gemini.tools.cli`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
+from gemini.checkpoint_file import atomic_save
 from gemini.config import CONFIG_DEFAULTS, GeminiConfig
+from gemini.consolidate import consolidate_checkpoint
 from gemini.initialize import initialize
 from gemini.policies import StaticPlacement, placement_type
 from gemini.report import MemoryReport, ReportRun, WarmupTimeline, read_report_runs
@@ -28,7 +31,7 @@ from gemini.tools.tune import tune_margin
 from gemini.tools.tune_results import MarginTrial
 from offload import format_size
 
-__all__ = ["cmd_demo", "cmd_plan", "cmd_report", "cmd_train", "cmd_tune_margin"]
+__all__ = ["cmd_consolidate", "cmd_demo", "cmd_plan", "cmd_report", "cmd_train", "cmd_tune_margin"]
 
 
 # ------------------------------------------------------------------------ model and config
@@ -265,3 +268,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.table())
     return 0 if plan.fits else 1
 
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    whole = consolidate_checkpoint(args.folder)
+    atomic_save(whole, Path(args.out))  # with checksums, durable: what save_checkpoint(..., sharded=False) writes
+    state = whole["optimizer"]["state"]
+    print(f"{args.out}: {len(whole['model'])} model entries, optimizer state of {len(state)} parameters "
+          f"(load_checkpoint into any number of ranks; torch.load(..., weights_only=True)['model'] into a plain module)")
+    return 0
