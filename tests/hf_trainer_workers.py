@@ -27,7 +27,10 @@ def _trainer(kind: str, out: Path, *, model_seed: int = 0, eval_rows: int = 0, *
     data = dict(train_dataset=_Tokens(), eval_dataset=_Tokens(eval_rows) if eval_rows else None)
     if kind == "plain":
         return transformers.Trainer(model=_llama(model_seed), args=_args(out, **args), **data)
-    fields = {"zero2-cpu": dict(placement="cpu"), "zero3-auto": dict(placement="auto", shard_params=True)}[kind]
+    if kind == "zero2-compiled":  # Trainer's torch_compile: the accelerator compiles the unwrapped model
+        args.update(torch_compile=True, torch_compile_backend="aot_eager")
+    fields = {"zero2-cpu": dict(placement="cpu"), "zero3-auto": dict(placement="auto", shard_params=True),
+              "zero2-compiled": dict(placement="auto")}[kind]
     cfg = gemini.GeminiConfig(device="cpu", chunk_size=4096, **fields)
     return GeminiTrainer(model=_llama(model_seed), args=_args(out, **args), gemini_config=cfg, **data)
 
@@ -40,7 +43,9 @@ def _record(trainer, kind: str, out: Path, rank: int) -> None:
         from gemini.module import GeminiModel
 
         report = trainer.gemini_optimizer.report
-        record.update(unwrapped=trainer.model_wrapped is trainer.model and isinstance(trainer.model, GeminiModel),
+        inner = getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped)  # under torch.compile
+        record.update(unwrapped=inner is trainer.model and isinstance(trainer.model, GeminiModel),
+                      compiled=inner is not trainer.model_wrapped,
                       world_size=report.world_size, grad_reduce_bytes=report.grad_reduce_bytes)
     (out / f"record.rank{rank}.json").write_text(json.dumps(record))
 

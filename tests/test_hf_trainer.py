@@ -171,10 +171,10 @@ def _ranks_record(folder):
 
 
 def test_two_ranks_under_zero_equal_plain_trainer_with_ddp(tmp_path):
-    """torchrun's two processes: GeminiTrainer (ZeRO-2 under placement cpu, ZeRO-3 under auto)
-    trains and saves the model plain Trainer does with DDP, logs the same losses, norms and
+    """torchrun's two processes: GeminiTrainer (ZeRO-2 under placement cpu, ZeRO-3 under auto,
+    ZeRO-2 under auto compiled by Trainer's torch_compile) trains and saves the model plain Trainer does with DDP, logs the same losses, norms and
     evaluation losses, and is not wrapped in DDP (gemini reduce-scatters the gradients itself)."""
-    kinds = ["plain", "zero2-cpu", "zero3-auto"]
+    kinds = ["plain", "zero2-cpu", "zero3-auto", "zero2-compiled"]
     run_ranks(hf_trainer_workers.train_and_save, str(tmp_path), kinds, timeout_seconds=240)
     want = _load(tmp_path / "plain")
     want_logs, want_evals = (_ranks_record(tmp_path / "plain")[0][k] for k in ("logs", "eval_losses"))
@@ -183,6 +183,7 @@ def test_two_ranks_under_zero_equal_plain_trainer_with_ddp(tmp_path):
         _assert_models_close(_load(tmp_path / kind), want)
         for rank, record in enumerate(_ranks_record(tmp_path / kind)):
             assert record["unwrapped"], f"{kind} rank {rank}: the model was wrapped (DDP?)"
+            assert record["compiled"] == (kind == "zero2-compiled"), (kind, rank)
             assert record["world_size"] == 2 and record["grad_reduce_bytes"] > 0, (kind, rank, record)
             for got, w in zip(record["logs"], want_logs, strict=True):  # Trainer gathers the loss: every rank alike
                 assert got["loss"] == pytest.approx(w["loss"], rel=1e-5)
