@@ -73,3 +73,25 @@ def resume(rank: int, world: int, root: str) -> None:
     resumed = _trainer("zero2-cpu", Path(root) / "run", model_seed=99)
     resumed.train(resume_from_checkpoint=f"{root}/run/checkpoint-3")
     resumed.save_model(f"{root}/resumed")
+
+
+def generate(rank: int, world: int, root: str) -> None:
+    """ZeRO-3 generation of different lengths per rank with ``synced_gpus=True``, and the same
+    with the plain model, token ids saved per rank."""
+    import torch
+    import transformers
+
+    import gemini
+    from test_hf_trainer import VOCAB, _llama
+
+    transformers.logging.set_verbosity_error()
+    plain = _llama().eval()
+    model, _ = gemini.initialize(_llama(), gemini.GeminiConfig(device="cpu", chunk_size=4096, placement="cpu",
+                                                               shard_params=True))
+    model.eval()
+    prompt = torch.randint(0, VOCAB, (1, 4 + rank), generator=torch.Generator().manual_seed(rank))
+    new = 3 + 4 * rank  # rank 0 stops first and keeps running forwards for rank 1's gathers
+    with torch.no_grad():
+        got = model.generate(prompt, max_new_tokens=new, do_sample=False, synced_gpus=True, pad_token_id=0)
+        want = plain.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    (Path(root) / f"generate.rank{rank}.json").write_text(json.dumps({"got": got.tolist(), "want": want.tolist()}))

@@ -212,3 +212,13 @@ def test_two_ranks_resume_from_their_sharded_checkpoint_exactly(tmp_path):
     alone.train(resume_from_checkpoint=str(ckpt))
     alone.save_model(tmp_path / "alone")
     _assert_models_close(_load(tmp_path / "alone"), _load(tmp_path / "straight"), rel=1e-5)
+
+
+def test_generate_under_zero3_with_synced_gpus_equals_plain_generate(tmp_path):
+    """Under ZeRO-3 every forward gathers parameters with every rank: ranks generating different
+    lengths keep step with synced_gpus=True (as under DeepSpeed ZeRO-3 and FSDP) and produce the
+    plain model's tokens."""
+    run_ranks(hf_trainer_workers.generate, str(tmp_path), timeout_seconds=120)
+    for rank in range(2):
+        out = json.loads((tmp_path / f"generate.rank{rank}.json").read_text())
+        assert out["got"] == out["want"] and len(out["got"][0]) == 4 + rank + 3 + 4 * rank, (rank, out)
