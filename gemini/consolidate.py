@@ -12,6 +12,8 @@ masters, tied parameters under each of their keys) and AdamW's optimizer state. 
 any number of ranks, and into a plain ``nn.Module`` and ``torch.optim.AdamW``; so a sharded
 checkpoint is no longer tied to the world size that wrote it. Every file is read with its
 checksums verified; ranges that do not tile their group (a file from another save) are refused.
+Memory: the whole checkpoint once (each group's ranges are dropped as they are laid end to end,
+and the tensors returned are views of the groups laid out), as DeepSpeed's script needs too.
 """
 
 from __future__ import annotations
@@ -147,9 +149,9 @@ def _whole_groups(shards: list[dict[str, Any]]):
                     f"{file}: chunk group {group}'s range begins at element {start}, the ranks before it end at {end}: "
                     f"the folder mixes files of different saves", path=str(file))
             end += entry["master"].numel()
-        masters[group] = torch.cat([entry["master"] for _, entry, _ in pieces])
+        masters[group] = torch.cat([entry.pop("master") for _, entry, _ in pieces])
         if "exp_avg" in pieces[0][1]:
-            moments[group] = tuple(torch.cat([entry[k] for _, entry, _ in pieces]) for k in ("exp_avg", "exp_avg_sq"))
+            moments[group] = tuple(torch.cat([entry.pop(k) for _, entry, _ in pieces]) for k in ("exp_avg", "exp_avg_sq"))
             steps[group] = pieces[0][1]["steps"]
     return masters, moments, steps
 
@@ -160,4 +162,4 @@ def _cut(flat: torch.Tensor, offset: int, shape: list[int], what: str, file: Pat
         raise CheckpointCorruptionError(f"{file}: {what} ends at element {offset + n} of a chunk group whose ranks "
                                         f"hold {flat.numel()}: the folder mixes files of different saves",
                                         path=str(file))
-    return flat[offset : offset + n].view(shape).clone()
+    return flat[offset : offset + n].view(shape)
