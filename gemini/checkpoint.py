@@ -6,7 +6,7 @@
   each rank takes its own range of every tensor.
 - Sharded: each rank writes its own ranges (``optimizer.sharded_state_dict()``), the module's
   buffers and a manifest of where each parameter lies, with no communication. It loads as it is
-  into the same world size and layout; into another, or with :func:`consolidate_checkpoint`
+  into the same world size, chunk layout and precision; into others, or with :func:`consolidate_checkpoint`
   (``python -m gemini consolidate``), its files are made whole first ([Note: a sharded checkpoint
   made whole] in gemini/consolidate.py).
 
@@ -97,17 +97,23 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     Reads with ``torch.load(weights_only=True)`` (a file holding pickled objects is refused with
     ``pickle.UnpicklingError``: loading never runs code from the file) and checks every tensor
     against its saved CRC-32 (``CheckpointCorruptionError`` names the tensor and the file) before
-    anything is loaded into the model or the optimizer. A sharded checkpoint of another world size
-    is made whole first (:func:`consolidate_checkpoint`: every rank reads every rank's file)."""
+    anything is loaded into the model or the optimizer. A sharded checkpoint of another world size,
+    chunk layout or precision is made whole first (:func:`consolidate_checkpoint`: every rank
+    reads every rank's file)."""
     path = Path(path)
     file = _file_to_load(path, optimizer, sharded=sharded)
-    if file is None:  # another world's shards
-        file, sharded = path, False
-        state = consolidate_checkpoint(path)
-        logger.info("%s: a sharded checkpoint of another world size, made whole to load", path)
-    else:
+    if file is not None:
         keys, optional = (SHARD_KEYS, ("manifest",)) if sharded else (("model", "optimizer"), ())
         state = read_checkpoint(file, keys=keys, optional=optional)  # files from before manifests load too
+    # Another world's shards, or another chunk layout or precision: made whole, loaded as one.
+    if file is not None and sharded and "manifest" in state:
+        with _named(file):
+            if not optimizer.fits_sharded_state_dict(state["optimizer"]):
+                file = None
+    if file is None:
+        file, sharded = path, False
+        state = consolidate_checkpoint(path)
+        logger.info("%s: a sharded checkpoint of another world size or layout, made whole to load", path)
     model._runtime.manager.adopt_assigned()  # an assigned p.data is loaded into, as by load_state_dict
     with _named(file):  # every check before the first write; what fails names the file
         if sharded:

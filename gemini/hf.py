@@ -27,7 +27,7 @@ torch. Here gemini owns the parameters, so:
   its share of every batch, and gradients are averaged as under DDP, so a run equals plain
   Trainer's DDP run. The model is saved by every rank together (rank 0 writes), and a checkpoint's
   optimizer state is one file per rank (:func:`gemini.save_checkpoint` ``sharded=True``, no
-  gathering); it resumes on any number of ranks (made whole where the number differs).
+  gathering); it resumes on any number of ranks (made whole where the number or layout differs).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class GeminiTrainer(transformers.Trainer):
         if shards is None or not os.path.isdir(shards):
             # Trainer's optimizer.pt: the consolidated state, which loads into any number of ranks.
             return super()._load_optimizer_and_scheduler(checkpoint)
-        # This rank's file; shards of another number of ranks are made whole (gemini/consolidate.py).
+        # This rank's file; shards of another number of ranks or layout are made whole (gemini/consolidate.py).
         load_checkpoint(shards, self.model, self.gemini_optimizer, sharded=True)
         scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
         if os.path.isfile(scheduler):

@@ -118,24 +118,46 @@ class _Net(nn.Module):
         return self.l2(torch.relu(self.bn(self.l1(x))))
 
 
-def test_a_refused_sharded_load_leaves_the_buffers_as_they_were(tmp_path):
-    """Another precision refuses a sharded checkpoint before anything, the module's buffers too,
-    is written (as the consolidated load does)."""
-    model, opt = gemini.initialize(_Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu"), lr=1e-2)
+def _net_trained(steps: int = 3, weight_decay: float = 0.1, **cfg):
+    model, opt = gemini.initialize(_Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu", **cfg), lr=1e-2,
+                                   weight_decay=weight_decay)
     x, y = torch.randn(8, 16, device=DEVICE), torch.randn(8, 4, device=DEVICE)
-    for _ in range(3):
+    for _ in range(steps):
         opt.backward(((model(x) - y) ** 2).mean())
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def test_a_refused_sharded_load_leaves_the_buffers_as_they_were(tmp_path):
+    """Another weight-decay mode refuses a sharded checkpoint before anything, the module's
+    buffers too, is written (as the consolidated load does)."""
+    model, opt = _net_trained()
     gemini.save_checkpoint(tmp_path / "sharded", model, opt, sharded=True)
-    other, other_opt = gemini.initialize(_Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu",
-                                                                     precision="bf16"), lr=1e-2)
+    other, other_opt = gemini.initialize(_Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu"), lr=1e-2,
+                                         weight_decay=0.1, adamw_mode=False)
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path))}.*precision 'fp32', this run 'bf16'"):
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path))}.*adamw_mode=True"):
         gemini.load_checkpoint(tmp_path / "sharded", other, other_opt, sharded=True)
     after = other.state_dict()
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
     assert int(after["bn.num_batches_tracked"]) == 0 and int(model.state_dict()["bn.num_batches_tracked"]) == 3
+
+
+@pytest.mark.parametrize("other", [dict(chunk_size=1024), dict(precision="bf16")], ids=["chunk_size", "bf16"])
+def test_a_sharded_checkpoint_loads_into_another_layout_as_the_consolidated_one(tmp_path, other):
+    """Another chunk layout or precision than the save's: the shards are made whole and loaded
+    as the consolidated file of the same step is (before: a ValueError to use state_dict())."""
+    model, opt = _net_trained(chunk_size=4096)
+    gemini.save_checkpoint(tmp_path / "sharded", model, opt, sharded=True)
+    gemini.save_checkpoint(tmp_path / "whole.pt", model, opt)
+    loaded = []
+    for path, sharded in ((tmp_path / "sharded", True), (tmp_path / "whole.pt", False)):
+        m, o = _net_trained(steps=0, **other)
+        gemini.load_checkpoint(path, m, o, sharded=sharded)
+        loaded.append(_loaded(m, o))
+    assert _same(loaded[0], loaded[1])
+    assert int(loaded[0][0]["bn.num_batches_tracked"]) == 3 and loaded[0][1]  # buffers and states came
 
 
 def test_a_sharded_checkpoint_is_made_whole_only_from_one_saves_files(tmp_path):

@@ -323,6 +323,11 @@ class HybridAdam(torch.optim.Optimizer):
         with LoadTransaction(self._rt) as tx:  # all or nothing: [Note: a load is all or nothing]
             self._load_sharded(state_dict, tx)
 
+    def fits_sharded_state_dict(self, state_dict: dict[str, Any]) -> bool:
+        """Whether ``state_dict`` (``sharded_state_dict``'s) was saved with this run's ranks,
+        precision and chunk layout, so that it loads as it is."""
+        return formats.same_layout(self._rt, state_dict)
+
     def check_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise what :meth:`load_sharded_state_dict` would raise for ``state_dict``, changing nothing."""
         self._check_loadable(state_dict)

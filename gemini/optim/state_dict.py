@@ -35,6 +35,7 @@ __all__ = [
     "check_sharded_state_dict",
     "load_hyper_state",
     "load_sharded_state_dict",
+    "same_layout",
     "sharded_state_dict",
 ]
 
@@ -190,11 +191,21 @@ def sharded_state_dict(rt: GeminiRuntime, hyper: HyperState) -> dict[str, Any]:
     return {"layout": _layout_signature(rt), "groups": groups, "param_groups": param_groups, "gemini": extra}
 
 
+_LAYOUT_KEYS = ("world", "rank", "precision", "capacities")
+
+
+def same_layout(rt: GeminiRuntime, state_dict: dict[str, Any]) -> bool:
+    """Whether ``sharded_state_dict``'s ranges fit this run as they are (else the checkpoint
+    must be made whole: gemini/consolidate.py)."""
+    saved, mine = state_dict["layout"], _layout_signature(rt)
+    return all(saved[key] == mine[key] for key in _LAYOUT_KEYS)
+
+
 def check_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> None:
     """Every check of :func:`load_sharded_state_dict`, before any write: the same ranks, precision
     and chunk layout, and every group's entry with its ranges' sizes."""
     saved, mine = state_dict["layout"], _layout_signature(rt)
-    for key in ("world", "rank", "precision", "capacities"):
+    for key in _LAYOUT_KEYS:
         if saved[key] != mine[key]:
             shown = (lambda v: f"{v[:4]}{'...' if len(v) > 4 else ''} ({len(v)} chunk group(s))") if key == "capacities" else repr
             raise ValueError(f"sharded optimizer state has {key} {shown(saved[key])}, this run "
