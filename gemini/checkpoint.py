@@ -62,8 +62,8 @@ logger = logging.getLogger(__name__)
 
 
 def _buffers(model: GeminiModel) -> dict[str, torch.Tensor]:
-    own = model.module.state_dict(keep_vars=True)
-    return {k: v.detach().cpu().clone() for k, v in own.items() if not isinstance(v, nn.Parameter)}
+    own, memory = model.module.state_dict(keep_vars=True), model._runtime.memory
+    return {k: memory.to_host(v) for k, v in own.items() if not isinstance(v, nn.Parameter)}
 
 
 def save_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: HybridAdam, *,
