@@ -28,6 +28,8 @@ torch. Here gemini owns the parameters, so:
   Trainer's DDP run. The model is saved by every rank together (rank 0 writes), and a checkpoint's
   optimizer state is one file per rank (:func:`gemini.save_checkpoint` ``sharded=True``, no
   gathering); it resumes on any number of ranks (made whole where the number or layout differs).
+The accelerator is :class:`GeminiAccelerator`, which a loop of one's own under ``accelerate
+launch`` uses too.
 """
 
 from __future__ import annotations
@@ -55,37 +57,56 @@ from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import load_pretrained_into, save_pretrained
 from gemini.parallel.zero import resolve_group
 
-__all__ = ["GeminiTrainer"]
+__all__ = ["GeminiAccelerator", "GeminiTrainer"]
 
 _MiB = 2**20
 # Under ZeRO a checkpoint's optimizer state: this folder, one file per rank (sharded, see the note).
 OPTIMIZER_SHARDS_NAME = "gemini_optimizer"
 
 
-class _GeminiAccelerator(accelerate.Accelerator):
-    """The accelerator Trainer drives, with the backward pass and skipped steps gemini's."""
+class GeminiAccelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` for a model and optimizer from :func:`gemini.initialize` (the
+    one GeminiTrainer drives too); every argument is Accelerator's.
+
+        accelerator = GeminiAccelerator(gradient_accumulation_steps=4)
+        model, optimizer = gemini.initialize(model, config, lr=3e-4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    What it changes, and why (see [Note: what GeminiTrainer changes in Trainer]):
+    - ``prepare`` never wraps gemini's model for data parallelism: under ``accelerate launch`` /
+      torchrun gemini's ZeRO averages the gradients over the ranks itself, and DDP around it
+      would reduce the gradients a rank no longer holds whole (mixed precision and
+      ``torch.compile`` are applied as for any model);
+    - ``backward`` goes through the gemini optimizer's (the loss scaled under fp16), after the
+      division by the accumulation steps Accelerator's own makes;
+    - ``clip_grad_norm_(model.parameters(), ...)`` clips with ``model.clip_grad_norm_``, which
+      works under every placement, fp16 and ZeRO, where torch's sees placeholders;
+    - ``optimizer_step_was_skipped`` is the gemini step's (fp16 overflow).
+    """
 
     gemini_optimizer: HybridAdam | None = None
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
-        if self.gemini_optimizer is None or self.num_processes == 1 or not isinstance(model, GeminiModel):
-            return super().prepare_model(model, device_placement, evaluation_mode)
-        # Several ranks: no DistributedDataParallel around the chunks (see the module's note).
-        if model not in self._models:
-            self._models.append(model)
-        dynamo = self.state.dynamo_plugin
-        if dynamo.backend != accelerate.utils.DynamoBackend.NO and not accelerate.utils.is_compiled_module(model):
-            if dynamo.use_regional_compilation:
-                raise ValueError("GeminiTrainer on several ranks compiles the whole model: regional compilation "
-                                 "(use_regional_compilation=True) is not supported")
-            model = torch.compile(model, **dynamo.to_kwargs())
-        return model
+        # Accelerator's evaluation mode is all of its preparation but the data-parallel wrapping.
+        return super().prepare_model(model, device_placement, evaluation_mode or isinstance(model, GeminiModel))
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        if isinstance(optimizer, HybridAdam):
+            self.gemini_optimizer = optimizer
+        return super().prepare_optimizer(optimizer, device_placement)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.gemini_optimizer is None:
-            super().backward(loss, **kwargs)
-        else:
-            self.gemini_optimizer.backward(loss)  # scales the loss under fp16
+            return super().backward(loss, **kwargs)
+        # Accelerator's own division (GeminiTrainer's Accelerator accumulates over 1 step: Trainer divides).
+        self.gemini_optimizer.backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2):
+        parameters = list(parameters)
+        for model in self._models:
+            if isinstance(model, GeminiModel) and _same_tensors(parameters, model.parameters()):
+                return model.clip_grad_norm_(max_norm, norm_type)
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -93,6 +114,11 @@ class _GeminiAccelerator(accelerate.Accelerator):
         if opt is not None and opt.report is not None:
             return bool(opt.report.skipped)  # fp16 overflow: Trainer then holds the scheduler too
         return super().optimizer_step_was_skipped
+
+
+def _same_tensors(a: list[torch.Tensor], b) -> bool:
+    b = list(b)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class GeminiTrainer(transformers.Trainer):
@@ -131,7 +157,7 @@ class GeminiTrainer(transformers.Trainer):
         super().__init__(model=wrapped, args=args, optimizers=(optimizer, kwargs.pop("optimizers", (None, None))[1]),
                          **kwargs)
         # The accelerator Trainer made, with gemini's backward (one class swap, no global patch).
-        self.accelerator.__class__ = _GeminiAccelerator
+        self.accelerator.__class__ = GeminiAccelerator
         self.accelerator.gemini_optimizer = optimizer
         self.args._n_gpu = 1  # one process drives the device; never nn.DataParallel around the chunks
 

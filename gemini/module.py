@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from chunks import ChunkGroup, ChunkState, TensorSlot
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
     from gemini.engine.runtime import GeminiRuntime
 
 __all__ = ["GeminiModel"]
+
+# The code of DistributedDataParallel's method that calls the module it wraps (None elsewhere).
+_DDP_CALLS_MODULE = getattr(getattr(DistributedDataParallel, "_run_ddp_forward", None), "__code__", None)
 
 
 class _IncompatibleKeys(NamedTuple):
@@ -60,6 +65,13 @@ class GeminiModel(NotCopyable, nn.Module):
         skip_call_frame(GeminiModel.__call__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_code is _DDP_CALLS_MODULE:  # f_code only: reading f_locals would keep them alive
+            # Its reducer would all-reduce p.grad, which under ZeRO a rank holds only in part (a
+            # placeholder, or no gradient at all under ZeRO-3): refused before anything runs.
+            raise RuntimeError(
+                "gemini's model is wrapped in DistributedDataParallel (by DDP(...) or accelerate's prepare): gemini "
+                "averages the gradients over the ranks itself (ZeRO over GeminiConfig.process_group), so call it "
+                "unwrapped; with accelerate, use gemini.hf.GeminiAccelerator in place of accelerate.Accelerator")
         # The forward that searches for parameters of a descendant read by its ancestor runs
         # uncompiled, decided here in plain Python: see [Note: the search forward runs uncompiled].
         hooks = self._runtime.hooks

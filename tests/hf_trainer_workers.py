@@ -95,3 +95,73 @@ def generate(rank: int, world: int, root: str) -> None:
         got = model.generate(prompt, max_new_tokens=new, do_sample=False, synced_gpus=True, pad_token_id=0)
         want = plain.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
     (Path(root) / f"generate.rank{rank}.json").write_text(json.dumps({"got": got.tolist(), "want": want.tolist()}))
+
+
+def accelerate_loop(rank: int, world: int, root: str, kinds: list[str]) -> None:
+    """A plain accelerate loop (``accelerate launch``'s): accumulation over 2 micro-batches,
+    ``accelerator.clip_grad_norm_``; "plain" is accelerate's Accelerator with DDP and torch's
+    AdamW, the others gemini's model and optimizer under GeminiAccelerator. Per kind and rank:
+    the losses, norms and final parameters; a gemini kind also saves its state with
+    ``save_state`` and loads it into a fresh model and optimizer, recording whether they match.
+    Last, plain Accelerator around gemini's model: the error its forward raises."""
+    import accelerate
+    import torch
+    import transformers
+
+    import gemini
+    from gemini.hf import GeminiAccelerator
+    from test_hf_trainer import _llama, _Tokens
+
+    _as_torchrun_rank(rank, world)
+    transformers.logging.set_verbosity_error()
+
+    def engine(kind: str, seed: int = 0):
+        model = _llama(seed)
+        if kind == "plain":
+            return accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2), model, \
+                torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+        fields = {"zero2-cpu": dict(placement="cpu"), "zero3-auto": dict(placement="auto", shard_params=True)}[kind]
+        model, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", chunk_size=4096, **fields),
+                                       lr=3e-3, weight_decay=0.1)
+        return GeminiAccelerator(cpu=True, gradient_accumulation_steps=2), model, opt
+
+    record = {}
+    for kind in kinds:
+        acc, model, opt = engine(kind)
+        loader = torch.utils.data.DataLoader(_Tokens(16), batch_size=2)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        losses, norms = [], []
+        for batch in loader:
+            batch.pop("source")
+            with acc.accumulate(model):
+                loss = model(**batch).loss
+                acc.backward(loss)
+                losses.append(loss.item())
+                if acc.sync_gradients:
+                    norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+                opt.step()
+                opt.zero_grad()
+        state = acc.unwrap_model(model).state_dict()  # gemini's: a collective, the whole model
+        entry = {"losses": losses, "norms": norms, "wrapped": type(model).__name__}
+        if kind != "plain":
+            acc.save_state(f"{root}/{kind}-state")
+            fresh_acc, fresh, fresh_opt = engine(kind, seed=99)
+            fresh, fresh_opt = fresh_acc.prepare(fresh, fresh_opt)
+            fresh_acc.load_state(f"{root}/{kind}-state")
+            again, want = fresh_opt.state_dict(), opt.state_dict()
+            entry["state_round_trip"] = (
+                all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values(), strict=True))
+                and again["state"].keys() == want["state"].keys() and bool(want["state"])
+                and all(torch.equal(again["state"][i][k], want["state"][i][k]) for i in want["state"]
+                        for k in ("step", "exp_avg", "exp_avg_sq")))
+        record[kind] = entry
+        if rank == 0:
+            torch.save(state, f"{root}/{kind}.pt")
+    acc, model, opt = engine("zero2-cpu")
+    wrapped, opt = accelerate.Accelerator(cpu=True).prepare(model, opt)
+    try:
+        wrapped(torch.zeros(1, 4, dtype=torch.long))
+        record["plain_accelerator_error"] = None
+    except RuntimeError as e:
+        record["plain_accelerator_error"] = str(e)
+    (Path(root) / f"accelerate.rank{rank}.json").write_text(json.dumps(record))

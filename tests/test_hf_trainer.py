@@ -222,3 +222,27 @@ def test_generate_under_zero3_with_synced_gpus_equals_plain_generate(tmp_path):
     for rank in range(2):
         out = json.loads((tmp_path / f"generate.rank{rank}.json").read_text())
         assert out["got"] == out["want"] and len(out["got"][0]) == 4 + rank + 3 + 4 * rank, (rank, out)
+
+
+def test_two_ranks_of_an_accelerate_loop_under_gemini_accelerator_equal_ddp(tmp_path):
+    """``accelerate launch``'s loop (accumulate, backward, clip_grad_norm_, step) with gemini's
+    model and optimizer under GeminiAccelerator, ZeRO-2 and ZeRO-3, trains as accelerate's own
+    Accelerator with DDP and torch's AdamW; save_state / load_state round-trip the model and the
+    optimizer exactly; accelerate's plain Accelerator around gemini's model is refused at its
+    first forward (DDP would reduce gradients ZeRO holds in part), saying what to use instead."""
+    kinds = ["plain", "zero2-cpu", "zero3-auto"]
+    run_ranks(hf_trainer_workers.accelerate_loop, str(tmp_path), kinds, timeout_seconds=240)
+    want = torch.load(tmp_path / "plain.pt", weights_only=True)
+    records = [json.loads((tmp_path / f"accelerate.rank{r}.json").read_text()) for r in range(2)]
+    assert records[0]["plain"]["wrapped"] == "DistributedDataParallel"
+    for kind in kinds[1:]:
+        _assert_models_close(torch.load(tmp_path / f"{kind}.pt", weights_only=True), want)
+        for rank, record in enumerate(records):
+            got, ref = record[kind], record["plain"]
+            assert got["wrapped"] != "DistributedDataParallel", (kind, rank)
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (kind, rank)
+            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5) and max(ref["norms"]) > 0.5, (kind, rank)
+            assert got["state_round_trip"], (kind, rank)
+    for record in records:
+        assert "wrapped in DistributedDataParallel" in record["plain_accelerator_error"]
+        assert "gemini.hf.GeminiAccelerator" in record["plain_accelerator_error"]
