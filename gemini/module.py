@@ -153,6 +153,26 @@ class GeminiModel(NotCopyable, nn.Module):
         with self._runtime.budget_errors("the forward pass"):
             return self.module(*args, **kwargs)
 
+    def save_pretrained(self, save_directory, *, state_dict: dict | None = None, max_shard_size: int | str = "5GB",
+                        is_main_process: bool = True, safe_serialization: bool = True, **kwargs: Any):
+        """Hugging Face's ``save_pretrained``, as accelerate scripts call it on the unwrapped model:
+        :func:`gemini.save_pretrained` (the fp32 masters, streamed; under ZeRO every rank calls it
+        and rank 0 writes, whatever ``is_main_process`` says). Reached on the wrapped model, it
+        wrote the parameters' ``.data``: empty tensors under ZeRO-3. A ``state_dict`` given (the
+        consolidated ``accelerator.get_state_dict(model)``) is written by the wrapped model's own."""
+        if state_dict is not None:
+            return self.module.save_pretrained(save_directory, state_dict=state_dict, max_shard_size=max_shard_size,
+                                               is_main_process=is_main_process,
+                                               safe_serialization=safe_serialization, **kwargs)
+        kwargs.pop("save_function", None)  # accelerate's save: gemini writes the files itself
+        if kwargs or not safe_serialization:
+            unsupported = sorted(kwargs) + ([] if safe_serialization else ["safe_serialization=False"])
+            raise ValueError(f"save_pretrained({', '.join(unsupported)}) is not supported on gemini's model: it writes "
+                             f"safetensors of the fp32 masters (max_shard_size is honoured)")
+        from gemini.pretrained import save_pretrained  # gemini.pretrained imports this module
+
+        return save_pretrained(self, save_directory, max_shard_size=max_shard_size)
+
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
         if keep_vars:
             # torch's keep_vars hands out the live tensors; here they are views of chunks that

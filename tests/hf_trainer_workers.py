@@ -165,3 +165,22 @@ def accelerate_loop(rank: int, world: int, root: str, kinds: list[str]) -> None:
     except RuntimeError as e:
         record["plain_accelerator_error"] = str(e)
     (Path(root) / f"accelerate.rank{rank}.json").write_text(json.dumps(record))
+
+
+def save_pretrained_zero3(rank: int, world: int, root: str) -> None:
+    """After a step under ZeRO-3, ``model.save_pretrained`` as accelerate scripts call it on the
+    unwrapped model (rank 0 the main process), and the state_dict to compare with."""
+    import torch
+
+    import gemini
+    from test_hf_trainer import _llama, _Tokens
+
+    model, opt = gemini.initialize(_llama(), gemini.GeminiConfig(device="cpu", chunk_size=4096, placement="cpu",
+                                                                 shard_params=True), lr=1e-2)
+    batch = {k: torch.stack([_Tokens()[i][k] for i in range(2 * rank, 2 * rank + 2)]) for k in ("input_ids", "labels")}
+    opt.backward(model(**batch).loss)
+    opt.step()
+    state = model.state_dict()  # a collective: the whole model on every rank
+    model.save_pretrained(f"{root}/saved", is_main_process=rank == 0)
+    if rank == 0:
+        torch.save(state, f"{root}/state.pt")

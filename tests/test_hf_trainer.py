@@ -246,3 +246,28 @@ def test_two_ranks_of_an_accelerate_loop_under_gemini_accelerator_equal_ddp(tmp_
     for record in records:
         assert "wrapped in DistributedDataParallel" in record["plain_accelerator_error"]
         assert "gemini.hf.GeminiAccelerator" in record["plain_accelerator_error"]
+
+
+def test_save_pretrained_on_the_model_under_zero3_writes_the_whole_model(tmp_path):
+    """accelerate scripts save with ``unwrapped.save_pretrained(dir, is_main_process=...)``: it
+    reached the wrapped model's own, which under ZeRO-3 wrote each parameter's .data, empty
+    between uses. It writes the fp32 masters now, every rank calling it."""
+    run_ranks(hf_trainer_workers.save_pretrained_zero3, str(tmp_path), timeout_seconds=120)
+    want = torch.load(tmp_path / "state.pt", weights_only=True)
+    got = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_save_pretrained_on_the_model_refuses_what_it_cannot_write(tmp_path):
+    model, _ = gemini.initialize(_llama(), gemini.GeminiConfig(device=DEVICE, placement="cpu"))
+    with pytest.raises(ValueError, match="push_to_hub"):
+        model.save_pretrained(tmp_path, push_to_hub=True)
+    with pytest.raises(ValueError, match="safe_serialization=False"):
+        model.save_pretrained(tmp_path, safe_serialization=False)
+    model.save_pretrained(tmp_path / "ok", max_shard_size="50KB")  # shards, an index, the config
+    assert (tmp_path / "ok" / "model.safetensors.index.json").exists() and (tmp_path / "ok" / "config.json").exists()
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ok").state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(reloaded[k], v), k
