@@ -92,6 +92,12 @@ class GeminiAccelerator(accelerate.Accelerator):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         if isinstance(optimizer, HybridAdam):
+            if self.scaler is not None:
+                # Its GradScaler unscales through p.grad at the step: gradients this backward
+                # never scaled, and under ZeRO placeholders. gemini scales fp16 itself.
+                raise ValueError(f"GeminiAccelerator(mixed_precision={self.mixed_precision!r}) scales the loss with "
+                                 f"torch's GradScaler, which gemini's optimizer does not go through: use "
+                                 f"GeminiConfig(precision='fp16') (gemini's own loss scaler) and mixed_precision='no'")
             self.gemini_optimizer = optimizer
         return super().prepare_optimizer(optimizer, device_placement)
 

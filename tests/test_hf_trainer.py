@@ -271,3 +271,15 @@ def test_save_pretrained_on_the_model_refuses_what_it_cannot_write(tmp_path):
     reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ok").state_dict()
     for k, v in model.state_dict().items():
         assert torch.equal(reloaded[k], v), k
+
+
+def test_gemini_accelerator_refuses_accelerates_fp16_scaler():
+    """accelerate's fp16 (on a GPU) steps through torch's GradScaler, which would unscale gradients
+    gemini's backward never scaled: refused, pointing at gemini's own fp16."""
+    from gemini.hf import GeminiAccelerator
+
+    acc = GeminiAccelerator(cpu=True)
+    acc.scaler = torch.amp.GradScaler("cpu")  # what mixed_precision="fp16" makes on a GPU
+    model, opt = gemini.initialize(_llama(), gemini.GeminiConfig(device=DEVICE, placement="cpu"))
+    with pytest.raises(ValueError, match=r"GeminiConfig\(precision='fp16'\)"):
+        acc.prepare(model, opt)
