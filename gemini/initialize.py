@@ -132,6 +132,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     zero = resolve_group(config.process_group)  # None: one rank, nothing sharded
     world, rank = (zero.world, zero.rank) if zero is not None else (1, 0)
     torch_groups, named_groups, frozen = split_param_groups(model, param_groups)
+    source_dtypes = _source_dtypes(model, config.param_dtype)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
     chunk_size = resolve_chunk_size(config, numels, world=world)
 
@@ -189,7 +190,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
         on_root_forward_end=runtime.on_root_forward_end, accumulated_in_place=runtime.grad_views.accumulated_in_place,
         on_boundary=runtime.on_boundary,
     )
-    wrapped = GeminiModel(model, runtime)
+    wrapped = GeminiModel(model, runtime, cast_inputs=bool(source_dtypes))
     optimizer = HybridAdam(
         runtime, torch_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode
     )
@@ -361,6 +362,20 @@ def _warn_mixed_dtypes(named: list[tuple[str, nn.Parameter]]) -> None:
             "GeminiConfig.precision sets, so all of them change to it (convert the model to one dtype first "
             "to choose yourself)",
             ", ".join(f"{dtype}: {count} like {name!r}" for dtype, (name, count) in first.items()))
+
+
+def _source_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> set[torch.dtype]:
+    """The parameters' dtypes other than the one gemini computes in: the wrapped module's forward
+    expected inputs of those, so the model casts its floating-point inputs (see GeminiModel.forward).
+    One dtype that is not fp32 (a ``.double()`` or ``.bfloat16()`` model) changes without a
+    word otherwise (several are warned about above): say so."""
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) == 1 and not dtypes & {torch.float32, compute_dtype}:
+        logger.warning(
+            "the model's parameters are %s; gemini computes in %s (GeminiConfig.precision), so they and its "
+            "floating-point buffers change to it and floating-point inputs are cast to it on the way in",
+            next(iter(dtypes)), compute_dtype)
+    return dtypes - {compute_dtype}
 
 
 def _move_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:

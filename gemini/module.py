@@ -39,7 +39,8 @@ class _IncompatibleKeys(NamedTuple):
 class GeminiModel(NotCopyable, nn.Module):
     """Runs the wrapped module; ``state_dict`` speaks the wrapped module's keys.
 
-    Floating-point inputs are cast to the compute precision (bf16/fp16) on the way in.
+    Floating-point inputs are cast to the compute precision on the way in under bf16/fp16, and
+    under fp32 when the wrapped module's parameters had another dtype (a ``.double()`` model).
     ``state_dict()`` returns full fp32 values (the masters under bf16/fp16) on the CPU, under
     the original keys and shapes, so a plain module loads it.
 
@@ -52,16 +53,19 @@ class GeminiModel(NotCopyable, nn.Module):
     does not have are read from the wrapped module.
     """
 
-    def __new__(cls, module: nn.Module, runtime: GeminiRuntime) -> GeminiModel:
+    def __new__(cls, module: nn.Module, runtime: GeminiRuntime, *, cast_inputs: bool = False) -> GeminiModel:
         if cls is GeminiModel:
             cls = _wrapper_class(type(module))
         return super().__new__(cls)
 
-    def __init__(self, module: nn.Module, runtime: GeminiRuntime) -> None:
+    def __init__(self, module: nn.Module, runtime: GeminiRuntime, *, cast_inputs: bool = False) -> None:
         super().__init__()
         self.module = module
         self._runtime = runtime
         self._compute_dtype = runtime.config.param_dtype
+        # Under fp32 inputs are left as they are (torch's type promotion, as in the plain model),
+        # unless the module's parameters were of another dtype, whose inputs its caller passes.
+        self._cast_inputs = cast_inputs or self._compute_dtype != torch.float32
         skip_call_frame(GeminiModel.__call__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -88,12 +92,38 @@ class GeminiModel(NotCopyable, nn.Module):
                 raise
             return getattr(inner, name)
 
+    # The names state_dict() uses (the wrapped module's, no "module." before them), so that code
+    # pairing parameters with a checkpoint's keys (an EMA kept as a state_dict) finds them.
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The wrapped module's ``named_parameters``: the names ``state_dict()`` has."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wrapped module's ``named_buffers``: the names ``state_dict()`` has."""
+        return self.module.named_buffers(prefix, recurse, remove_duplicate)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """DDP's and FSDP's context for the micro-batches of gradient accumulation, accepted so
         their loops run unchanged. Gradients accumulate as they do outside it; under ZeRO each
         backward still reduce-scatters its gradients (a sum of means is the mean of sums, so
         the step is the same; only DDP's saving of communication is not had)."""
+        yield
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        """DDP's context for ranks with different numbers of batches: nothing to do in one process;
+        under ZeRO refused, since a rank out of batches would have to take part in the other
+        ranks' gathers and reductions of every forward, backward and step."""
+        zero = self._runtime.zero
+        if enable and zero is not None:
+            raise RuntimeError(
+                f"model.join() (DDP's uneven inputs) is not supported under gemini's ZeRO ({zero.world} ranks): every "
+                f"rank must run the same forwards, backwards and steps, which are collectives. Give every rank the "
+                f"same number of batches (DistributedSampler's default pads them to equal length; or drop_last=True)")
         yield
 
     # -------------------------------------------------------------------- gradients
@@ -147,7 +177,7 @@ class GeminiModel(NotCopyable, nn.Module):
                            "precision=...)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._compute_dtype != torch.float32:
+        if self._cast_inputs:
             cast = lambda t: t.to(self._compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, (args, kwargs))
         with self._runtime.budget_errors("the forward pass"):

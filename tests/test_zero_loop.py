@@ -167,3 +167,32 @@ def test_the_planners_device_peak_under_zero_is_each_ranks_measured_one(tmp_path
             assert first == pytest.approx(r["first"], rel=0.01), (rank, name, r)
             assert max(later) == pytest.approx(r["later"], rel=0.01), (rank, name, r)
 
+
+
+def test_a_collective_called_on_one_rank_only_is_named_while_it_waits(tmp_path, monkeypatch):
+    """``if rank == 0: torch.save(optimizer.state_dict(), f)`` waited for ever, silently (the
+    backend's timeout: 30 minutes on gloo). After GEMINI_COLLECTIVE_WARN_SECONDS, rank 0 says
+    where it waits: the user's line and that every rank must call it. The rank that was not
+    kept waiting says nothing; the wait ends as usual once the other rank calls it."""
+    monkeypatch.setenv("GEMINI_COLLECTIVE_WARN_SECONDS", "1")
+    run_ranks(zl.run_state_dict_on_rank0_first, str(tmp_path), 4.0, timeout_seconds=120)
+    waited, other = (torch.load(tmp_path / f"waits_rank{r}.pt", weights_only=True) for r in range(2))
+    assert waited["steps"] == other["steps"] and waited["steps"]  # the state was gathered as ever
+    named = [m for m in waited["records"] if "state = opt.state_dict()" in m]
+    assert len(named) == 1, waited["records"]
+    assert "rank 0 of 2 has waited" in named[0] and "zero_loop_workers.py" in named[0]
+    assert "every rank of the process group must call it" in named[0]
+    assert not [m for m in other["records"] if "opt.state_dict()" in m]
+    for run in (waited, other):  # and DDP's join() for uneven inputs says what to do instead
+        assert "model.join() (DDP's uneven inputs) is not supported under gemini's ZeRO (2 ranks)" in run["join"]
+        assert "same number of batches" in run["join"]
+
+
+def test_the_collective_warning_threshold_is_checked(monkeypatch):
+    from gemini.parallel.watchdog import warn_after_seconds
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv("GEMINI_COLLECTIVE_WARN_SECONDS", bad)
+        with pytest.raises(ValueError, match=f"GEMINI_COLLECTIVE_WARN_SECONDS='{bad}' is invalid"):
+            warn_after_seconds()
+    monkeypatch.setenv("GEMINI_COLLECTIVE_WARN_SECONDS", "2.5")
+    assert warn_after_seconds() == 2.5

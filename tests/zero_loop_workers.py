@@ -240,3 +240,32 @@ def run_planned_peaks(rank: int, world: int, out_dir: str) -> None:
         out[f"{placement}-{int(shard)}"] = {"first": plan.first_step_peak_bytes, "later": plan.device_peak_bytes,
                                             "peaks": peaks}
     torch.save(out, f"{out_dir}/planned_rank{rank}.pt")
+
+
+def run_state_dict_on_rank0_first(rank: int, world: int, out_dir: str, late_seconds: float) -> None:
+    """A DDP habit under ZeRO-2: ``optimizer.state_dict()`` inside ``if rank == 0``. Here rank 1
+    calls it ``late_seconds`` later (as another collective of the user's would release it), so
+    the run ends; rank 0 records what gemini logged while it waited."""
+    import logging
+    import time
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("gemini.parallel.watchdog").addHandler(handler)
+    model, opt = gemini.initialize(make_net(), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=CHUNK),
+                                   lr=1e-2)
+    x, y = local(make_data(1)[0], rank, world)
+    opt.backward(loss_fn(model(x), y))
+    opt.step()
+    if rank == 1:
+        time.sleep(late_seconds)
+    state = opt.state_dict()
+    try:
+        with model.join():  # DDP's uneven inputs: refused under ZeRO, before anything runs
+            pass
+        join = ""
+    except RuntimeError as e:
+        join = str(e)
+    torch.save({"records": records, "steps": sorted(float(s["step"]) for s in state["state"].values()), "join": join},
+               f"{out_dir}/waits_rank{rank}.pt")

@@ -124,8 +124,9 @@ def run_specs(rank: int, world: int, specs: list[dict], out_dir: str) -> None:
         data = [tuple(t.to(device) for t in batch) for batch in make_data(spec["steps"], mb)]
         states, reports = train_gemini(model, opt, data, rank, world, spec["steps"],
                                        micro_batches=mb, model_clip=spec.get("model_clip", 0.0))
+        param_states = {n: opt.param_state(p) for n, p in model.named_parameters()}  # collectives
         torch.save({"states": states, "reports": reports, "plan_bytes": plan.model_bytes_by_tier,
-                    "plan_world": plan.world_size}, f"{out_dir}/spec{i}_rank{rank}.pt")
+                    "plan_world": plan.world_size, "param_states": param_states}, f"{out_dir}/spec{i}_rank{rank}.pt")
         opt.close()
 
 

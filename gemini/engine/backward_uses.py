@@ -28,7 +28,8 @@ from chunks import ChunkGroup
 from tracer.grad_nodes import gradient_node, hook_each, hook_first_grad
 
 __all__ = ["BackwardUse", "graph_inputs", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of",
-           "moves_drop_accumulators", "renew_accumulators", "task_computes_gradient_of"]
+           "moves_drop_accumulators", "refuse_function_transforms", "renew_accumulators",
+           "task_computes_gradient_of"]
 
 # A call whose inputs need no gradient reports done through the autograd nodes of its graph;
 # beyond this many nodes, hooking them all costs more than holding its chunks until its
@@ -256,3 +257,27 @@ def renew_accumulators(groups: list[ChunkGroup]) -> None:
             others[key] = torch.empty(0, dtype=other, device=data.device)
         p.data = others[key]
         p.data = data
+
+
+# [Note: torch.func's gradient transforms]
+# Inside torch.func.grad / vjp / jacrev / jvp every tensor an operator makes is wrapped for the
+# transform, the chunks gemini fetches included (a wrapper has no storage), and the gradients
+# are not autograd's accumulations that gemini's hooks follow: the chunks' bookkeeping cannot
+# survive a forward there. It is refused at the root's first hook, before anything moves.
+# torch.func.vmap wraps only what derives from its inputs and runs as it does without gemini.
+_GRADIENT_TRANSFORMS = ("Grad", "Jvp")
+
+
+def refuse_function_transforms() -> None:
+    """Raise ``RuntimeError`` inside a torch.func gradient transform (see [Note: torch.func's
+    gradient transforms]); one C call when there is none."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+    names = [i.key().name for i in retrieve_all_functorch_interpreters()]
+    if any(n in _GRADIENT_TRANSFORMS for n in names):
+        raise RuntimeError(
+            f"gemini's model was called inside torch.func's {'/'.join(names)} transform "
+            f"(torch.func.grad, vjp, jacrev, jacfwd, jvp or hessian), which gemini's chunks do not support: nothing "
+            f"was changed. Compute gradients with autograd (loss.backward() or torch.autograd.grad; per-sample "
+            f"gradients with one backward per sample); torch.func.vmap and functional_call alone work")

@@ -21,7 +21,8 @@ from torch import nn
 
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.backward_uses import (BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of,
-                                         moves_drop_accumulators, renew_accumulators, task_computes_gradient_of)
+                                         moves_drop_accumulators, refuse_function_transforms, renew_accumulators,
+                                         task_computes_gradient_of)
 from gemini.engine.descendant_reads import DescendantReads, DescendantReadHooks
 from gemini.engine.residency import Residency
 from gemini.errors import DeviceBudgetError, NotCopyable
@@ -49,9 +50,7 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
     def __init__(
-        self, module: nn.Module, manager: ChunkManager,
-        residency: Residency,
-        *,
+        self, module: nn.Module, manager: ChunkManager, residency: Residency, *,
         on_root_forward: Callable[[tuple, dict], None],
         on_budget_error: Callable[[], None],
         on_boundary: Callable[[Boundary], None],
@@ -92,6 +91,7 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
 
         @torch._disable_dynamo
         def root_pre_eager(m, args, kwargs, compiling: bool) -> None:
+            refuse_function_transforms()  # see [Note: torch.func's gradient transforms]
             if torch.is_grad_enabled() and self._graph_forwards and self.renews_accumulators:
                 renew_accumulators(self.manager.trainable_groups)  # see [Note: one accumulator per forward]
             self._graph_forwards += torch.is_grad_enabled()

@@ -9,6 +9,7 @@ what follows); the fused Adam calls are in ``adam_batches``, the checkpoint form
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -43,8 +44,9 @@ class HybridAdam(torch.optim.Optimizer):
     """Adam / AdamW whose parameters, gradients and states live in chunks.
 
     A ``torch.optim.Optimizer``, so learning-rate schedulers work on ``param_groups``; but
-    the parameters' gradients are kept in gradient chunks (``p.grad`` stays None), and the
-    state lives in the chunk groups rather than ``self.state``. ``state_dict()`` has
+    the parameters' gradients are kept in gradient chunks (``p.grad`` is a view of them after
+    backward), and the state lives in the chunk groups rather than ``self.state`` (read one
+    parameter's with ``param_state(p)``). ``state_dict()`` has
     ``torch.optim.AdamW``'s format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``).
     """
 
@@ -62,6 +64,7 @@ class HybridAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(param_groups, defaults)  # adds each group through add_param_group
         self._layout = GroupLayout(self.param_groups)  # from here on add_param_group refuses
+        self.state = _StatesInChunks(dict)  # empty: torch code may iterate it; a read says where they are
         self._rt = runtime
         self.adamw_mode = adamw_mode
         self.scaler = loss_scaler_for(runtime.config)
@@ -100,6 +103,18 @@ class HybridAdam(torch.optim.Optimizer):
                                   [p for g in self._rt.manager.trainable_groups for p in g.params])
         with self._rt.budget_errors("the backward pass"):
             self._scaled_backwards.backward(loss, retain_graph=retain_graph, inputs=inputs)
+
+    def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What ``optimizer.state[param]`` holds in ``torch.optim.AdamW``: ``step``, ``exp_avg`` and
+        ``exp_avg_sq``, as copies on the CPU (empty before the parameter's first step, or for a
+        frozen one). The states live in chunks, so writing into these changes nothing: use
+        ``load_state_dict``. Under ZeRO a collective (the group's ranges are gathered): every rank
+        calls it."""
+        try:
+            return formats.param_state(self._rt, param)
+        except KeyError:
+            raise KeyError(f"optimizer.param_state: the tensor of shape {tuple(param.shape)} is not a parameter "
+                           f"of this optimizer's model") from None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only ``torch.optim.Optimizer.__init__`` adds groups (those ``gemini.initialize`` made);
@@ -290,15 +305,28 @@ class HybridAdam(torch.optim.Optimizer):
 
         Under ZeRO this is the consolidated state (every rank's shards gathered): call it on
         every rank. It loads into any number of ranks, or into a plain ``torch.optim.AdamW``.
+        Hooks registered with ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch's hooks, as its state_dict runs them
+            pre_hook(self)
         self._layout.check(self.param_groups)
-        return formats.full_state_dict(self._rt, self.param_groups, self._hyper_state())
+        state_dict = formats.full_state_dict(self._rt, self.param_groups, self._hyper_state())
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = _hook_result(post_hook(self, state_dict), state_dict)
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()``'s format, or a ``torch.optim.AdamW`` / ``Adam`` state whose flags
-        this update implements (``ValueError`` for amsgrad, maximize, ... set, before any change)."""
+        this update implements (``ValueError`` for amsgrad, maximize, ... set, before any change).
+        Hooks registered with ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as torch's
+        own ``load_state_dict`` runs them (a pre-hook gets a shallow copy and may return another)."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = _hook_result(pre_hook(self, state_dict), state_dict)
         with LoadTransaction(self._rt) as tx:  # all or nothing: [Note: a load is all or nothing]
             self._load_full(state_dict, tx)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _load_full(self, state_dict: dict[str, Any], tx: LoadTransaction) -> None:
         self._check_loadable(state_dict)
@@ -337,6 +365,28 @@ class HybridAdam(torch.optim.Optimizer):
         self._check_loadable(state_dict)
         formats.load_sharded_state_dict(self._rt, state_dict, tx)  # checks all before writing
         tx.later(lambda: self._load_hyper_state(state_dict))
+
+
+class _NoStateHere(dict):
+    """``optimizer.state[p]``: empty, and a read of a key says where the state is."""
+
+    def __missing__(self, key: Any):
+        raise KeyError(f"optimizer.state[p][{key!r}]: gemini keeps the optimizer's states in chunks, not in "
+                       f"optimizer.state; optimizer.param_state(p) gives a parameter's step, exp_avg and exp_avg_sq "
+                       f"(copies; change them with optimizer.load_state_dict)")
+
+
+class _StatesInChunks(collections.defaultdict):
+    """``optimizer.state``: empty, as torch code that iterates it expects of an optimizer without
+    states of its own; an entry read is a :class:`_NoStateHere`."""
+
+    def __missing__(self, key: Any) -> _NoStateHere:
+        return _NoStateHere()
+
+
+def _hook_result(result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state-dict hook may return the dict to use from then on; None keeps the one it got."""
+    return state_dict if result is None else result
 
 
 def _describe_group(param_group: Any) -> str:

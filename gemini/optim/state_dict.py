@@ -35,6 +35,7 @@ __all__ = [
     "check_sharded_state_dict",
     "load_hyper_state",
     "load_sharded_state_dict",
+    "param_state",
     "same_layout",
     "sharded_state_dict",
 ]
@@ -74,28 +75,50 @@ def _param_index(param_groups: ParamGroups) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(p for hp in param_groups for p in hp["params"])}
 
 
+@contextlib.contextmanager
+def _group_states(rt: GeminiRuntime, g: ChunkGroup):
+    """Yields per slot of ``g`` a function giving its torch-format entry (None before its first
+    step, when torch has no state for it either), host copies; None in place of the function
+    when no slot has stepped. Under ZeRO a collective: every rank's ranges are gathered."""
+    steps = rt.memory.to_host(g.steps)  # what is returned is host memory, also on the stand-in
+    counts = steps.tolist()
+    if not any(counts):
+        yield None
+        return
+    with rt.resident(g, modify=False):
+        if g.shard is not None:  # every rank's ranges, gathered (a collective)
+            m, v = (gather_state(rt.zero, g, c) for c in (g.exp_avg, g.exp_avg_sq))
+        else:
+            m, v = (c.payload() for c in (g.exp_avg, g.exp_avg_sq))
+
+        def entry(slot) -> dict[str, torch.Tensor] | None:
+            if counts[slot.index] == 0:
+                return None
+            return {"step": rt.memory.to_host(steps[slot.index]),
+                    "exp_avg": rt.memory.to_host(m[slot.offset : slot.end].view(slot.shape)),
+                    "exp_avg_sq": rt.memory.to_host(v[slot.offset : slot.end].view(slot.shape))}
+
+        yield entry
+
+
+def param_state(rt: GeminiRuntime, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``param``'s entry of :func:`full_state_dict` (empty before its first step, or frozen)."""
+    g, slot = rt.manager.locate(param)
+    if not g.trainable:
+        return {}
+    with _group_states(rt, g) as entry_of:
+        return (entry_of(slot) if entry_of is not None else None) or {}
+
+
 def full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, hyper: HyperState) -> dict[str, Any]:
     """torch.optim.AdamW's format; under ZeRO every rank's shards gathered (call it on every rank)."""
     index = _param_index(param_groups)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for g in rt.manager.trainable_groups:
-        steps = rt.memory.to_host(g.steps)  # what is returned is host memory, also on the stand-in
-        counts = steps.tolist()
-        if not any(counts):
-            continue  # torch creates state at a parameter's first step
-        with rt.resident(g, modify=False):
-            if g.shard is not None:  # every rank's ranges, gathered (a collective)
-                m, v = (gather_state(rt.zero, g, c) for c in (g.exp_avg, g.exp_avg_sq))
-            else:
-                m, v = (c.payload() for c in (g.exp_avg, g.exp_avg_sq))
-            for slot, p in zip(g.slots, g.params):
-                if counts[slot.index] == 0:
-                    continue
-                state[index[id(p)]] = {
-                    "step": rt.memory.to_host(steps[slot.index]),
-                    "exp_avg": rt.memory.to_host(m[slot.offset : slot.end].view(slot.shape)),
-                    "exp_avg_sq": rt.memory.to_host(v[slot.offset : slot.end].view(slot.shape)),
-                }
+        with _group_states(rt, g) as entry_of:
+            for slot, p in zip(g.slots, g.params) if entry_of is not None else ():
+                if (values := entry_of(slot)) is not None:
+                    state[index[id(p)]] = values
     groups, extra = hyper
     for entry, hp in zip(groups, param_groups):
         entry["params"] = [index[id(p)] for p in hp["params"]]

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gemini.parallel.watchdog import Watchdog
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Collectives", "Pending"]
@@ -34,12 +36,15 @@ class Pending:
     """A collective in flight; ``wait()`` finishes it (and copies a staged result back)."""
 
     work: dist.Work | None
+    watchdog: Watchdog
+    what: str
     finish: Callable[[], None] = lambda: None
     keep: tuple = ()  # tensors the collective uses, alive until it is done
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            with self.watchdog.waiting(self.what):  # see [Note: a collective some ranks never call]
+                self.work.wait()
             self.work = None
             self.finish()
             self.keep = ()
@@ -55,6 +60,7 @@ class Collectives:
         self.backend = str(dist.get_backend(group)).lower()
         self._device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                         else torch.device("cpu"))
+        self.watchdog = Watchdog(self.rank, self.world)
 
     def __repr__(self) -> str:
         return f"Collectives({self.backend}, rank {self.rank} of {self.world})"
@@ -69,7 +75,7 @@ class Collectives:
         s_in, s_out = self._staged(inp), self._staged(out)
         work = _reduce_scatter(s_out, s_in, group=self.group, async_op=True)
         finish = (lambda: out.copy_(s_out)) if s_out is not out else (lambda: None)
-        return Pending(work, finish, keep=(s_in, s_out, inp, out))
+        return Pending(work, self.watchdog, "reduce-scatter", finish, keep=(s_in, s_out, inp, out))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
         """Start ``out[r's range] = inp of rank r`` for every rank (``inp`` may be a view of ``out``)."""
@@ -77,29 +83,33 @@ class Collectives:
         s_out, s_in = self._staged(out), self._staged(inp)
         work = _all_gather(s_out, s_in, group=self.group, async_op=True)
         finish = (lambda: out.copy_(s_out)) if s_out is not out else (lambda: None)
-        return Pending(work, finish, keep=(s_in, s_out, inp, out))
+        return Pending(work, self.watchdog, "all-gather", finish, keep=(s_in, s_out, inp, out))
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """``t`` reduced over ranks, in place (blocking); returns ``t``."""
         s = self._staged(t)
-        dist.all_reduce(s, op=op, group=self.group)
+        with self.watchdog.waiting("all-reduce"):
+            dist.all_reduce(s, op=op, group=self.group)
         if s is not t:
             t.copy_(s)
         return t
 
     def max_over_ranks(self, value: int) -> int:
         """The largest of every rank's ``value`` (blocking)."""
-        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MAX).item())
+        with self.watchdog.waiting("all-reduce"):  # (NCCL: the host waits at .item())
+            return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), op=dist.ReduceOp.MAX).item())
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` set to the group's rank 0's ``t``, in place (blocking); returns ``t``."""
         s = self._staged(t)
         if s.dtype == torch.bool:
             s = s.view(torch.uint8)  # not every backend takes bool
-        dist.broadcast(s, src=dist.get_global_rank(self.group, 0), group=self.group)
+        with self.watchdog.waiting("broadcast"):
+            dist.broadcast(s, src=dist.get_global_rank(self.group, 0), group=self.group)
         if s.data_ptr() != t.data_ptr():
             t.copy_(s.view(t.dtype))
         return t
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        with self.watchdog.waiting("barrier"):
+            dist.barrier(group=self.group)

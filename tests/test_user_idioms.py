@@ -1,0 +1,194 @@
+"""More of the loops people write, each against plain PyTorch: an EMA keyed by the model's
+names, torch's optimizer state-dict hooks, a float64 model, and torch.func's transforms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gemini
+from gemini.tools.gpt import GPT, GPTConfig
+from helpers import DEVICE, assert_params_close, batches, clone_pair, cpu_copy, placement_configs
+
+CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=64)  # as test_torch_idioms'
+CONFIGS = placement_configs(16 * CFG.num_params())
+NAMES = [pytest.param(n, marks=pytest.mark.standin) if n == "auto-evicting" else n for n in CONFIGS]
+
+
+def _pair(name):
+    base, ref = clone_pair(CFG)
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, **CONFIGS[name]), lr=1e-2, weight_decay=0.1)
+    return (ref, ref_opt), (model, opt)
+
+
+def _train_step(model, opt, x, y) -> None:
+    GPT.loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_ema_keyed_by_named_parameters_follows_the_model_like_torch(name):
+    """The EMA recipe: a copy of state_dict(), then ``ema[n].lerp_(p, ...)`` for each of
+    ``named_parameters()``. The names must be state_dict's (they had "module." before them)."""
+    (ref, ref_opt), (model, opt) = _pair(name)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert [n for n, _ in model.named_buffers()] == [n for n, _ in ref.named_buffers()]
+    assert set(dict(model.named_parameters())) <= set(model.state_dict())
+    emas = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in (ref, model)]
+    for x, y in batches(CFG, 3, batch=2, seq=16):
+        for (m, o), ema in zip(((ref, ref_opt), (model, opt)), emas):
+            with model.join():  # DDP's context for uneven inputs: nothing to do in one process
+                _train_step(m, o, x, y)
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    ema[n].lerp_(p.detach().to(ema[n].device), 0.25)
+    assert_params_close(cpu_copy(emas[1]), cpu_copy(emas[0]))
+    assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()))
+
+
+@pytest.mark.parametrize("name", ["cuda", "cpu"])
+def test_optimizer_state_dict_hooks_run_as_torchs_do(name):
+    """register_state_dict_pre/post_hook and register_load_state_dict_pre/post_hook: the same
+    calls, in the same order, as on torch's AdamW; a post-hook's returned dict is what
+    state_dict() returns, a load pre-hook's what is loaded (on a copy: the caller's stays)."""
+    (ref, ref_opt), (model, opt) = _pair(name)
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    calls = {}
+    for label, o in (("torch", ref_opt), ("gemini", opt)):
+        seen = calls[label] = []
+        o.register_state_dict_pre_hook(lambda o, seen=seen: seen.append("pre"))
+        o.register_state_dict_post_hook(lambda o, sd, seen=seen: seen.append("post") or {**sd, "note": "kept"})
+        o.register_load_state_dict_pre_hook(
+            lambda o, sd, seen=seen: seen.append("load_pre") or {k: v for k, v in sd.items() if k != "note"})
+        o.register_load_state_dict_post_hook(lambda o, seen=seen: seen.append("load_post"))
+    _train_step(ref, ref_opt, x, y)
+    _train_step(model, opt, x, y)
+    saved = {label: o.state_dict() for label, o in (("torch", ref_opt), ("gemini", opt))}
+    assert saved["gemini"]["note"] == saved["torch"]["note"] == "kept"
+    for label, o in (("torch", ref_opt), ("gemini", opt)):
+        o.load_state_dict(saved[label])
+        assert "note" in saved[label]  # the hook changed a copy
+    assert calls["gemini"] == calls["torch"] == ["pre", "post", "load_pre", "load_post"]
+    for x, y in batches(CFG, 2, batch=2, seq=16, seed=2):  # the load took: training goes on as torch's
+        _train_step(ref, ref_opt, x, y)
+        _train_step(model, opt, x, y)
+    assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()))
+
+
+def _mlp(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+    m.register_buffer("shift", torch.full((3,), 0.5, dtype=dtype))
+    return m
+
+
+class _Shifted(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) + self.inner.shift
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_model_of_another_dtype_trains_in_fp32_with_a_warning_and_takes_its_inputs(dtype, caplog):
+    """A ``.double()`` (or ``.bfloat16()``) model under precision fp32: its parameters and buffers
+    become fp32, said at initialize, and the inputs its callers pass in its dtype are cast on the
+    way in (they met torch's dtype mismatch before); it trains as the fp32 model does."""
+    ref = _Shifted(_mlp(torch.float32)).to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    source = _Shifted(_mlp(dtype))
+    source.load_state_dict({k: v.to(dtype) for k, v in ref.state_dict().items()})
+    with caplog.at_level("WARNING", logger="gemini.initialize"):
+        model, opt = gemini.initialize(source, gemini.GeminiConfig(device=DEVICE, placement="cpu"), lr=1e-2)
+    assert f"the model's parameters are {dtype}; gemini computes in torch.float32" in caplog.text
+    ref.load_state_dict(model.state_dict())  # the fp32 values gemini trains from
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g).to(DEVICE)
+        out = model(x.to(dtype))
+        assert out.dtype == torch.float32
+        out.square().mean().backward()
+        ref(x.to(dtype).float()).square().mean().backward()  # what the cast gives the fp32 model
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()))
+
+
+def test_fp32_inputs_of_an_fp32_model_are_left_to_torchs_promotion():
+    """Under fp32 a float64 input of an fp32 model is not cast: the plain model's type
+    promotion (a float64 output here) is kept, as without gemini."""
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x, target):
+            return (x * self.w - target).square().mean()
+
+    model, _ = gemini.initialize(Scale(), gemini.GeminiConfig(device=DEVICE, placement="cuda"))
+    target = torch.ones(3, dtype=torch.float64, device=DEVICE)
+    assert model(torch.ones(3, device=DEVICE), target).dtype == Scale()(torch.ones(3), target.cpu()).dtype
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_func_gradient_transforms_are_refused_and_change_nothing(name):
+    """torch.func.grad over functional_call: wrapped tensors without storage reached the
+    chunks, and under placement cpu the model could not train again (a KeyError at the next
+    step). Refused at the root's first hook, called through the wrapper or on the module it
+    wraps; vmap still works; and training afterwards equals torch's."""
+    from torch.func import functional_call, grad, vmap
+    (ref, ref_opt), (model, opt) = _pair(name)
+    data = batches(CFG, 3, batch=2, seq=16)
+    x, y = data[0]
+    params = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    for target in (model, model.module):
+        with pytest.raises(RuntimeError, match="inside torch.func's Grad transform.*nothing was changed"):
+            grad(lambda p: GPT.loss(functional_call(target, p, (x,)), y))(params)
+    if "device_memory" not in CONFIGS[name]:  # (vmap's attention runs per sample: more than the budget)
+        with torch.no_grad():
+            batched = vmap(lambda xi: functional_call(model, params, (xi[None],)))(x)
+            torch.testing.assert_close(batched[:, 0], ref(x), rtol=1e-6, atol=1e-6)
+    for x, y in data:
+        _train_step(ref, ref_opt, x, y)
+        _train_step(model, opt, x, y)
+        assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()))
+
+
+@pytest.mark.parametrize("name", [*NAMES, "nvme"])
+def test_param_state_is_what_torch_keeps_in_optimizer_state(name, tmp_path):
+    """``optimizer.state[p]["exp_avg"]`` (logging Adam's moments) has no tensor to give: the states
+    live in chunks, on the host or NVMe too. ``param_state(p)`` gives torch's entry as copies;
+    ``optimizer.state`` stays empty and a read of a key says where to look."""
+    (ref, ref_opt), (model, opt) = _pair(name) if name != "nvme" else _nvme_pair(tmp_path)
+    first = next(model.parameters())
+    assert opt.param_state(first) == {} and len(opt.state) == 0  # torch: no state before the first step
+    for x, y in batches(CFG, 2, batch=2, seq=16):
+        _train_step(ref, ref_opt, x, y)
+        _train_step(model, opt, x, y)
+    for (n, p), (ref_n, ref_p) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        got, want = opt.param_state(p), ref_opt.state[ref_p]
+        assert n == ref_n and got.keys() == want.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert_params_close(got, cpu_copy(dict(want)))
+        got["exp_avg"].zero_()  # a copy: the optimizer's own is untouched
+        assert not torch.equal(opt.param_state(p)["exp_avg"], got["exp_avg"])
+    assert len(opt.state) == 0 and not list(opt.state.items())
+    with pytest.raises(KeyError, match=r"optimizer.state\[p\]\['exp_avg'\]: gemini keeps .* optimizer.param_state"):
+        opt.state[first]["exp_avg"]
+    with pytest.raises(KeyError, match="not a parameter of this optimizer's model"):
+        opt.param_state(torch.nn.Parameter(torch.zeros(3)))
+
+
+def _nvme_pair(tmp_path):
+    base, ref = clone_pair(CFG)
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    config = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=8192, nvme_dir=tmp_path,
+                                 nvme_offload_fraction=1.0)
+    return (ref, ref_opt), gemini.initialize(base, config, lr=1e-2, weight_decay=0.1)
