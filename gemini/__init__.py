@@ -2,6 +2,7 @@
 
 from gemini.checkpoint import consolidate_checkpoint, load_checkpoint, save_checkpoint
 from gemini.config import GeminiConfig
+from gemini.errors import DeviceBudgetError
 from gemini.initialize import initialize
 from gemini.optim.loss_scaler import DynamicLossScaler
 from gemini.module import GeminiModel
@@ -15,6 +16,7 @@ from gemini.tools.summary import run_summary, summary_line
 from gemini.tools.tune import MarginTrial, MarginTuning, Measurement, tune_margin
 
 __all__ = [
+    "DeviceBudgetError",
     "DynamicLossScaler",
     "GeminiConfig",
     "GeminiModel",

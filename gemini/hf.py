@@ -18,7 +18,8 @@ torch. Here gemini owns the parameters, so:
 - ``max_grad_norm`` clips with ``model.clip_grad_norm_`` (global norm over the chunks, the
   unscaled norm under fp16), which is also the ``grad_norm`` Trainer logs.
 - ``save_model`` and checkpoints write safetensors with the original keys, streamed chunk group
-  by chunk group (:func:`gemini.save_pretrained`), so ``AutoModel*.from_pretrained`` loads them;
+  by chunk group (:func:`gemini.save_pretrained`), so ``AutoModel*.from_pretrained`` loads them
+  (a PEFT model's: the adapter's files, as PEFT writes them, see [Note: PEFT models]);
   ``resume_from_checkpoint`` reads them back and restores the optimizer state exactly.
 - Each training log line carries the step's memory report: device peak and bytes per tier.
 - Under torchrun (several ranks) gemini's ZeRO shards the chunks over Trainer's process group.
@@ -55,6 +56,7 @@ from gemini.initialize import initialize
 from gemini.module import GeminiModel
 from gemini.optim.hybrid_adam import HybridAdam
 from gemini.pretrained import load_pretrained_into, save_pretrained
+from gemini.peft import is_peft_model, load_adapter_into
 from gemini.parallel.zero import resolve_group
 
 __all__ = ["GeminiAccelerator", "GeminiTrainer"]
@@ -219,7 +221,16 @@ class GeminiTrainer(transformers.Trainer):
             torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        load_pretrained_into(self.model, resume_from_checkpoint)
+        if is_peft_model(self.model.module):  # the adapter PEFT's files hold: see [Note: PEFT models]
+            load_adapter_into(self.model, resume_from_checkpoint)
+        else:
+            load_pretrained_into(self.model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        if is_peft_model(self.model.module):  # Trainer's own looks for PeftModel, which the wrapper is not
+            load_adapter_into(self.model, self.state.best_model_checkpoint)
+        else:
+            super()._load_best_model()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.gemini_world_size == 1:

@@ -185,7 +185,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     if config.offload_activations:
         runtime.activations = ActivationOffload(storage, min_bytes=config.activation_offload_min_bytes)
     runtime.hooks = ModuleHooks(
-        model, manager, residency, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.end_window,
+        model, manager, residency, on_root_forward=runtime.on_root_forward, on_budget_error=runtime.on_budget_error,
         on_backward_begin=runtime.on_backward_begin, on_backward_end=runtime.on_backward_end,
         on_root_forward_end=runtime.on_root_forward_end, accumulated_in_place=runtime.grad_views.accumulated_in_place,
         on_boundary=runtime.on_boundary,
@@ -234,8 +234,9 @@ def _attach_zero(zero, manager: ChunkManager, residency: Residency, *, quiet) ->
 
 
 def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
-    if not isinstance(lr, (int, float)) or not (0.0 <= lr < math.inf):
-        raise ValueError(f"lr={lr!r} is invalid: expected a finite number >= 0")
+    value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point() else lr
+    if not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):  # a tensor lr as torch.optim takes it
+        raise ValueError(f"lr={lr!r} is invalid: expected a finite number >= 0, or a one-element float tensor")
     if (
         not isinstance(betas, (tuple, list))
         or len(betas) != 2

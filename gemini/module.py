@@ -21,6 +21,8 @@ from gemini.engine.load_transaction import LoadTransaction
 from gemini.errors import NotCopyable
 from gemini.optim.clipping import clip_model_grad_norm_
 from gemini.parallel.zero import gather_state
+from gemini.peft import MERGING as PEFT_MERGING
+from gemini.peft import is_peft_model, merging_refused, save_adapter
 
 if TYPE_CHECKING:
     from gemini.engine.runtime import GeminiRuntime
@@ -55,7 +57,7 @@ class GeminiModel(NotCopyable, nn.Module):
 
     def __new__(cls, module: nn.Module, runtime: GeminiRuntime, *, cast_inputs: bool = False) -> GeminiModel:
         if cls is GeminiModel:
-            cls = _wrapper_class(type(module))
+            cls = _wrapper_class(type(module), _signature_class(module))
         return super().__new__(cls)
 
     def __init__(self, module: nn.Module, runtime: GeminiRuntime, *, cast_inputs: bool = False) -> None:
@@ -90,10 +92,19 @@ class GeminiModel(NotCopyable, nn.Module):
             inner = self.__dict__.get("_modules", {}).get("module")
             if inner is None or name == "module":
                 raise
+            if name in PEFT_MERGING and is_peft_model(inner):
+                return merging_refused(name)  # see [Note: PEFT models] in gemini/peft.py
             return getattr(inner, name)
 
     # The names state_dict() uses (the wrapped module's, no "module." before them), so that code
-    # pairing parameters with a checkpoint's keys (an EMA kept as a state_dict) finds them.
+    # pairing parameters or modules with a checkpoint's keys (an EMA kept as a state_dict, PEFT's
+    # get_peft_model_state_dict) finds them. The wrapper itself is not among the modules; it is
+    # still the wrapped module's parent (children(), so train(), eval() and apply() reach it).
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """The wrapped module's ``named_modules``: the names ``state_dict()`` has."""
+        return self.module.named_modules(memo, prefix, remove_duplicate)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped module's ``named_parameters``: the names ``state_dict()`` has."""
@@ -195,12 +206,14 @@ class GeminiModel(NotCopyable, nn.Module):
                                                is_main_process=is_main_process,
                                                safe_serialization=safe_serialization, **kwargs)
         kwargs.pop("save_function", None)  # accelerate's save: gemini writes the files itself
+        from gemini.pretrained import save_pretrained  # gemini.pretrained imports this module
+
+        if is_peft_model(self.module):  # PEFT's own options go to it: see [Note: PEFT models]
+            return save_adapter(self, save_directory, safe_serialization=safe_serialization, **kwargs)
         if kwargs or not safe_serialization:
             unsupported = sorted(kwargs) + ([] if safe_serialization else ["safe_serialization=False"])
             raise ValueError(f"save_pretrained({', '.join(unsupported)}) is not supported on gemini's model: it writes "
                              f"safetensors of the fp32 masters (max_shard_size is honoured)")
-        from gemini.pretrained import save_pretrained  # gemini.pretrained imports this module
-
         return save_pretrained(self, save_directory, max_shard_size=max_shard_size)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
@@ -211,11 +224,18 @@ class GeminiModel(NotCopyable, nn.Module):
                              "that move between tiers, so state_dict() returns fp32 copies on the CPU; to change "
                              "the model, load values with model.load_state_dict(...) or edit model.parameters() "
                              "in place under torch.no_grad()")
-        out = OrderedDict() if destination is None else destination
+        return self._state_dict(OrderedDict() if destination is None else destination, prefix=prefix)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """``state_dict()``'s entries of the parameters that train (``requires_grad``) only: a LoRA
+        adapter's, without the frozen model's copies. Under ZeRO a collective, as state_dict()."""
+        return self._state_dict(OrderedDict(), select=lambda t: isinstance(t, nn.Parameter) and t.requires_grad)
+
+    def _state_dict(self, out: dict, *, prefix: str = "", select=lambda t: True) -> dict[str, torch.Tensor]:
         runtime = self._runtime
         runtime.manager.adopt_assigned()  # p.data assigned, and low-precision edits: what the step will train
         runtime.residency.merge_param_edits(runtime.manager.groups)
-        own = self.module.state_dict(keep_vars=True)
+        own = {k: t for k, t in self.module.state_dict(keep_vars=True).items() if select(t)}
         params = [(t, None) for t in own.values() if isinstance(t, nn.Parameter)]
         # (Under ZeRO a collective: every rank calls it; every rank gets the whole model.)
         copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
@@ -320,7 +340,7 @@ def _write_params(group: ChunkGroup, entries: list[tuple[TensorSlot, torch.Tenso
                 group.write_value(chunk, slot, value)
 
 
-_WRAPPER_CLASSES: dict[type, type] = {}
+_WRAPPER_CLASSES: dict[tuple[type, type], type] = {}
 
 
 _CONTAINER_METHODS = ("__getitem__", "__len__", "__iter__", "__contains__")
@@ -334,10 +354,21 @@ def _delegate(name: str) -> Any:
     return method
 
 
-def _wrapper_class(inner: type[nn.Module]) -> type[GeminiModel]:
+def _signature_class(module: nn.Module) -> type[nn.Module]:
+    """The class whose ``forward`` signature the wrapper shows: the module's own, or for a PEFT
+    model whose forward takes ``(*args, **kwargs)`` its base model's (as Trainer reads it for a
+    ``PeftModel``, which the wrapper is not an instance of)."""
+    if is_peft_model(module):
+        after_self = list(inspect.signature(type(module).forward).parameters.values())[1:]
+        if all(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in after_self):
+            return type(module.get_base_model())
+    return type(module)
+
+
+def _wrapper_class(inner: type[nn.Module], signature_of: type[nn.Module]) -> type[GeminiModel]:
     """The :class:`GeminiModel` subclass for modules of class ``inner``: named like it, with
-    ``inner.forward``'s signature (see [Note: the wrapper looks like the wrapped model])."""
-    cls = _WRAPPER_CLASSES.get(inner)
+    ``signature_of.forward``'s signature (see [Note: the wrapper looks like the wrapped model])."""
+    cls = _WRAPPER_CLASSES.get((inner, signature_of))
     if cls is not None:
         return cls
 
@@ -345,10 +376,10 @@ def _wrapper_class(inner: type[nn.Module]) -> type[GeminiModel]:
         return GeminiModel.forward(self, *args, **kwargs)
 
     try:
-        forward.__signature__ = inspect.signature(inner.forward)
+        forward.__signature__ = inspect.signature(signature_of.forward)
     except (TypeError, ValueError):  # a forward without an introspectable signature keeps (*args, **kwargs)
         pass
-    forward.__doc__ = inner.forward.__doc__
+    forward.__doc__ = signature_of.forward.__doc__
     # Python looks special methods up on the class, past __getattr__: a wrapped container
     # (nn.Sequential, nn.ModuleList) indexes, counts and iterates as the wrapped one does.
     containers = {name: _delegate(name) for name in _CONTAINER_METHODS if getattr(inner, name, None) is not None}
@@ -359,5 +390,5 @@ def _wrapper_class(inner: type[nn.Module]) -> type[GeminiModel]:
         "__doc__": GeminiModel.__doc__,
         **containers,
     })
-    _WRAPPER_CLASSES[inner] = cls
+    _WRAPPER_CLASSES[inner, signature_of] = cls
     return cls

@@ -122,6 +122,8 @@ def test_positional_arguments_are_refused():
     "kwargs,match",
     [
         (dict(lr=-1.0), "lr=-1.0"),
+        (dict(lr=torch.tensor(-1.0)), r"lr=tensor\(-1.\) is invalid"),
+        (dict(lr=torch.tensor([1e-3, 1e-3])), "one-element float tensor"),
         (dict(betas=(0.9, 1.0)), "betas="),
         (dict(eps=-1e-8), "eps="),
         (dict(weight_decay=-0.1), "weight_decay="),

@@ -1,5 +1,6 @@
 """More of the loops people write, each against plain PyTorch: an EMA keyed by the model's
-names, torch's optimizer state-dict hooks, a float64 model, and torch.func's transforms.
+names, torch's optimizer state-dict hooks, optimizer.state, a float64 model, torch.func's
+transforms, and checkpointing turned on after initialize.
 """
 
 from __future__ import annotations
@@ -192,3 +193,57 @@ def _nvme_pair(tmp_path):
     config = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=8192, nvme_dir=tmp_path,
                                  nvme_offload_fraction=1.0)
     return (ref, ref_opt), gemini.initialize(base, config, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.standin  # a budget in bytes the CPU stand-in counts exactly
+def test_a_plain_backward_that_overran_the_plan_is_traced_again():
+    """Activation checkpointing turned on after initialize (``model.gradient_checkpointing_enable()``)
+    recomputes inside backward, which auto's plan never saw: the backward overran it. With a plain
+    ``loss.backward()`` (not optimizer.backward) nothing asked for a new trace, and every later
+    iteration raised DeviceBudgetError at the same place, at a budget the same model trains under
+    when checkpointing is on from the start. Now the next iteration traces again and trains,
+    within the budget, as torch does (the refused iteration updated nothing)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    budget = 340_000
+    model, opt = gemini.initialize(model, gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=4096,
+                                                              device_memory=budget), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    landed, refused = [], []
+    for step in range(4):
+        if step == 1:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+        except gemini.DeviceBudgetError:
+            refused.append(step)
+        else:
+            landed.append(step)
+            assert opt.report.device_peak_bytes <= budget
+            ref(input_ids=ids, labels=ids).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.zero_grad()
+    assert refused == [1] and landed == [0, 2, 3]
+    assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()))
+
+
+def test_a_tensor_learning_rate_trains_like_torchs():
+    """torch.optim takes ``lr`` as a 0-dim tensor (schedulers and capturable loops set one);
+    initialize refused it, though a group's tensor lr set later trained."""
+    base, ref = clone_pair(CFG)
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1, fused=True)
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, **CONFIGS["cpu"]), lr=torch.tensor(1e-2),
+                                   weight_decay=0.1)
+    for x, y in batches(CFG, 2, batch=2, seq=16):
+        _train_step(ref, ref_opt, x, y)
+        _train_step(model, opt, x, y)
+    assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()))

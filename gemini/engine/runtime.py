@@ -85,9 +85,8 @@ class GeminiRuntime:
         # Position of each parameter in the module (norms visit them in this order).
         self.param_order = {id(p): i for i, p in enumerate(self.module_params)}
         if self.grad_views is None:
-            reason = why_no_grad_views(zero_world=self.zero.world if self.zero is not None else None,
-                                       precision=self.config.precision)
-            self.grad_views = GradViews(self.manager, unavailable_reason=reason)
+            self.grad_views = GradViews(self.manager, unavailable_reason=why_no_grad_views(
+                zero_world=self.zero.world if self.zero is not None else None, precision=self.config.precision))
 
     # ------------------------------------------------------------------------ gradients
     def zero_grad(self, *, set_to_none: bool = True) -> None:
@@ -97,9 +96,8 @@ class GeminiRuntime:
         self.grad_views.clear(self.module_params, set_to_none=set_to_none)
 
     def settle_grad_views(self) -> None:
-        """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless
-        no chunk can move under them and no rank can mark more ready (see [Note: a step that
-        moves no chunk])."""
+        """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless no chunk
+        can move under them and no rank can mark more ready ([Note: a step that moves no chunk])."""
         self._end_aborted_backward()
         if self.placement.follows_modules or self.zero is not None:
             self.grad_views.hide()
@@ -147,9 +145,8 @@ class GeminiRuntime:
         self._evaluation_window = False
 
     def on_backward_begin(self) -> None:
-        """A backward pass begins: no gradient view may move under autograd's feet; where no chunk
-        ever moves, autograd accumulates into the chunks (not under create_graph=True: a gradient
-        with a graph, which the gradient hook refuses)."""
+        """A backward pass begins: no gradient view may move under autograd's feet; where no chunk ever moves,
+        autograd accumulates into the chunks (not under create_graph=True: the gradient hook refuses those)."""
         if self.placement.follows_modules or torch.is_grad_enabled():
             self.grad_views.hide()
         else:
@@ -181,8 +178,7 @@ class GeminiRuntime:
 
     def _move(self, to: IterationState, *allowed: IterationState) -> None:
         if self.state not in allowed:
-            raise RuntimeError(f"the engine is {self.state}, expected one of {[s.name for s in allowed]} "
-                               f"to move to {to}")
+            raise RuntimeError(f"the engine is {self.state}, expected one of {[s.name for s in allowed]} to move to {to}")
         self.state = to
 
     def _begin_warmup(self, args: tuple, kwargs: dict) -> None:
@@ -284,6 +280,10 @@ class GeminiRuntime:
     def end_window(self) -> None:
         if self.window_open:
             self.memory.monitor.stop()
+
+    def on_budget_error(self) -> None:  # a hook's DeviceBudgetError: also under loss.backward(), past budget_errors
+        self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
+        self.end_window()
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Model data on the device: buffers, chunk payloads and the step counts of states there
@@ -391,9 +391,8 @@ class GeminiRuntime:
 
 
 def _close(*parts) -> None:
-    for part in parts:  # the activations and the NVMe tier may be None
-        if part is not None:
-            part.close()
+    for part in filter(None, parts):  # the activations and the NVMe tier may be None
+        part.close()
 
 
 def _device_model_bytes(ledger: MemoryLedger, fixed_bytes: int) -> int:

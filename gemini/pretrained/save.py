@@ -26,6 +26,7 @@ from torch import nn
 
 from gemini.module import GeminiModel
 from gemini.parallel.zero import gather_state
+from gemini.peft import is_peft_model, save_adapter
 from gemini.pretrained.format import _NAMES, _SHARD_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, _element_size
 from offload import byte_view, format_size, parse_size
 
@@ -109,6 +110,8 @@ def save_pretrained(model: GeminiModel, folder: str | os.PathLike, *, max_shard_
     max_bytes = parse_size(max_shard_size, field="max_shard_size")
     if max_bytes <= 0:
         raise ValueError(f"max_shard_size={max_shard_size!r} must be positive")
+    if is_peft_model(model.module):  # PEFT's adapter files: see [Note: PEFT models]
+        return save_adapter(model, folder, dtype=dtype)
     runtime = model._runtime
     manager, zero = runtime.manager, runtime.zero
     writer = manager.rank == 0
