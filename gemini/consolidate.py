@@ -77,6 +77,9 @@ def manifest(model: GeminiModel, optimizer: HybridAdam) -> dict[str, Any]:
 def read_shards(folder: Path, world: int | None = None) -> list[dict[str, Any]]:
     """Every rank's file of the sharded checkpoint in ``folder`` (of ``world`` ranks; None: the
     one world whose files are there), verified, rank 0 first."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} {'is a file, not' if folder.exists() else 'does not exist: expected'} the "
+                                f"folder of a sharded checkpoint (one file per rank: save_checkpoint(..., sharded=True))")
     found = shard_files(folder)
     if world is None:
         if len(found) != 1:

@@ -9,9 +9,9 @@ __all__ = ["format_size", "parse_size"]
 # [Note: size units]
 # "KB"/"MB"/... are decimal (10**3 steps) and "KiB"/"MiB"/... binary (2**10 steps), as the SI
 # and IEC define them; users who write "8GB" for a GPU's 8 GiB get 7% less budget, which is
-# the safe direction for a budget. Matching is case-insensitive ("512mib" works), and a
-# fractional number is allowed as long as the result is a whole number of bytes
-# ("1.5GiB" is fine, "0.3B" is not).
+# the safe direction for a budget. Matching is case-insensitive ("512mib" works). A fractional
+# number of a unit of KB or more is rounded down to whole bytes, also the safe direction
+# ("2.7GiB" is 2899102924 bytes); a fractional number of bytes ("0.3B", "1.5") is a mistake.
 _UNIT_BYTES: dict[str, int] = {
     "b": 1,
     "kb": 10**3,
@@ -62,11 +62,11 @@ def parse_size(value: int | str, *, field: str = "size") -> int:
         numerator = int(whole or "0") * 10 ** len(frac) + int(frac or "0")
         denominator = 10 ** len(frac)
         total, remainder = divmod(numerator * scale, denominator)
-        if remainder:
+        if remainder and scale == 1:
             raise ValueError(
                 f"{field}={value!r} is not a whole number of bytes; accepted: {_ACCEPTED_SIZES}"
             )
-        return total
+        return total  # rounded down
     return int(number_text) * scale
 
 

@@ -182,7 +182,7 @@ BAD_OPTIONS = [
     (["train", "--lr", "nan"], "--lr", "a finite number >= 0"),
     (["train", "--device-memory", "-5"], "--device-memory", "a positive size"),
     (["train", "--cpu-memory", "lots"], "--cpu-memory", "a positive size"),
-    (["train", "--device-memory", "1.1GiB"], "--device-memory", "not a whole number of bytes"),
+    (["train", "--device-memory", "1.5B"], "--device-memory", "not a whole number of bytes"),
     (["train", "--nvme-offload-fraction", "1.5"], "--nvme-offload-fraction", "a number in [0, 1]"),
     (["train", "--nvme-pipeline-depth", "0"], "--nvme-pipeline-depth", "an int in [1, 64]"),
     (["train", "--gpu-margin-mem-ratio", "-0.1"], "--gpu-margin-mem-ratio", "a number in [0, 1]"),
@@ -586,5 +586,17 @@ def test_consolidate_writes_the_consolidated_checkpoint_of_a_sharded_one(tmp_pat
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got["state"][i][key], want["state"][i][key]), (i, key)
 
-    assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "out.pt")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["consolidate", str(tmp_path / "empty"), str(tmp_path / "out.pt")]) == 2
     assert "holds no sharded checkpoint" in capsys.readouterr().err
+    assert main(["consolidate", str(tmp_path / "nothing"), str(tmp_path / "out.pt")]) == 2
+    assert "nothing does not exist: expected the folder of a sharded checkpoint" in capsys.readouterr().err
+    # The output in the input's folder (a rank's file name, say) would have replaced a shard: refused.
+    shard = next((tmp_path / "shards").iterdir())
+    before = shard.read_bytes()
+    assert main(["consolidate", str(tmp_path / "shards"), str(shard)]) == 2
+    assert "is inside the sharded checkpoint's folder" in capsys.readouterr().err
+    assert shard.read_bytes() == before
+    # An output folder that does not exist yet is made (the error named a temporary file).
+    assert main(["consolidate", str(tmp_path / "shards"), str(tmp_path / "new" / "dir" / "whole.pt")]) == 0
+    assert (tmp_path / "new" / "dir" / "whole.pt").stat().st_size == (tmp_path / "whole.pt").stat().st_size

@@ -335,3 +335,28 @@ def test_bad_inputs_are_said_naming_the_argument():
     with pytest.raises(ValueError, match=r"if it failed in loss_fn, make what loss_fn uses .* a meta tensor") as e:
         gemini.plan_placement(model, config, example_inputs=(x,), loss_fn=lambda out: F.cross_entropy(out, target))
     assert "or pass loss_fn" not in str(e.value)
+
+
+@pytest.mark.standin  # budgets in bytes the CPU stand-in counts exactly
+@pytest.mark.parametrize("placement, budget", [("cpu", 830_000), ("static", 1_960_000)])
+def test_placements_without_a_warm_up_are_not_refused_a_reserve_they_do_not_keep(placement, budget):
+    """cpu and static check each step's peak against the budget itself, without auto's 64 KiB
+    warm-up reserve; the plan added it and said "does not fit" for budgets they train under
+    (cpu from 825 to 875 kB here). Now a 1% slack: the verdict and training agree."""
+    cfg_gpt = GPTConfig(n_layer=2, n_embd=64, n_head=2, vocab_size=256, block_size=32)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (2, 32), generator=g) for _ in range(2))
+    extra = dict(static_param_device_fraction=0.5, static_optimizer_offload_fraction=0.5) if placement == "static" else {}
+    config = gemini.GeminiConfig(device="cpu", placement=placement, device_memory=budget, **extra)
+    with torch.device("meta"):
+        meta = GPT(cfg_gpt)
+    plan = gemini.plan_placement(meta, config, example_inputs=(x,), loss_fn=lambda out: GPT.loss(out, y.to("meta")))
+    assert plan.fits, plan.problems
+    torch.manual_seed(0)
+    model, opt = gemini.initialize(GPT(cfg_gpt), config)
+    for _ in range(2):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert plan.device_peak_bytes <= opt.report.device_peak_bytes <= budget
+        assert opt.report.device_peak_bytes - plan.device_peak_bytes < 0.01 * plan.non_model_peak_bytes

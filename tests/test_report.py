@@ -282,6 +282,32 @@ def test_summary_line_counts_steps_from_one():
     assert gemini.summary_line(_report(9), total=10).startswith("step  10/10 | ")
 
 
+def test_summary_mistakes_are_named():
+    """optimizer.report before the first step (None), and a unit spelled another way, ended in
+    AttributeError / KeyError; "mib" is MiB, as config sizes are case-insensitive."""
+    with pytest.raises(TypeError, match=r"summary_line takes a MemoryReport \(optimizer.report after a step\), got None"):
+        gemini.summary_line(None)
+    r = _report(0, device_peak_bytes=MiB)
+    assert gemini.summary_line(r, unit="mib") == gemini.summary_line(r, unit="MiB")
+    assert gemini.run_summary([r], unit="gib") == gemini.run_summary([r])
+    for call in (lambda: gemini.summary_line(r, unit="KiB"), lambda: gemini.run_summary([r], unit="KB")):
+        with pytest.raises(ValueError, match=r"unit='K\w+' is invalid: expected one of \['GiB', 'MiB'\]"):
+            call()
+
+
+@pytest.mark.standin
+def test_a_plot_path_without_a_suffix_returns_the_png_written(auto_run, tmp_path):
+    """matplotlib writes "memory" as memory.png: the path returned is that file (it was "memory",
+    which does not exist); a report's None timeline (not placement auto) is named."""
+    pytest.importorskip("matplotlib")
+    _, reports, _, _ = auto_run
+    path = gemini.plot_memory(reports, tmp_path / "memory")
+    assert path == tmp_path / "memory.png" and path.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["memory.png"]
+    with pytest.raises(TypeError, match="plot_timeline takes a WarmupTimeline .* got NoneType"):
+        gemini.plot_timeline(None, tmp_path / "timeline.png")
+
+
 @pytest.mark.standin
 def test_plots_of_a_real_run_are_non_trivial_pngs(auto_run, tmp_path):
     mpl_image = pytest.importorskip("matplotlib.image")

@@ -142,6 +142,13 @@ def test_bad_arguments_name_the_parameter(kwargs, match):
         gemini.tune_margin(make_gpt, _loss_fn(), args.pop("config"), **args)
 
 
+def test_a_model_for_model_fn_is_named():
+    """A model passed where a factory goes failed inside the first trial ("forward() missing 1
+    required positional argument"), naming nothing of tune_margin's."""
+    with pytest.raises(TypeError, match="model_fn=GPT is invalid: expected a function building a fresh model"):
+        gemini.tune_margin(make_gpt(), _loss_fn(), _config(), steps=2, ratios=[0.0])
+
+
 @pytest.mark.parametrize("field, value", [("step_seconds", -1.0), ("step_seconds", float("nan")),
                                           ("device_peak_bytes", 1.5), ("device_peak_bytes", True),
                                           ("needed_bytes", -1)])

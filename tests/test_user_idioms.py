@@ -5,6 +5,8 @@ transforms, and checkpointing turned on after initialize.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -247,3 +249,30 @@ def test_a_tensor_learning_rate_trains_like_torchs():
         _train_step(ref, ref_opt, x, y)
         _train_step(model, opt, x, y)
     assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()))
+
+
+@pytest.mark.standin  # budgets in bytes the CPU stand-in counts exactly (on CUDA the allocator's cap)
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+def test_an_evaluation_forward_over_the_budget_is_refused_and_training_goes_on(placement):
+    """An evaluation batch larger than training's ran at twice the budget, unnoticed on the CPU
+    stand-in (each forward of generate() too): its peak is now checked as a step's, raising
+    DeviceBudgetError after the forward; an evaluation that fits passes, and training goes on
+    as torch's."""
+    base, ref = clone_pair(CFG)
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    budget = 2_000_000  # training takes under 1 MB, an evaluation of 64 x 32 tokens about 5.8 MB
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=8192,
+                                                             device_memory=budget), lr=1e-2, weight_decay=0.1)
+    small, large = (batches(CFG, 1, batch=b, seq=32, seed=7)[0][0] for b in (2, 64))
+    for step, (x, y) in enumerate(batches(CFG, 3, batch=2, seq=16)):
+        with torch.no_grad():
+            torch.testing.assert_close(model(small), ref(small), rtol=1e-6, atol=1e-6)
+            with pytest.raises(gemini.DeviceBudgetError, match=r"this evaluation forward \(without gradients\) "
+                                                               r"needed \d+ bytes .* smaller evaluation batch"):
+                model(large)
+        gc.collect()  # pytest's ExceptionInfo keeps the traceback, and the forward's output in its frames, in a cycle
+        _train_step(ref, ref_opt, x, y)
+        _train_step(model, opt, x, y)
+        assert opt.report.device_peak_bytes <= budget
+        assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()), step=step)

@@ -39,8 +39,7 @@ def _weak_method(method: Callable) -> Callable:
     ref = weakref.WeakMethod(method)
 
     def call(*args):
-        bound = ref()
-        if bound is not None:
+        if (bound := ref()) is not None:
             bound(*args)
 
     return call
@@ -56,7 +55,7 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
         on_boundary: Callable[[Boundary], None],
         on_backward_begin: Callable[[], None] = lambda: None,
         on_backward_end: Callable[[], None] = lambda: None,
-        on_root_forward_end: Callable[[], None] = lambda: None,
+        on_root_forward_end: Callable[[], DeviceBudgetError | None] = lambda: None,
         accumulated_in_place: Callable[[nn.Parameter], bool] = lambda param: False,
     ) -> None:
         self.manager = manager
@@ -268,12 +267,13 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
         if self._reads is not None:
             self._end_descendant_reads(output)
-        self._on_root_forward_end()
+        error = self._on_root_forward_end()  # an evaluation's budget error, raised last
         self.residency.end_forward()
-        # The root's outputs get their gradients before any parameter of the model does (a
-        # parameter's gradient flows through them), so the backward pass begins here: the
-        # gradient views are withdrawn before autograd could accumulate into one.
+        # The root's outputs get their gradients before any parameter's (which flow through them), so the
+        # backward pass begins here: the gradient views are withdrawn before autograd could accumulate into one.
         hook_first_grad_of(output, self._begin_backward_pass)
+        if error is not None:  # the forward's output is dropped: nothing of it was kept
+            raise error
 
     # -------------------------------------------------------------------------- backward
     # [Note: a graph task that accumulates no parameter gradient]

@@ -242,8 +242,19 @@ class DeviceMemory:
 def planned_reserve_bytes(max_non_model_bytes: int, device: torch.device) -> int:
     """The safety reserve less the allocator's slack (which only a run measures): what a plan
     made before any run keeps free (see [Note: the safety reserve])."""
-    variation = math.ceil(0.05 * max_non_model_bytes) if device.type == "cuda" else 0
-    return variation + _STEP_TEMPORARIES_BYTES
+    return _allocator_variation_bytes(max_non_model_bytes, device) + _STEP_TEMPORARIES_BYTES
+
+
+def planned_slack_bytes(max_non_model_bytes: int, device: torch.device) -> int:
+    """What the planner keeps free for a placement without auto's warm-up (whose steps are checked
+    against the budget itself, no reserve): the allocator's variation, and 1% of the non-model
+    peak for where the meta-device run predicts apart from a real one (a few hundred bytes on
+    the CPU stand-in)."""
+    return _allocator_variation_bytes(max_non_model_bytes, device) + math.ceil(0.01 * max_non_model_bytes)
+
+
+def _allocator_variation_bytes(max_non_model_bytes: int, device: torch.device) -> int:
+    return math.ceil(0.05 * max_non_model_bytes) if device.type == "cuda" else 0
 
 
 # [Note: one allocator cap for several budgets]

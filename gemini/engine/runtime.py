@@ -28,7 +28,7 @@ from gemini.policies.plan import MemoryPlan
 from gemini.engine.step_report import StepOutcome, step_report
 from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
 from gemini.engine.system_memory import SystemMemory
-from gemini.engine.warmup import Warmup, check_peak
+from gemini.engine.warmup import Warmup, check_peak, peak_error
 from gemini.parallel.zero import agree_on_budget, agree_on_trace, gather_params
 from gemini.engine.iteration_state import IterationState
 from tracer import Boundary, TracedInputs, reset_cuda_peak
@@ -106,8 +106,7 @@ class GeminiRuntime:
         self.grad_views.adopt_assigned(self.residency.grad_buffer)
 
     # -------------------------------------------------------------------- iteration events
-    def on_root_forward(self, args: tuple, kwargs: dict) -> None:
-        """The root module's forward begins (its first forward pre-hook)."""
+    def on_root_forward(self, args: tuple, kwargs: dict) -> None:  # the root's forward begins (its first pre-hook)
         self._end_aborted_backward()
         self.manager.adopt_assigned()  # see [Note: parameters whose .data was assigned] in chunks/manager.py
         self.grad_views.hide()
@@ -128,21 +127,27 @@ class GeminiRuntime:
         if self.activations is not None:
             self.activations.begin_forward()
 
-    def on_root_forward_end(self) -> None:
+    def on_root_forward_end(self) -> DeviceBudgetError | None:
         """The root module's forward is over (also when it raised: always_call hooks run inside
-        torch's ``except``, where ``sys.exc_info()`` is the forward's error)."""
+        torch's ``except``, where ``sys.exc_info()`` is the forward's error). Returns an evaluation
+        forward's budget error, for the hooks to raise once their state is consistent."""
         if torch.is_grad_enabled() and sys.exc_info()[1] is not None:
             self.forwards_raised += 1
         if self.activations is not None:
             self.activations.end_forward()
-        # [Note: an evaluation forward's window] A forward without grad between steps (a
-        # validation pass) is no part of the next training iteration: the window it opened
-        # closes with it. Left open, everything the loop allocated after it (metrics, the next
-        # batch: device tensors to the CPU stand-in's monitor) was charged to the next
-        # iteration, whose budget check then failed for memory the training never used.
+        # [Note: an evaluation forward's window] A forward without grad between steps (a validation
+        # pass, each forward of generate()) is no part of the next training iteration: the window it
+        # opened closes with it (left open, what the loop allocated after it was charged to the next
+        # iteration), its peak checked against the budget as a step's is (on CUDA the allocator's cap
+        # does it; on the CPU stand-in an evaluation batch twice the budget passed unnoticed).
+        error = None
         if self._evaluation_window and not self.tracing:
+            if self.config.device_memory is not None and self.memory.measuring:
+                error = peak_error(self.memory.peak_bytes() or 0, self.memory.budget_bytes, what="this evaluation "
+                                   "forward (without gradients)", advice="use a smaller evaluation batch or sequence")
             self.end_window()
         self._evaluation_window = False
+        return error
 
     def on_backward_begin(self) -> None:
         """A backward pass begins: no gradient view may move under autograd's feet; where no chunk ever moves,
@@ -152,8 +157,7 @@ class GeminiRuntime:
         else:
             self.grad_views.arm(self.residency.grad_buffer)
 
-    def on_backward_end(self) -> None:
-        """A backward pass is over: gradients are in their chunks."""
+    def on_backward_end(self) -> None:  # a backward pass is over: gradients are in their chunks
         if self.activations is not None:
             self.activations.end_backward()
         self.grad_views.expose()
@@ -249,9 +253,7 @@ class GeminiRuntime:
         self.plan = None
         self._begin_warmup(args, kwargs)
 
-    @property
-    def tracing(self) -> bool:
-        return self.state is IterationState.TRACING
+    tracing = property(lambda self: self.state is IterationState.TRACING)
 
     # ------------------------------------------------------------------------------ NVMe
     def resident(self, group, *, modify: bool, chunks=None, overwrite: bool = False):
@@ -293,8 +295,7 @@ class GeminiRuntime:
         out += [g.steps for g in self.manager.trainable_groups if g.exp_avg.is_on(Tier.DEVICE)]
         return out
 
-    def take_timeline(self) -> WarmupTimeline | None:
-        """The timeline of a warm-up that ended since the last call (for that step's report)."""
+    def take_timeline(self) -> WarmupTimeline | None:  # of a warm-up ended since the last call (the step's report)
         plan, self.unreported_plan = self.unreported_plan, None
         return plan.timeline() if plan is not None else None
 

@@ -132,3 +132,12 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
         f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or {advice}.",
         missing_bytes=missing,
     )
+
+
+def peak_error(peak_bytes: int, budget_bytes: int, **check: str) -> DeviceBudgetError | None:
+    """:func:`check_peak`'s error, returned (to be raised once the caller's state is consistent)."""
+    try:
+        check_peak(peak_bytes, budget_bytes, **check)
+    except DeviceBudgetError as e:
+        return e
+    return None

@@ -271,8 +271,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    whole = consolidate_checkpoint(args.folder)
-    atomic_save(whole, Path(args.out))  # with checksums, durable: what save_checkpoint(..., sharded=False) writes
+    out, folder = Path(args.out), Path(args.folder)
+    if folder.is_dir() and out.resolve().parent == folder.resolve():  # a rank's file replaced: the input lost
+        raise ValueError(f"out={args.out!r} is inside the sharded checkpoint's folder {args.folder!r}: write the "
+                         f"consolidated file elsewhere")
+    whole = consolidate_checkpoint(folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save(whole, out)  # with checksums, durable: what save_checkpoint(..., sharded=False) writes
     state = whole["optimizer"]["state"]
     print(f"{args.out}: {len(whole['model'])} model entries, optimizer state of {len(state)} parameters "
           f"(load_checkpoint into any number of ranks; torch.load(..., weights_only=True)['model'] into a plain module)")

@@ -24,7 +24,7 @@ import torch
 from chunks import fits
 from gemini.config import GeminiConfig
 from gemini.engine.activations import kept_on_device
-from gemini.engine.memory import planned_reserve_bytes
+from gemini.engine.memory import planned_reserve_bytes, planned_slack_bytes
 from gemini.policies import (AutoPlacement, CpuPlacement, CudaPlacement, PlacementPolicy, StaticPlacement,
                              placement_type)
 from gemini.policies.footprint import DeviceGroups, Layout, margin_choice, margin_room_bytes, whole_group_bytes
@@ -55,13 +55,21 @@ class PlacementForecast:
     # Ends the offload_activations note.
     activation_offload_note = ""
 
+    @property
+    def traces(self) -> bool:
+        """Whether the placement plans from a warm-up iteration (auto), which keeps a reserve."""
+        return self.policy.plans_from_measurement
+
     def __init__(self, config: GeminiConfig, layout: Layout, *, buffer_bytes: int, peaks: MetaPeaks | None) -> None:
         self.config = config
         self.layout = layout
         self.buffer_bytes = buffer_bytes
         self.peaks = peaks  # None: no example inputs, activations not counted
-        self.reserve_bytes = None if peaks is None else planned_reserve_bytes(peaks.non_model_bytes,
-                                                                              config.resolved_device())
+        # The safety reserve is the warm-up's (auto's): the other placements check each step's peak
+        # against the budget itself, so their verdicts keep only a slack (with the 64 KiB reserve
+        # they refused budgets they train under).
+        reserve = planned_reserve_bytes if self.traces else planned_slack_bytes
+        self.reserve_bytes = None if peaks is None else reserve(peaks.non_model_bytes, config.resolved_device())
         self.choice: DeviceGroups = self.policy.layout_choice(config, layout)
         # Only auto's warm-up plans (with example inputs) and leaves a margin (with a budget too).
         self.planned_peak_bytes: int | None = None
@@ -181,6 +189,11 @@ class AutoForecast(CpuForecast):
     holds = ("the parameter chunks it caches and the margin's whole groups (its warm-up: the chunk groups visiting "
              "for compute)")
     activation_offload_note = "; the margin left by gpu_margin_mem_ratio keeps the last ones on the device"
+
+    @property
+    def traces(self) -> bool:
+        """Whether the placement plans from a warm-up iteration (auto), which keeps a reserve."""
+        return self.policy.plans_from_measurement
 
     def __init__(self, config: GeminiConfig, layout: Layout, *, buffer_bytes: int, peaks: MetaPeaks | None) -> None:
         super().__init__(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)

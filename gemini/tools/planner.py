@@ -314,7 +314,8 @@ def _check_predicted_peak(plan: PlacementPlan, forecast: PlacementForecast) -> N
     plan.notes.append(f"predicted device peak {format_size(plan.device_peak_bytes)} (first step "
                       f"{format_size(plan.first_step_peak_bytes)}): {forecast.holds}, buffers, and activations and "
                       f"temporaries (at most {format_size(plan.non_model_peak_bytes)} at once: one forward and "
-                      f"backward on the meta device); the warm-up keeps a reserve of {format_size(reserve)} besides")
+                      f"backward on the meta device)"
+                      + f"; {format_size(reserve)} of {'reserve the warm-up keeps' if forecast.traces else 'slack'} besides")
     if budget is None:
         return
     needed, why = peak, "at its peak"
@@ -326,7 +327,8 @@ def _check_predicted_peak(plan: PlacementPlan, forecast: PlacementForecast) -> N
     if missing:
         plan.problems.append(
             f"the device needs {format_size(needed + reserve)} {why} ({format_size(needed)} predicted, "
-            f"{format_size(reserve)} of reserve) but device_memory is {format_size(budget)}: "
+            f"{format_size(reserve)} of {'reserve' if forecast.traces else 'slack'}) but device_memory is "
+            f"{format_size(budget)}: "
             f"{format_size(missing)} are missing; raise device_memory, use activation checkpointing"
             f"{'' if forecast.config.offload_activations else ' or offload_activations'}, or a smaller batch"
             f"{forecast.peak_advice}")

@@ -52,6 +52,8 @@ def require_matplotlib() -> None:
 
 def _save(fig, path: str | os.PathLike) -> Path:
     path = Path(path)
+    if not path.suffix:  # matplotlib would write path + ".png": return the file written
+        path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     logger.info("wrote %s", path)
@@ -115,6 +117,9 @@ def plot_memory(reports: Sequence[MemoryReport], path: str | os.PathLike) -> Pat
 def plot_timeline(timeline: WarmupTimeline, path: str | os.PathLike) -> Path:
     """The warm-up iteration period by period: each period's non-model peak (coloured by
     forward / backward / recompute) against the budget and what is left under the reserve."""
+    if not isinstance(timeline, WarmupTimeline):  # report.timeline is None but under placement auto
+        raise TypeError(f"plot_timeline takes a WarmupTimeline (report.timeline of the step that ended placement "
+                        f"auto's warm-up, or optimizer.timeline), got {type(timeline).__name__}")
     periods = timeline.periods
     if not periods:
         raise ValueError("the timeline has no periods")

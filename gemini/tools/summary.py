@@ -13,6 +13,14 @@ GiB = 2**30
 UNITS = {"GiB": GiB, "MiB": 2**20}
 
 
+def _unit(unit: str) -> str:
+    """``unit`` as UNITS spells it ("mib" is "MiB"), or ValueError naming the accepted ones."""
+    for name in UNITS:
+        if isinstance(unit, str) and unit.lower() == name.lower():
+            return name
+    raise ValueError(f"unit={unit!r} is invalid: expected one of {list(UNITS)} (case-insensitive)")
+
+
 def gib(nbytes: int | None, unit: str = "GiB") -> str:
     """Bytes in ``unit`` (GiB by default) with three decimals, "-" for not measured. One unit
     in every column, so that lines of different steps and runs line up and compare at a glance."""
@@ -37,6 +45,9 @@ def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str =
     non-model bytes, host and NVMe, bytes moved, optimizer-state chunks on the device.
     Sizes are in ``unit`` ("GiB" or "MiB"). Steps are counted from 1 ("step   1" is the report
     with ``step == 0``); with ``total``, the step reads as "step   1/4"."""
+    if not isinstance(report, MemoryReport):  # optimizer.report is None before the first step
+        raise TypeError(f"summary_line takes a MemoryReport (optimizer.report after a step), got {report!r}")
+    unit = _unit(unit)
     r = report
     uses_nvme = r.nvme_bytes or r.nvme_read_bytes or r.nvme_write_bytes or r.nvme_wait_seconds
     timing = f"transfers {r.transfer_seconds:.2f}"
@@ -70,6 +81,7 @@ def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str =
 def run_summary(reports: Sequence[MemoryReport], *, unit: str = "GiB") -> str:
     """A few lines over a whole run: step time and its split, peaks, tiers, traffic, skips.
     Steps are counted from 1, as in :func:`summary_line`."""
+    unit = _unit(unit)
     if not reports:
         return "no reports"
     # The first step is a warm-up (traced, conservative): timed apart from the others.

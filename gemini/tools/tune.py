@@ -103,6 +103,9 @@ def tune_margin(
     See [Note: what the ratio trades], [Note: needed memory, not the measured peak] and
     [Note: timing within noise].
     """
+    if isinstance(model_fn, nn.Module) or not callable(model_fn):  # each trial needs a fresh model
+        raise TypeError(f"model_fn={type(model_fn).__name__} is invalid: expected a function building a fresh model "
+                        f"for each trial (e.g. lambda: GPT(cfg), seeded), not a model")
     if not placement_type(config.placement).has_margin:
         raise ValueError(f"GeminiConfig.placement={config.placement!r} is invalid for tune_margin: expected 'auto' "
                          f"(only auto placement has a margin)")

@@ -19,12 +19,15 @@ from offload import format_size, parse_size
     ("1TiB", 2**40),
     ("3tb", 3 * 10**12),
     (".5KiB", 512),
+    ("2.7GiB", 2899102924),  # rounded down to whole bytes (2.7 * 2**30 = 2899102924.8)
+    ("1.6MiB", 1677721),
+    ("0.0001KB", 0),
 ])
 def test_parse_size_accepts(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "abc", "-1", -1, "12XB", "1.5B", "0.3KB7", "1e9", True, 3.0, None, "MiB"])
+@pytest.mark.parametrize("bad", ["", "abc", "-1", -1, "12XB", "1.5B", "1.5", "0.3KB7", "1e9", True, 3.0, None, "MiB"])
 def test_parse_size_rejects_with_value_and_units(bad):
     with pytest.raises(ValueError) as info:
         parse_size(bad, field="cpu_memory")
