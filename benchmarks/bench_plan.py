@@ -117,7 +117,7 @@ def _train(name: str, config: gemini.GeminiConfig) -> dict:
     torch.manual_seed(0)
     try:
         model, opt = gemini.initialize(make(), config, lr=1e-3)
-    except ValueError as e:  # refused before the first step: the chunks it keeps do not fit
+    except (ValueError, gemini.DeviceBudgetError) as e:  # refused before the first step: its chunks do not fit
         return dict(peaks=[], error=f"initialize: {str(e).splitlines()[0][:160]}", tiers=None, os_on_device=None)
     x, y = _batch(name, str(config.resolved_device()))
     peaks, error, tiers, os_on_device = [], None, None, None

@@ -22,7 +22,7 @@ from gemini.config import GeminiConfig
 from gemini.policies.footprint import Layout, chunk_bytes
 from gemini.engine.hooks import ModuleHooks
 from gemini.engine.residency import Residency
-from gemini.engine.memory import DeviceMemory
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
@@ -273,11 +273,12 @@ def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkMan
     need = sum(chunk_bytes(layout, device_groups(config, layout), param_dtype=manager.param_dtype,
                            world=manager.world, shard_params=manager.shard_params)[Tier.DEVICE].values())
     missing = missing_bytes(config.device_memory, need)
-    if missing:
-        raise ValueError(
+    if missing:  # DeviceBudgetError, as static's check_budget raises it: the error users catch for a budget
+        raise DeviceBudgetError(
             f"placement={config.placement!r} needs {need} bytes of chunks on the device but "
             f"GeminiConfig.device_memory={config.device_memory}: {missing} bytes are missing; "
-            f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size"
+            f"use placement='cpu' (or 'auto'), a larger device_memory, or a smaller chunk_size",
+            missing_bytes=missing,
         )
 
 

@@ -179,8 +179,8 @@ def test_parameters_of_several_dtypes_are_warned_about(caplog):
 def test_device_budget_too_small_for_cuda_placement_says_how_much_is_missing():
     model = GPT(TINY)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"placement='cuda' needs \d+ bytes of chunks on the device but "
-                                         r"GeminiConfig.device_memory=65536: \d+ bytes are missing"):
+    with pytest.raises(gemini.DeviceBudgetError, match=r"placement='cuda' needs \d+ bytes of chunks on the device "
+                                                       r"but GeminiConfig.device_memory=65536: \d+ bytes are missing"):
         gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cuda", device_memory="64KiB"))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 

@@ -122,7 +122,7 @@ def test_what_does_not_fit_is_said_with_the_knob_to_turn(tmp_path):
     with pytest.raises(ValueError, match="nvme_dir"):
         gemini.initialize(_model(), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000,
                                                          cpu_memory=100_000))
-    with pytest.raises(ValueError, match="device_memory"):
+    with pytest.raises(DeviceBudgetError, match="device_memory"):
         gemini.initialize(_model(), gemini.GeminiConfig(device="cpu", placement="cuda", chunk_size=2000,
                                                          device_memory=100_000))
 
