@@ -61,9 +61,9 @@ class Watchdog:
     """Watches one rank's waits in its process group's collectives (see [Note: a collective some
     ranks never call]); ``waiting(what)`` brackets each wait."""
 
-    def __init__(self, rank: int, world: int, *, warn_after: float | None = None) -> None:
+    def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
-        self.warn_after = warn_after_seconds() if warn_after is None else warn_after
+        self.warn_after = warn_after_seconds()
         self._since: float | None = None  # when the wait in progress began (None: none is)
         self._what = ""
         self._thread_id = 0
