@@ -250,6 +250,13 @@ class NvmeFiles:
         file_bytes = round_up(nbytes, ALIGNMENT_BYTES) if direct_io else nbytes
         self._next_file += 1
         path = os.path.join(self._folder, f"{self._next_file:08d}.bin")
+        if not os.path.isdir(self._folder):
+            # Deleted underneath (a tmp cleaner, rm -r): its files are gone (their reads raise, naming
+            # each), and what is written from now on - a checkpoint loaded into the engine, the usual
+            # recovery - needs the folder back (a bare FileNotFoundError otherwise).
+            os.makedirs(self._folder, exist_ok=True)
+            logger.warning("NVMe folder %s was deleted while in use: made again; the files it held are lost",
+                           self._folder)
         free_bytes = shutil.disk_usage(self._folder).free
         if file_bytes > free_bytes:
             raise NvmeStoreError(

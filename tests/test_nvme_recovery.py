@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import shutil
 
 import pytest
 import torch
@@ -186,11 +187,13 @@ def test_a_load_that_fails_writing_changes_nothing_and_leaves_no_write_in_flight
     opt.close()
 
 
-@pytest.mark.parametrize("damage", ["delete", "flip"])
+@pytest.mark.parametrize("damage", ["delete", "flip", "folder"])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_loading_a_checkpoint_repairs_a_lost_or_corrupted_nvme_file(sharded, damage, tmp_path):
     """A load writes every element of the states: it never reads the files it replaces, so it
-    repairs one that is gone or damaged, and training goes on as AdamW."""
+    repairs one that is gone or damaged, and training goes on as AdamW. The engine's whole
+    folder deleted (a tmp cleaner): the step names a lost file, and the load, which failed on a
+    bare FileNotFoundError (the folder gone), writes into the folder made again."""
     (tmp_path / "nvme").mkdir()
     base, ref = clone_pair()
     data = batches(TINY, 4)
@@ -203,6 +206,12 @@ def test_loading_a_checkpoint_repairs_a_lost_or_corrupted_nvme_file(sharded, dam
     path = rt.storage.nvme.path_of(rt.manager.trainable_groups[-1].exp_avg.key)
     if damage == "delete":
         os.remove(path)
+    elif damage == "folder":
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the store may be removing an old file meanwhile
+        assert not os.path.exists(os.path.dirname(path))
+        with pytest.raises(NvmeStoreError, match=r"was deleted underneath the store"):
+            _train(model, opt, data[3:4])
+        opt.zero_grad()
     else:
         with open(path, "r+b") as f:
             byte = f.read(1)

@@ -233,7 +233,8 @@ class NvmeTier:
                 try:
                     c.finish_io()
                 except Exception as e:  # a failed write keeps its host copy, a failed read its file
-                    logger.error("NVMe I/O of %s failed; it keeps its last good copy: %s", c, e)
+                    logger.error("NVMe I/O of %s failed (a failed write keeps the chunk in host memory, a failed read "
+                                 "changes nothing): %s", c, e)
                 if c.state is ChunkState.HOST_AND_NVME:
                     c.drop_host_copy()
 
