@@ -351,6 +351,10 @@ class ChunkManager:
         chunk.edits.edited = True  # low precision: the step brings it into the master
 
     # ---------------------------------------------------------------------------- lookups
+    def manages(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is one of the parameters laid out in these chunks."""
+        return param in self._where
+
     def locate(self, param: nn.Parameter) -> tuple[ChunkGroup, TensorSlot]:
         try:
             return self._where[param]

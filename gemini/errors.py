@@ -21,17 +21,24 @@ class DeviceBudgetError(MemoryError):
 
 
 class NotCopyable:
-    """Refuses ``copy.deepcopy`` and pickling with what to do instead: the wrapped model, and
-    the engine's hooks (so the module given to initialize, which holds them, is refused too)."""
+    """Refuses ``copy.deepcopy`` and pickling with what to do instead: the wrapped model, the
+    engine's hooks (so the module given to initialize, which holds them, is refused too) and the
+    optimizer (torch's ``Optimizer.__getstate__`` pickled a shell that failed at its first use)."""
+
+    _copied_as = "model"  # what messages call it
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise TypeError(_not_copyable("copy.deepcopy(model)"))
+        raise TypeError(_not_copyable(f"copy.deepcopy({self._copied_as})", self._copied_as))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(_not_copyable("pickling the model (torch.save(model))"))
+        raise TypeError(_not_copyable(f"pickling the {self._copied_as} (torch.save({self._copied_as}))", self._copied_as))
 
 
-def _not_copyable(what: str) -> str:
+def _not_copyable(what: str, noun: str) -> str:
+    if noun == "optimizer":
+        return (f"{what} is not supported after gemini.initialize: its states live in chunks that the engine and the "
+                f"model share. To save it, use torch.save(optimizer.state_dict()) or gemini.save_checkpoint (it loads "
+                f"into the optimizer of another gemini.initialize, or into a torch.optim.AdamW)")
     return (f"{what} is not supported after gemini.initialize: the parameters live in chunks that the engine and "
             f"the optimizer share. For a copy (an EMA, a frozen teacher), deep-copy the module before initialize, "
             f"or build a fresh one and load model.state_dict() into it (full fp32 values, the original keys); "

@@ -298,8 +298,11 @@ def split_param_groups(model: nn.Module, param_groups):
         specs: list[dict[str, Any]] = [{"params": [p for _, p in named]}]
     else:
         specs = _validate_group_specs(param_groups, order, name_of)
+        # The trainable parameters no group lists get one of their own; frozen ones none: as a torch
+        # optimizer built from the trainable parameters only (a LoRA recipe), whose checkpoints
+        # then load here and this optimizer's into it. They are in chunks all the same.
         listed = {p for spec in specs for p in spec["params"]}
-        rest = [p for _, p in named if p not in listed]
+        rest = [p for _, p in named if p not in listed and p.requires_grad]
         if rest:
             specs.append({"params": rest})
     torch_groups, named_groups = [], []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -19,13 +19,17 @@ from chunks import ChunkGroup, ChunkState, TensorSlot
 from gemini.engine.descendant_reads import run_uncompiled, skip_call_frame
 from gemini.engine.load_transaction import LoadTransaction
 from gemini.errors import NotCopyable
+from gemini.module_idioms import ModuleIdioms
 from gemini.optim.clipping import clip_model_grad_norm_
 from gemini.parallel.zero import gather_state
 from gemini.peft import MERGING as PEFT_MERGING
 from gemini.peft import is_peft_model, merging_refused, save_adapter
+from gemini.restructuring import RESTRUCTURING, restructuring_refused
 
 if TYPE_CHECKING:
     from gemini.engine.runtime import GeminiRuntime
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GeminiModel"]
 
@@ -38,7 +42,7 @@ class _IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-class GeminiModel(NotCopyable, nn.Module):
+class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
     """Runs the wrapped module; ``state_dict`` speaks the wrapped module's keys.
 
     Floating-point inputs are cast to the compute precision on the way in under bf16/fp16, and
@@ -68,6 +72,7 @@ class GeminiModel(NotCopyable, nn.Module):
         # Under fp32 inputs are left as they are (torch's type promotion, as in the plain model),
         # unless the module's parameters were of another dtype, whose inputs its caller passes.
         self._cast_inputs = cast_inputs or self._compute_dtype != torch.float32
+        self._foreign_warned: set[str] = set()  # parameters put in place since initialize, warned about
         skip_call_frame(GeminiModel.__call__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -94,48 +99,9 @@ class GeminiModel(NotCopyable, nn.Module):
                 raise
             if name in PEFT_MERGING and is_peft_model(inner):
                 return merging_refused(name)  # see [Note: PEFT models] in gemini/peft.py
+            if name in RESTRUCTURING and hasattr(inner, name):
+                return restructuring_refused(name)  # see [Note: methods that restructure the model]
             return getattr(inner, name)
-
-    # The names state_dict() uses (the wrapped module's, no "module." before them), so that code
-    # pairing parameters or modules with a checkpoint's keys (an EMA kept as a state_dict, PEFT's
-    # get_peft_model_state_dict) finds them. The wrapper itself is not among the modules; it is
-    # still the wrapped module's parent (children(), so train(), eval() and apply() reach it).
-    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
-        """The wrapped module's ``named_modules``: the names ``state_dict()`` has."""
-        return self.module.named_modules(memo, prefix, remove_duplicate)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The wrapped module's ``named_parameters``: the names ``state_dict()`` has."""
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """The wrapped module's ``named_buffers``: the names ``state_dict()`` has."""
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """DDP's and FSDP's context for the micro-batches of gradient accumulation, accepted so
-        their loops run unchanged. Gradients accumulate as they do outside it; under ZeRO each
-        backward still reduce-scatters its gradients (a sum of means is the mean of sums, so
-        the step is the same; only DDP's saving of communication is not had)."""
-        yield
-
-    @contextlib.contextmanager
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Iterator[None]:
-        """DDP's context for ranks with different numbers of batches: nothing to do in one process;
-        under ZeRO refused, since a rank out of batches would have to take part in the other
-        ranks' gathers and reductions of every forward, backward and step."""
-        zero = self._runtime.zero
-        if enable and zero is not None:
-            raise RuntimeError(
-                f"model.join() (DDP's uneven inputs) is not supported under gemini's ZeRO ({zero.world} ranks): every "
-                f"rank must run the same forwards, backwards and steps, which are collectives. Give every rank the "
-                f"same number of batches (DistributedSampler's default pads them to equal length; or drop_last=True)")
-        yield
 
     # -------------------------------------------------------------------- gradients
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -149,49 +115,11 @@ class GeminiModel(NotCopyable, nn.Module):
         unscaled gradients) and ZeRO (a collective: every rank calls it; ``norm_type`` 2 only)."""
         return clip_model_grad_norm_(self._runtime, max_norm, norm_type)
 
-    # ---------------------------------------------------------------------- devices
-    def to(self, *args: Any, **kwargs: Any) -> GeminiModel:
-        """A no-op when it asks for the compute device and precision already in force; anything
-        else is refused: gemini decides where every parameter lives."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        mine = self._runtime.device
-        if device is not None:
-            device = torch.device(device)
-            if device.type != mine.type or (device.index is not None and mine.index is not None
-                                            and device.index != mine.index):
-                raise RuntimeError(f"model.to({device}): gemini keeps this model's parameters in chunks for the "
-                                   f"compute device {mine}; choose the device with GeminiConfig(device=...)")
-        if dtype is not None and dtype != self._compute_dtype:
-            raise RuntimeError(f"model.to({dtype}): gemini computes in {self._compute_dtype}; choose the precision "
-                               f"with GeminiConfig(precision=...)")
-        return self
-
-    def cuda(self, device: Any = None) -> GeminiModel:
-        return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
-                       if isinstance(device, int) else device)
-
-    def cpu(self) -> GeminiModel:
-        return self.to("cpu")
-
-    def half(self) -> GeminiModel:
-        return self.to(torch.float16)
-
-    def bfloat16(self) -> GeminiModel:
-        return self.to(torch.bfloat16)
-
-    def float(self) -> GeminiModel:
-        return self.to(torch.float32)
-
-    def _apply(self, fn, recurse: bool = True):
-        raise RuntimeError("gemini keeps this model's parameters in chunks: moving or casting them in place "
-                           "(model.to/cuda/half/type/share_memory) is not supported; see GeminiConfig(device=..., "
-                           "precision=...)")
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs:
             cast = lambda t: t.to(self._compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, (args, kwargs))
-        with self._runtime.budget_errors("the forward pass"):
+        with self._runtime.budget_errors("the forward pass", evaluation=not torch.is_grad_enabled()):
             return self.module(*args, **kwargs)
 
     def save_pretrained(self, save_directory, *, state_dict: dict | None = None, max_shard_size: int | str = "5GB",
@@ -236,7 +164,7 @@ class GeminiModel(NotCopyable, nn.Module):
         runtime.manager.adopt_assigned()  # p.data assigned, and low-precision edits: what the step will train
         runtime.residency.merge_param_edits(runtime.manager.groups)
         own = {k: t for k, t in self.module.state_dict(keep_vars=True).items() if select(t)}
-        params = [(t, None) for t in own.values() if isinstance(t, nn.Parameter)]
+        params = [(t, None) for k, t in own.items() if self._in_chunks(k, t)]
         # (Under ZeRO a collective: every rank calls it; every rank gets the whole model.)
         copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
         for group, entries in self._per_group(params, modify=False):
@@ -250,11 +178,24 @@ class GeminiModel(NotCopyable, nn.Module):
                     copies[id(t)] = runtime.memory.to_host(full[slot.offset : slot.end].view(slot.shape),
                                                            torch.float32)
         for key, t in own.items():
-            if isinstance(t, nn.Parameter):
-                out[prefix + key] = copies[id(t)]
-            else:
-                out[prefix + key] = runtime.memory.to_host(t)
+            out[prefix + key] = copies[id(t)] if id(t) in copies else runtime.memory.to_host(t.detach())
         return out
+
+    def _in_chunks(self, key: str, t: torch.Tensor) -> bool:
+        """Whether ``t`` (``key`` of the wrapped module's state_dict) is a parameter in chunks. A
+        parameter put in place since initialize (``module.w = nn.Parameter(...)``, parametrize's
+        ``remove_parametrizations``) is not: state_dict and load_state_dict take it as a buffer,
+        as torch takes a parameter its optimizer does not hold (a bare KeyError before)."""
+        if not isinstance(t, nn.Parameter):
+            return False
+        if self._runtime.manager.manages(t):
+            return True
+        if key not in self._foreign_warned:
+            self._foreign_warned.add(key)
+            logger.warning("parameter %s was put in place after gemini.initialize: it is not in gemini's chunks, so "
+                           "gemini's optimizer does not train it (state_dict and load_state_dict take its tensor as "
+                           "it is); set parameters up before gemini.initialize", key)
+        return False
 
     def _per_group(self, pairs: list[tuple[nn.Parameter, Any]], *, modify: bool):
         """Yield (chunk group, [(param, slot, value), ...]) per chunk group, in group order, with the
@@ -294,7 +235,7 @@ class GeminiModel(NotCopyable, nn.Module):
             raise RuntimeError(f"Error(s) loading state_dict: missing keys {missing}, unexpected keys {unexpected}")
         for key, t in own.items():
             # A parameter's shape from its slot: under ZeRO-3 its .data is empty between uses.
-            shape = tuple(self._runtime.manager.locate(t)[1].shape) if isinstance(t, nn.Parameter) else tuple(t.shape)
+            shape = tuple(self._runtime.manager.locate(t)[1].shape) if self._in_chunks(key, t) else tuple(t.shape)
             if key in state_dict and tuple(state_dict[key].shape) != shape:
                 raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
                                    f"model {shape}")
@@ -307,7 +248,7 @@ class GeminiModel(NotCopyable, nn.Module):
         for key, t in own.items():
             if key not in state_dict:
                 continue
-            if isinstance(t, nn.Parameter):
+            if self._in_chunks(key, t):
                 params.append((t, state_dict[key]))
             else:
                 tx.later(functools.partial(_copy, t, state_dict[key]))

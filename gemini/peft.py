@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gemini.restructuring import refusing
+
 if TYPE_CHECKING:
     from gemini.module import GeminiModel
 
@@ -40,15 +42,10 @@ def is_peft_model(module: nn.Module) -> bool:
 
 def merging_refused(name: str) -> Any:
     """What ``model.<name>`` (one of MERGING) is on gemini's model: a function raising why not."""
-    def refused(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            f"model.{name}() on gemini's model is not supported: PEFT writes the merged weights through the "
-            f"parameters' .data (which gemini's chunks do not see) or replaces the modules gemini laid out. Save the "
-            f"adapter (model.save_pretrained(folder)) and merge on a plain model: "
-            f"PeftModel.from_pretrained(base_model, folder).merge_and_unload()")
-
-    refused.__name__ = name
-    return refused
+    return refusing(name, f"model.{name}() on gemini's model is not supported: PEFT writes the merged weights through "
+                          f"the parameters' .data (which gemini's chunks do not see) or replaces the modules gemini laid "
+                          f"out. Save the adapter (model.save_pretrained(folder)) and merge on a plain model: "
+                          f"PeftModel.from_pretrained(base_model, folder).merge_and_unload()")
 
 
 def save_adapter(model: GeminiModel, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,

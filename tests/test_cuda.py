@@ -247,3 +247,30 @@ def test_the_compute_device_has_its_index():
     activation offload then took no tensor)."""
     assert gemini.GeminiConfig(device="cuda").resolved_device() == torch.ones(1, device="cuda").device
     assert gemini.GeminiConfig().resolved_device() == torch.ones(1, device="cuda").device
+
+
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+@pytest.mark.parametrize("name", ["tied_projection", "hook_reads_earlier", "multihead_attention"])
+def test_parameters_read_outside_their_modules_call_train_on_cuda(name, placement):
+    """A root's tied projection ``F.linear(h, embed.weight)`` after embed's call, a layer scale
+    read after the child's call, a user's hook reading an earlier layer's bias, out_proj read by
+    MultiheadAttention: on CUDA each read a host copy ("Expected all tensors to be on the same
+    device") until the first forward found them (tests/test_parameter_reads.py checks the same
+    on the CPU stand-in by the ops' arguments)."""
+    import zero_workers as zw
+
+    ref = zw.make_zoo(name).cuda()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    model, opt = gemini.initialize(zw.make_zoo(name), gemini.GeminiConfig(device="cuda", placement=placement,
+                                                                          chunk_size=64), lr=1e-2, weight_decay=0.01)
+    for step, (x, y) in enumerate(zw.make_data(4)):
+        x, y = x.cuda(), y.cuda()
+        zw.loss_fn(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.backward(zw.loss_fn(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(model.state_dict(), {k: v.cpu() for k, v in ref.state_dict().items()}, step=step,
+                            rtol=1e-5, atol=1e-6)
+    opt.close()

@@ -14,7 +14,7 @@ from torch import nn
 import gemini
 from gemini.optim.param_groups import UNSUPPORTED_FLAGS
 from gemini.tools.gpt import GPT
-from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, cpu_copy
 
 
 def _groups(model: nn.Module):
@@ -155,7 +155,7 @@ def test_step_refuses_unsupported_flags_set_by_hand(key):
     with pytest.raises(ValueError, match=rf"optimizer.param_groups\[1\]\['{key}'\] = True is not supported.*"
                                          r"set it back to False"):
         opt.step()
-    del opt.param_groups[1][key]
+    opt.param_groups[1][key] = False
     _assert_unchanged(gmodel, opt, before)
     opt.step()
 
@@ -205,9 +205,15 @@ def test_weight_decay_of_the_other_kind_is_refused_by_step_and_load():
     _step(gmodel, opt, data[0])
     adam = gemini.initialize(clone_pair()[0], gemini.GeminiConfig(device=DEVICE, placement="cpu"),
                              weight_decay=0.1, adamw_mode=False)[1]
+    saved = opt.state_dict()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['decoupled_weight_decay'\] = True with weight_decay "
+                                         r"0.1 asks for AdamW's decoupled weight decay"):
+        adam.load_state_dict(saved)
+    for group in saved["param_groups"]:  # as states saved before the groups had torch's flag keys
+        del group["decoupled_weight_decay"]
     with pytest.raises(ValueError, match=r"param_groups\[0\] \(saved with adamw_mode=True\) with weight_decay "
                                          r"0.1 asks for AdamW's decoupled weight decay"):
-        adam.load_state_dict(opt.state_dict())
+        adam.load_state_dict(saved)
     before = _snapshot(gmodel, opt)
     x, y = data[1]
     GPT.loss(gmodel(x), y).backward()
@@ -215,9 +221,8 @@ def test_weight_decay_of_the_other_kind_is_refused_by_step_and_load():
     with pytest.raises(ValueError, match=r"optimizer.param_groups\[0\]\['decoupled_weight_decay'\] = False.*set "
                                          r"it to True or delete it"):
         opt.step()
-    del opt.param_groups[0]["decoupled_weight_decay"]
-    _assert_unchanged(gmodel, opt, before)
     opt.param_groups[0]["decoupled_weight_decay"] = True  # as torch.optim.AdamW writes it
+    _assert_unchanged(gmodel, opt, before)
     opt.param_groups[1]["decoupled_weight_decay"] = False  # no weight decay: the same math
     opt.step()
 
@@ -255,3 +260,65 @@ def test_a_torch_fused_state_with_its_false_flags_resumes_exactly():
         _step(ref, ref_opt, batch)
         _step(gmodel, opt, batch)
         assert_params_close(gmodel.state_dict(), ref.state_dict(), rtol=0, atol=0, step=step)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False])
+def test_defaults_and_groups_have_torchs_keys_before_and_after_a_load(adamw_mode):
+    """Code reading optimizer.defaults or a group's flags (e.g. ``group["fused"]``,
+    ``group["decoupled_weight_decay"]``) finds torch.optim.AdamW's / Adam's keys, also after
+    loading a state saved without them, as torch's own __setstate__ puts them back."""
+    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    ref_opt = ref_cls(clone_pair()[1].parameters(), lr=1e-2)
+    gmodel, opt = gemini.initialize(clone_pair()[0], gemini.GeminiConfig(device=DEVICE, placement="cpu"),
+                                    lr=1e-2, weight_decay=0.0, adamw_mode=adamw_mode)
+    assert opt.defaults.keys() == ref_opt.defaults.keys()
+    assert opt.defaults["decoupled_weight_decay"] is adamw_mode
+    assert opt.param_groups[0].keys() == ref_opt.param_groups[0].keys()
+    _step(gmodel, opt, batches(TINY, 1)[0])
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        for key in ("amsgrad", "fused", "foreach", "decoupled_weight_decay"):
+            del group[key]
+    opt.load_state_dict(saved)
+    ref_opt.load_state_dict(saved)
+    assert opt.param_groups[0].keys() == ref_opt.param_groups[0].keys()
+    assert opt.param_groups[0]["decoupled_weight_decay"] is adamw_mode
+    assert {k: opt.param_groups[0][k] for k in ("amsgrad", "fused", "foreach")} == \
+        {k: ref_opt.param_groups[0][k] for k in ("amsgrad", "fused", "foreach")}
+
+
+def test_a_trainable_only_optimizers_state_crosses_both_ways():
+    """LoRA recipes build AdamW over the trainable parameters only. gemini added a group of the
+    frozen ones to param_groups=[trainable], so neither optimizer loaded the other's state
+    ("1 param group(s), this optimizer 2"); now the frozen ones are in no group, as in torch. The
+    default (every parameter in one group) says what to give initialize."""
+    def frozen_first(model):
+        for p in model.wpe.parameters():
+            p.requires_grad_(False)
+        return model
+
+    base, ref = (frozen_first(m) for m in clone_pair())
+    ref.to(DEVICE)
+    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    ref_opt = torch.optim.AdamW(trainable(ref), lr=1e-2, weight_decay=0.1, fused=True)
+    data = batches(TINY, 4)
+    for batch in data[:2]:
+        _step(ref, ref_opt, batch)
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=3000)
+    gmodel, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1, param_groups=[{"params": trainable(base)}])
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == trainable(base)
+    gmodel.load_state_dict(cpu_copy(ref.state_dict()))
+    opt.load_state_dict(ref_opt.state_dict())
+    for step, batch in enumerate(data[2:]):
+        _step(ref, ref_opt, batch)
+        _step(gmodel, opt, batch)
+        assert_params_close(gmodel.state_dict(), cpu_copy(ref.state_dict()), step=step)
+    back = torch.optim.AdamW(trainable(ref), lr=1e-2, weight_decay=0.1, fused=True)
+    back.load_state_dict(opt.state_dict())  # and the other way
+    for p in trainable(ref):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(back.state[p][key], ref_opt.state[p][key], rtol=1e-6, atol=1e-9)
+    everything = gemini.initialize(frozen_first(clone_pair()[0]), cfg, lr=1e-2)[1]
+    with pytest.raises(ValueError, match=r"param group 0: the state has \d+ parameters, this optimizer \d+ \(\d+ of "
+                                         r"them train.*param_groups=\[\{'params': \[p for p in model.parameters\(\)"):
+        everything.load_state_dict(ref_opt.state_dict())

@@ -440,7 +440,7 @@ class _Net(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) if labels is not None else logits
 
 
-def test_copying_or_pickling_the_model_is_refused_with_what_to_do_instead():
+def test_copying_or_pickling_the_model_or_optimizer_is_refused_with_what_to_do_instead():
     """deepcopy/pickle of the wrapped model failed deep inside (a missing __new__ argument, a
     lock); the error now says to copy before initialize or to go through state_dict."""
     import copy
@@ -456,6 +456,12 @@ def test_copying_or_pickling_the_model_is_refused_with_what_to_do_instead():
                  lambda: torch.save(gmodel.module, io.BytesIO())):
         with pytest.raises(TypeError, match=r"pickling the model.*torch\.save\(model\.state_dict\(\)\)"):
             dump()
+    # The optimizer pickled (torch's __getstate__) into a shell whose first step or state_dict
+    # raised AttributeError ('_layout'): refused as the model is, saying how to save it.
+    for copy_or_dump in (lambda: copy.deepcopy(opt), lambda: torch.save(opt, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"optimizer.* is not supported after gemini\.initialize.*"
+                                            r"torch\.save\(optimizer\.state_dict\(\)\)"):
+            copy_or_dump()
     with pytest.raises(ValueError, match=r"keep_vars=True.*copies"):
         gmodel.state_dict(keep_vars=True)  # torch's live tensors: here only copies exist
     # What the message advises works: a fresh module loads the state.

@@ -296,6 +296,39 @@ class _Tokens(nn.Module):
         return self.head(out.mean(1))
 
 
+class _TiedProjection(nn.Module):
+    """The root reads ``embed.weight`` after ``embed``'s call is over (a tied output projection
+    by ``F.linear``), and scales by ``block.scale`` after calling ``block`` (layer scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 8)
+        self.block = _Scaled()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = self.block(h) * self.block.scale
+        return self.head(F.linear(h, self.embed.weight.t()))  # (B, 8) @ (8, 16)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(h))
+
+
+def _hook_reads_earlier() -> nn.Module:
+    """A user's pre-hook on the last layer reads the first layer's bias, whose call is over."""
+    m = _mlp()
+    m[2].register_forward_pre_hook(lambda module, args: (args[0] * m[0].bias.mean(),))
+    return m
+
+
 ZOO = {
     "weight_norm": _weight_norm,
     "spectral_norm": _spectral_norm,
@@ -303,6 +336,8 @@ ZOO = {
     "multihead_attention": lambda: _Tokens(nn.MultiheadAttention(8, 2, batch_first=True)),
     "encoder_layer": lambda: _Tokens(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
                                                                 batch_first=True)),
+    "tied_projection": _TiedProjection,
+    "hook_reads_earlier": _hook_reads_earlier,
 }
 
 

@@ -43,6 +43,7 @@ class _AccountingMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.monitors: list[TensorAccountingMonitor] = []
+        self.in_inference_mode = torch.is_inference_mode_enabled()  # entered inside it (see _stop)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -197,8 +198,13 @@ class TensorAccountingMonitor(MemoryMonitor):
             )
         mode.monitors.remove(self)
         # Inside a backward the stack is the graph task's copy: popping the mode there left it on
-        # the caller's stack with no monitor and none to reuse it. It stays, empty, until then.
-        if last and on_top and torch._C._current_graph_task_id() == -1:
+        # the caller's stack with no monitor and none to reuse it. torch.inference_mode()'s guard
+        # restores, when it ends, the dispatch keys it found: a mode entered outside it and popped
+        # inside (optimizer.step() under inference_mode) left the mode's key set with no mode, and
+        # every later operator of the thread failed ("Hit Python dispatch key but no arguments had
+        # PyInterpreter"). In either case it stays, empty, until a monitor stops where it can go.
+        inference_mode_changed = torch.is_inference_mode_enabled() != mode.in_inference_mode
+        if last and on_top and torch._C._current_graph_task_id() == -1 and not inference_mode_changed:
             mode.__exit__(None, None, None)
             _THREAD.mode = None
         self._mode = None

@@ -130,6 +130,11 @@ class TracedInputs:
         """A step landed: what the next one's forwards run on is charged to it (see :meth:`overran`)."""
         self._used = []
 
+    def retrace(self) -> None:
+        """The warm-up of :attr:`signature` made no plan to keep, and not for want of room: its
+        inputs are traced again when they come (unlike a warm-up's that overran the budget)."""
+        self.signature = None
+
     def keep(self, plan: Any) -> None:
         """The warm-up of :attr:`signature` planned ``plan``: inputs it covers may run on it later."""
         self._forget(self.signature)

@@ -17,8 +17,12 @@ shape would refuse its gradient); one without grad at the dispatch level, since 
 mode turns the fused fast paths off (``has_torch_function``), and with them the reads to find.
 (``nn.TransformerEncoderLayer``'s fused path, which calls none of its children, is off anyway
 while modules in it have hooks, as the engine's.) The ancestor is the innermost running module that contains an owner.
-A parameter whose owner ran already is no descendant's read (a root reusing an embedding's
-weight): [Note: parameters read outside their modules] in gemini/policies/auto.py. Reads of
+A read after its owner's call is over is found the same way: a root reusing an embedding's
+weight (``F.linear(h, self.emb.weight)``, a tied output projection), a parent scaling by a
+child's parameter after calling it (layer scale), a user's hook reading an earlier module's
+bias. The owner's hooks had released the group by then, so the read saw the host copy (on CUDA
+torch's device mismatch; under ZeRO-3 an empty shard). Only a read inside a call of an owner
+(or of a module within one) is the owner's own. Reads of
 sizes and attributes (``p.shape``, ``p.device``, ``p.data = ...`` by the engine itself) fetch
 nothing. The mode runs in that one forward; other forwards pay nothing.
 
@@ -85,6 +89,7 @@ class DescendantReads:
         self._ancestors: dict[int, set[int]] = {}  # id(module) -> ids of the modules containing it
         self._stack: list[tuple[nn.Module, list[ChunkGroup]]] = []  # running calls, their extra groups
         self._called: set[int] = set()  # modules called so far in this forward
+        self.late_reads = 0  # groups found read after a call of their owner was over
         self._handles: list = []
         self.found: dict[nn.Module, list[ChunkGroup]] = {}
 
@@ -140,10 +145,13 @@ class DescendantReads:
                 if isinstance(t, nn.Parameter) and id(t) in self._owners:
                     self._read(t)
 
+    def _running(self) -> set[int]:
+        return {id(module) for module, _ in self._stack}
+
     def _read(self, param: nn.Parameter) -> None:
         owners = self._owners[id(param)]
-        if any(id(o) in self._called for o in owners):
-            return  # its module runs (or ran): read outside it, if at all
+        if any(id(o) in self._running() for o in owners):
+            return  # read inside its own module's call (or a descendant's of it)
         for module, extra in reversed(self._stack):
             if any(id(module) in self._ancestors.get(id(o), ()) for o in owners):
                 break
@@ -155,6 +163,7 @@ class DescendantReads:
         found = self.found.setdefault(module, [])
         if all(g.index != group.index for g in found):
             found.append(group)
+            self.late_reads += any(id(o) in self._called for o in owners)
         if all(g.index != group.index for g in extra):
             extra.append(group)
             self._fetch([group])
@@ -206,6 +215,18 @@ class DescendantReadHooks:
     it, using its hooks, residency and bookkeeping): see [Note: parameters of a descendant read by
     its ancestor]."""
 
+    _late_reads: int = 0  # groups found read after their owner's call, since take_late_reads()
+
+    def take_late_reads(self) -> int:
+        """How many groups the searches found read after their owner's call since the last call. A
+        warm-up whose forward found some traced them fetched at the read, while later iterations
+        fetch them from the start of the reading module's call, the root's maybe (a tied projection:
+        the whole forward): its plan is not kept, and the next iteration is traced again. (A
+        descendant read by its ancestor is fetched from the start of the ancestor's call in later
+        iterations too, but that call is about as long as the read's span.)"""
+        found, self._late_reads = self._late_reads, 0
+        return found
+
     @torch._disable_dynamo  # never compiled: the frame calling it is not (a guard on the state it reads)
     def search_due(self) -> bool:
         """Whether the next forward of the root (in this grad mode) is searched: the first of its
@@ -243,7 +264,9 @@ class DescendantReadHooks:
         reads, self._reads = self._reads, None
         stance, self._stance = self._stance, None
         stance.__exit__(None, None, None)  # the stance before the search
-        for module, groups in reads.end(output).items():
+        found = reads.end(output)
+        self._late_reads += reads.late_reads
+        for module, groups in found.items():
             own = self._groups_of.get(module)
             if own is None:
                 own = self._groups_of[module] = []
@@ -263,3 +286,4 @@ class DescendantReadHooks:
                         "them too", type(module).__name__)
             own.extend(groups)
             self.residency.count_uses(groups)
+

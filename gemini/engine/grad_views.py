@@ -146,8 +146,9 @@ class GradViews:
         self.manager = manager
         # Why no exact view exists (fp16, ZeRO), with a {name} field; None: views are exact.
         self._unavailable_reason = unavailable_reason
-        # param -> (its group, its slot index, the tensor put into p.grad, the gradient's tier)
-        self._out: dict[nn.Parameter, tuple[ChunkGroup, int, torch.Tensor, Tier | None]] = {}
+        # param -> (its group, its slot index, the tensor put into p.grad, the gradient's tier, where
+        # that tensor's data was: ``p.grad.data = t`` keeps the object, see _untouched)
+        self._out: dict[nn.Parameter, tuple[ChunkGroup, int, torch.Tensor, Tier | None, int | None]] = {}
         self._redirected: list[Chunk] = []  # param chunks whose params point at a non-primary copy
         # param -> (the gradient payload, the view of its slot in it): reused while the payload is
         self._views: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -188,7 +189,7 @@ class GradViews:
                         view.zero_()
                     p.grad = view
                     self._armed[p] = view
-                    self._out[p] = (g, slot.index, view, tier)
+                    self._out[p] = (g, slot.index, view, tier, view.data_ptr())
 
     def accumulated_in_place(self, p: nn.Parameter) -> bool:
         """Whether autograd added ``p``'s gradient straight into its slot (it is the armed view)."""
@@ -220,7 +221,8 @@ class GradViews:
                 if not g.grad_ready[slot.index]:
                     continue
                 out = self._out.get(p)
-                if out is not None and p.grad is out[2] and (reason is not None or out[2] is self._view(g, slot, p, tier)):
+                if (out is not None and _untouched(p, out)
+                        and (reason is not None or out[2] is self._view(g, slot, p, tier))):
                     continue  # settled: its gradient is still there
                 if reason is not None:
                     grad = UnavailableGrad(p, reason.format(name=slot.name))
@@ -229,7 +231,7 @@ class GradViews:
                 else:
                     grad = self._view(g, slot, p, tier)
                 p.grad = grad
-                self._out[p] = (g, slot.index, grad, tier)
+                self._out[p] = (g, slot.index, grad, tier, None if reason is not None else grad.data_ptr())
 
     def _redirect(self, g: ChunkGroup, tier) -> None:
         g.param.keep_edits(g.param.primary_tier)  # the copy the parameters will view has them too
@@ -245,7 +247,7 @@ class GradViews:
         if self._redirected:  # p.data points at another copy: that must end before the step
             self.hide()
             return
-        if all(p.grad is out[2] for p, out in self._out.items()):  # the common case, hide's loop without its work
+        if all(_untouched(p, out) for p, out in self._out.items()):  # the common case, hide's loop without its work
             self._armed.clear()
             self._settled = self._settled_whole = True
             return
@@ -259,9 +261,9 @@ class GradViews:
         refused = []
         kept = {}
         for p, out in self._out.items():
-            g, index, grad, tier = out
+            g, index, grad, tier, _ = out
             now = p.grad
-            if now is grad:
+            if _untouched(p, out):
                 if keep_untouched:
                     kept[p] = out
                 else:
@@ -274,11 +276,14 @@ class GradViews:
                 self._forget(g, index)
             elif isinstance(grad, UnavailableGrad):
                 refused.append(f"{g.slots[index].name}: {grad.reason}")
-            else:
-                g.grad.flat_view(g.slots[index], tier).copy_(now.reshape(-1))  # assigned: it replaces the gradient
+            else:  # assigned (to p.grad, or to its .data): it replaces the gradient
+                g.grad.flat_view(g.slots[index], tier).copy_(now.reshape(-1))
+                self._views.pop(p, None)  # a view whose .data was assigned views the slot no more
         self._out.clear()
         self._out.update(kept)
         self._armed.clear()
+        if self._redirected:  # a tensor assigned to p.data meanwhile goes into the chunk, not dropped
+            self.manager.adopt_assigned()
         for chunk in self._redirected:
             chunk.keep_edits(Tier.HOST)  # written through the parameters while they viewed the host copy
             self.manager.repoint(chunk)
@@ -334,3 +339,10 @@ class GradViews:
                 if piece.index == index:
                     for tier in g.grad_shard.tiers:
                         g.grad_shard.payload(tier)[piece.offset : piece.end].zero_()
+
+
+def _untouched(p: nn.Parameter, out: tuple) -> bool:
+    """Whether ``p.grad`` is still the tensor put there (``out``, an entry of ``GradViews._out``)
+    viewing what it viewed: ``p.grad.data = t`` (an old idiom for scaling gradients) keeps the
+    object but not its data."""
+    return p.grad is out[2] and (out[4] is None or out[2].data_ptr() == out[4])

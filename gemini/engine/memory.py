@@ -12,13 +12,13 @@ import psutil
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from chunks import StorageObserver, fits
+from chunks import ChunkManager, StorageObserver, Tier, fits
 from gemini.errors import DeviceBudgetError  # here too, where it was first defined
 from tracer import CudaAllocatorMonitor, MemoryMonitor, MonitorState, PeriodMeter, TensorAccountingMonitor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceBudgetError", "DeviceMemory", "planned_reserve_bytes"]
+__all__ = ["DeviceBudgetError", "DeviceMemory", "model_tensors_on", "planned_reserve_bytes"]
 
 _STEP_TEMPORARIES_BYTES = 64 * 1024  # see [Note: the safety reserve]
 # The request in torch's out-of-memory message ("Tried to allocate 20.00 MiB").
@@ -313,3 +313,12 @@ def _device_total_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return psutil.virtual_memory().total
+
+
+def model_tensors_on(device: torch.device, module: torch.nn.Module, manager: ChunkManager) -> list[torch.Tensor]:
+    """Model data on the device: buffers, chunk payloads and the step counts of states there
+    (for the accounting monitor; [Note: step counts are where the states are])."""
+    out = [b for b in module.buffers() if b.device.type == device.type]
+    out += [c.payload(Tier.DEVICE) for c in manager.chunks() if c.is_on(Tier.DEVICE)]
+    out += [g.steps for g in manager.trainable_groups if g.exp_avg.is_on(Tier.DEVICE)]
+    return out

@@ -20,7 +20,7 @@ from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
 from gemini.engine.grad_views import GradViews, why_no_grad_views
 from gemini.engine.hooks import ModuleHooks
-from gemini.engine.memory import DeviceBudgetError, DeviceMemory
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory, model_tensors_on
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.engine.residency import Residency
 from gemini.policies import PlacementPolicy
@@ -39,7 +39,6 @@ __all__ = ["GeminiRuntime", "IterationState"]
 
 class LossScale(Protocol):
     """What the engine reads of the optimizer's fp16 loss scaler (``gemini.optim.loss_scaler``)."""
-
     scale: float
 
 
@@ -75,6 +74,7 @@ class GeminiRuntime:
     grads_cleared_at_pass: int = 0  # the hooks' backward-pass count at the last zero_grad
     forwards_raised: int = 0  # training forwards that raised: see [Note: ranks out of step] in gemini/parallel/zero.py
     _evaluation_window: bool = False  # this forward opened the window without grad (see on_root_forward_end)
+    _root_grad: bool = True  # the running root forward's grad mode (True outside one)
     state: IterationState = IterationState.FIXED  # UNTRACED under auto (set in __post_init__)
 
     def __post_init__(self) -> None:
@@ -96,8 +96,7 @@ class GeminiRuntime:
         self.grad_views.clear(self.module_params, set_to_none=set_to_none)
 
     def settle_grad_views(self) -> None:
-        """Before a step: what torch code did to ``p.grad`` counts; the views are withdrawn unless no chunk
-        can move under them and no rank can mark more ready ([Note: a step that moves no chunk])."""
+        """Before a step: what torch code did to ``p.grad`` counts ([Note: a step that moves no chunk])."""
         self._end_aborted_backward()
         if self.placement.follows_modules or self.zero is not None:
             self.grad_views.hide()
@@ -110,15 +109,17 @@ class GeminiRuntime:
         self._end_aborted_backward()
         self.manager.adopt_assigned()  # see [Note: parameters whose .data was assigned] in chunks/manager.py
         self.grad_views.hide()
-        self._evaluation_window = not torch.is_grad_enabled() and not self.window_open
+        self._root_grad = torch.is_grad_enabled()
+        self._evaluation_window = not self._root_grad and not self.window_open
         self.begin_window()
         if self.state is IterationState.ADOPTING:
             self._apply_plan()
         state = self.state
         if state is IterationState.UNTRACED and torch.is_grad_enabled():  # training, not an evaluation before it
             self._begin_warmup(args, kwargs)
-        elif state is IterationState.TRACING and self.hooks.backward_passes > self._backward_passes_at_trace:
-            # Gradient accumulation: the first forward + backward is the traced iteration.
+        elif (state is IterationState.TRACING and self._root_grad
+              and self.hooks.backward_passes > self._backward_passes_at_trace):
+            # Gradient accumulation: the first forward + backward is the traced iteration (an evaluation, no more).
             self.finish_warmup(step_follows=False)
             self._choose_plan(args, kwargs)
         elif state in (IterationState.PLANNED, IterationState.UNPLANNED) and torch.is_grad_enabled():
@@ -146,12 +147,11 @@ class GeminiRuntime:
                 error = peak_error(self.memory.peak_bytes() or 0, self.memory.budget_bytes, what="this evaluation "
                                    "forward (without gradients)", advice="use a smaller evaluation batch or sequence")
             self.end_window()
-        self._evaluation_window = False
+        self._evaluation_window, self._root_grad = False, True
         return error
 
     def on_backward_begin(self) -> None:
-        """A backward pass begins: no gradient view may move under autograd's feet; where no chunk ever moves,
-        autograd accumulates into the chunks (not under create_graph=True: the gradient hook refuses those)."""
+        """A backward pass begins: the views are withdrawn, or armed ([Note: autograd accumulates into the chunks])."""
         if self.placement.follows_modules or torch.is_grad_enabled():
             self.grad_views.hide()
         else:
@@ -163,10 +163,11 @@ class GeminiRuntime:
         self.grad_views.expose()
 
     def on_boundary(self, boundary: Boundary) -> None:
-        """A period begins (the hooks announce boundaries while ``follow_periods(True)``): the
-        warm-up's tracer measures it, or the policy counts it against its plan."""
+        """A period begins (the hooks announce boundaries while ``follow_periods(True)``): the warm-up's tracer
+        measures it (not an evaluation's forward after the traced backward), or the policy counts it."""
         if self.tracing:
-            self.warmup.tracer.on_boundary(boundary)
+            if self._root_grad or self.hooks.backward_passes == self._backward_passes_at_trace:
+                self.warmup.tracer.on_boundary(boundary)
         elif self.placement.track_periods:
             self.residency.on_boundary(boundary)
 
@@ -189,6 +190,7 @@ class GeminiRuntime:
         self._move(IterationState.TRACING, IterationState.UNTRACED, IterationState.PLANNED, IterationState.UNPLANNED)
         self.traced_inputs.trace(args, kwargs)
         self._backward_passes_at_trace = self.hooks.backward_passes
+        self.hooks.take_late_reads()  # those of this trace count (see finish_warmup)
         self.warmup = Warmup(self.module, self.storage, self.memory, self.fixed_bytes,
                              prefetch_bytes=self.placement.prefetch_reserve_bytes)
         self.placement.begin_trace(self.warmup.tracer)
@@ -206,6 +208,11 @@ class GeminiRuntime:
             self.end_window()
             self.hooks.follow_periods(False)  # UNPLANNED: no period to trace or count
             raise
+        if self.hooks.take_late_reads():  # see DescendantReadHooks.take_late_reads
+            logger.info("auto placement: the warm-up found parameters read outside their modules; tracing again")
+            self.hooks.follow_periods(False)  # UNPLANNED: the next training forward traces again
+            self.traced_inputs.retrace()
+            return
         if self.activations is not None:
             plan = self.activations.with_trace(plan)
         plan = self.placement.with_trace(plan)
@@ -277,36 +284,32 @@ class GeminiRuntime:
         if self.memory.monitor is not None and not self.window_open:
             # Not a closure over the runtime: the memory outlives it in the closer's finalizer.
             model_bytes = functools.partial(_device_model_bytes, self.storage.ledger, self.fixed_bytes)
-            self.memory.start(self.device_tensors() if self.memory.counts_tensors else [], model_bytes)
+            tensors = model_tensors_on(self.device, self.module, self.manager) if self.memory.counts_tensors else []
+            self.memory.start(tensors, model_bytes)
 
     def end_window(self) -> None:
         if self.window_open:
             self.memory.monitor.stop()
 
-    def on_budget_error(self) -> None:  # a hook's DeviceBudgetError: also under loss.backward(), past budget_errors
-        self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
+    def on_budget_error(self) -> None:  # a hook's DeviceBudgetError (also under loss.backward(), past budget_errors)
+        if not self._evaluation_window:  # an evaluation's peak says nothing of training's plans
+            self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
         self.end_window()
-
-    def device_tensors(self) -> list[torch.Tensor]:
-        """Model data on the device: buffers, chunk payloads and the step counts of states there
-        (for the accounting monitor; [Note: step counts are where the states are])."""
-        out = [b for b in self.module.buffers() if b.device.type == self.device.type]
-        out += [c.payload(Tier.DEVICE) for c in self.manager.chunks() if c.is_on(Tier.DEVICE)]
-        out += [g.steps for g in self.manager.trainable_groups if g.exp_avg.is_on(Tier.DEVICE)]
-        return out
 
     def take_timeline(self) -> WarmupTimeline | None:  # of a warm-up ended since the last call (the step's report)
         plan, self.unreported_plan = self.unreported_plan, None
         return plan.timeline() if plan is not None else None
 
     @contextlib.contextmanager
-    def budget_errors(self, what: str) -> Iterator[None]:
-        """An out-of-memory error inside (``what``: "the forward pass", ...) raised as the
-        budget's ``DeviceBudgetError``, where a budget is set (see ``DeviceMemory.budget_error``)."""
+    def budget_errors(self, what: str, *, evaluation: bool = False) -> Iterator[None]:
+        """An out-of-memory error inside (``what``: "the forward pass", ...) raised as the budget's
+        ``DeviceBudgetError`` (``DeviceMemory.budget_error``); the plans in force are traced again,
+        unless it was an ``evaluation`` (a forward without grad)."""
         try:
             yield
         except (DeviceBudgetError, torch.OutOfMemoryError) as e:
-            self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
+            if not evaluation:  # a larger evaluation batch says nothing of training's plans
+                self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
             budget = None if isinstance(e, DeviceBudgetError) else self.memory.budget_error(
                 e, what=what, chunk_bytes=self.storage.ledger.bytes_on(Tier.DEVICE),
                 advice=self.placement.budget_advice)
@@ -332,8 +335,7 @@ class GeminiRuntime:
                        what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
                        chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
         except Exception:  # a rank's budget refused
-            self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)
-            self.end_window()
+            self.on_budget_error()
             raise
 
     def start_new_step(self) -> None:
@@ -348,8 +350,6 @@ class GeminiRuntime:
             reset_cuda_peak(self.device)  # see [Note: one device peak, several monitors]
 
     # ------------------------------------------------------------------ the optimizer's step
-    # The optimizer updates values; what a step means to the engine (the end of the warm-up,
-    # the budget check, ZeRO's gathers and counters, the report) happens here.
     def begin_step(self) -> None:
         """The optimizer's step begins, before it changes any value: under auto the first step
         ends the warm-up (may raise DeviceBudgetError), then the iteration's peak is checked."""

@@ -145,7 +145,7 @@ def _prepare(rt: GeminiRuntime, tier: Tier, members: list[ChunkGroup], hp: dict[
 # device-type storage an operator touches while it runs; host-tier step counts are CPU tensors
 # too, so every operator on them (indexing, the increment, the uniformity check, the step's
 # copy aside) runs quiet, as host-tier payloads do, and those on the device tier are counted
-# from the first window on (``GeminiRuntime.device_tensors``). Counted only once the first
+# from the first window on (``gemini.engine.memory.model_tensors_on``). Counted only once the first
 # step touched them, they were missing from the first iteration's peak and present in every
 # later one (see [Note: what every step keeps is there from the first] in
 # gemini/engine/residency.py).

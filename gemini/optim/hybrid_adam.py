@@ -9,7 +9,6 @@ what follows); the fused Adam calls are in ``adam_batches``, the checkpoint form
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -23,11 +22,13 @@ from gemini.engine.interrupts import HeldInterrupt
 from gemini.engine.load_transaction import LoadTransaction
 from gemini.engine.step_report import StepOutcome
 from gemini.engine.transaction import StepTransaction
+from gemini.errors import NotCopyable
 from gemini.optim import state_dict as formats
 from gemini.optim.adam_batches import AdamClock, device_first, prepare_batches, recheck_uniform, run_batch
 from gemini.optim.clipping import clip_coefficient, grad_norm
 from gemini.optim.loss_scaler import ScaledBackwards, loss_scaler_for, update_scale
-from gemini.optim.param_groups import GroupLayout, check_flags, check_frozen, check_weight_decay_mode
+from gemini.optim.state_view import StatesInChunks
+from gemini.optim.param_groups import TORCH_FLAGS, GroupLayout, check_flags, check_frozen, check_weight_decay_mode
 from gemini.parallel.zero import agree_grad_ready
 from gemini.report import MemoryReport, WarmupTimeline
 from offload.profiling import trace_range
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HybridAdam"]
 
 
-class HybridAdam(torch.optim.Optimizer):
+class HybridAdam(NotCopyable, torch.optim.Optimizer):
     """Adam / AdamW whose parameters, gradients and states live in chunks.
 
     A ``torch.optim.Optimizer``, so learning-rate schedulers work on ``param_groups``; but
@@ -49,6 +50,8 @@ class HybridAdam(torch.optim.Optimizer):
     parameter's with ``param_state(p)``). ``state_dict()`` has
     ``torch.optim.AdamW``'s format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``).
     """
+
+    _copied_as = "optimizer"  # NotCopyable's messages
 
     def __init__(
         self,
@@ -61,10 +64,11 @@ class HybridAdam(torch.optim.Optimizer):
         weight_decay: float,
         adamw_mode: bool,
     ) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, **TORCH_FLAGS,
+                        decoupled_weight_decay=adamw_mode)  # torch.optim.AdamW's keys
         super().__init__(param_groups, defaults)  # adds each group through add_param_group
         self._layout = GroupLayout(self.param_groups)  # from here on add_param_group refuses
-        self.state = _StatesInChunks(dict)  # empty: torch code may iterate it; a read says where they are
+        self.state = StatesInChunks(lambda: any(bool(g.steps.any()) for g in runtime.manager.trainable_groups))
         self._rt = runtime
         self.adamw_mode = adamw_mode
         self.scaler = loss_scaler_for(runtime.config)
@@ -172,10 +176,8 @@ class HybridAdam(torch.optim.Optimizer):
         return loss
 
     def close(self) -> None:
-        """Delete the NVMe files (states that lived only there are gone) and stop the I/O threads.
-
-        Also done when both the optimizer and the model are garbage-collected, and at interpreter exit.
-        """
+        """Delete the NVMe files (states only there are gone) and stop the I/O threads; also done when
+        the optimizer and the model are both garbage-collected, and at interpreter exit."""
         self._finalizer()
 
     # ------------------------------------------------------------------------- internals
@@ -299,6 +301,8 @@ class HybridAdam(torch.optim.Optimizer):
     def _load_hyper_state(self, state_dict: dict[str, Any]) -> None:
         formats.load_hyper_state(self.param_groups, self.scaler, state_dict["param_groups"],
                                  state_dict.get("gemini", {}))
+        for hp in self.param_groups:  # as torch.optim.AdamW's __setstate__ after a load
+            hp.update({**TORCH_FLAGS, **hp, "decoupled_weight_decay": self.adamw_mode})
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format: per-parameter step / exp_avg / exp_avg_sq, on the CPU.
@@ -365,23 +369,6 @@ class HybridAdam(torch.optim.Optimizer):
         self._check_loadable(state_dict)
         formats.load_sharded_state_dict(self._rt, state_dict, tx)  # checks all before writing
         tx.later(lambda: self._load_hyper_state(state_dict))
-
-
-class _NoStateHere(dict):
-    """``optimizer.state[p]``: empty, and a read of a key says where the state is."""
-
-    def __missing__(self, key: Any):
-        raise KeyError(f"optimizer.state[p][{key!r}]: gemini keeps the optimizer's states in chunks, not in "
-                       f"optimizer.state; optimizer.param_state(p) gives a parameter's step, exp_avg and exp_avg_sq "
-                       f"(copies; change them with optimizer.load_state_dict)")
-
-
-class _StatesInChunks(collections.defaultdict):
-    """``optimizer.state``: empty, as torch code that iterates it expects of an optimizer without
-    states of its own; an entry read is a :class:`_NoStateHere`."""
-
-    def __missing__(self, key: Any) -> _NoStateHere:
-        return _NoStateHere()
 
 
 def _hook_result(result: Any, state_dict: dict[str, Any]) -> dict[str, Any]:

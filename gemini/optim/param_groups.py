@@ -19,12 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["UNSUPPORTED_FLAGS", "GroupLayout", "check_flags", "check_frozen", "check_weight_decay_mode"]
+__all__ = ["TORCH_FLAGS", "UNSUPPORTED_FLAGS", "GroupLayout", "check_flags", "check_frozen", "check_weight_decay_mode"]
 
 # torch.optim.Adam / AdamW options adam.py's update has no counterpart for (it passes them as
 # False): truthy, each would change the result (capturable and differentiable the graph or device
 # placement it is computed under). False or None, as torch writes them by default, are harmless.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+# The flag keys torch.optim.AdamW's param groups carry, as what gemini's update does (foreach and
+# fused choose torch's kernel, not the math): HybridAdam's groups carry them too.
+TORCH_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
 
 _FIXED = ("the parameters of each param group are fixed at gemini.initialize (their chunks are laid out by "
           "group); only hyperparameters (lr, betas, eps, weight_decay) may change afterwards")

@@ -146,9 +146,13 @@ def check_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_di
         raise ValueError(f"optimizer state has {len(saved_groups)} param group(s), this optimizer {len(param_groups)}")
     for i, (saved, hp) in enumerate(zip(saved_groups, param_groups)):
         if len(saved["params"]) != len(hp["params"]):
-            raise ValueError(
-                f"param group {i}: the state has {len(saved['params'])} parameters, this optimizer {len(hp['params'])}"
-            )
+            trainable = sum(p.requires_grad for p in hp["params"])
+            hint = ("" if len(saved["params"]) != trainable or trainable == len(hp["params"]) else
+                    f" ({trainable} of them train: saved by an optimizer over the trainable parameters only? Give "
+                    f"gemini.initialize those: param_groups=[{{'params': [p for p in model.parameters() if "
+                    f"p.requires_grad]}}], with each group's options)")
+            raise ValueError(f"param group {i}: the state has {len(saved['params'])} parameters, this optimizer "
+                             f"{len(hp['params'])}{hint}")
     saved_index = {}
     for saved, hp in zip(saved_groups, param_groups):
         for saved_i, p in zip(saved["params"], hp["params"]):

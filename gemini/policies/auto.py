@@ -28,7 +28,6 @@ class AccessTrace(Protocol):
     period uses, and the decision points inside a period."""
 
     def record_access(self, group_index: int) -> None: ...
-
     def mark(self) -> None: ...
 
 
@@ -196,11 +195,11 @@ class AutoPlacement(PlacementPolicy):
     # copy gained uses of its storage (views kept past the forward) while the forward ran, and
     # later iterations drop them after each use as the warm-up did: what the plan charged, at
     # no more traffic than the warm-up's for them. Where nothing is ever evicted (periods not
-    # followed) they stay. On CUDA a host copy read by a device op fails in the warm-up already
-    # (torch's device mismatch): such reads work on the CPU stand-in only. Parameters of a module
-    # never called, read by its ancestor's call (nn.MultiheadAttention's out_proj), are fetched by
-    # that ancestor: [Note: parameters of a descendant read by its ancestor] in
-    # gemini/engine/descendant_reads.py.
+    # followed) they stay. The first forward of each kind (the warm-up's among them) finds such
+    # reads and has the reading ancestor's calls fetch the group from then on ([Note: parameters
+    # of a descendant read by its ancestor] in gemini/engine/descendant_reads.py); left for here
+    # are reads that search does not see (a branch the searched forward did not take, a root
+    # called inside a compiled frame), which on CUDA fail as torch's device mismatch.
     def end_forward(self) -> None:
         if self._host_uses is not None:
             before, self._host_uses = self._host_uses, None
@@ -347,14 +346,15 @@ class AutoPlacement(PlacementPolicy):
             # step counts are untouched; only this iteration's gradients are partial. What the
             # device holds is said whole: the candidates exclude what is in use, so their count
             # alone ("0 chunks hold 0 bytes") read as if the device were empty.
+            at_least = "at least " if self.plan is None else ""  # the warm-up's non-model bytes: unknown yet
             raise DeviceBudgetError(
-                f"the device budget cannot hold this period: {short} bytes are missing even after evicting every "
-                f"chunk not in use (the device holds {held} bytes of chunks, {held - sum(candidates.values())} of "
-                f"them in use now: parameters of running or pending computations, gathered or prefetched "
-                f"parameters, gradient buckets, the margin's groups; {e}). Nothing was updated: parameters and "
-                f"optimizer states are as before this "
-                f"iteration (call optimizer.zero_grad() before retrying: its gradients are partial). Raise "
-                f"GeminiConfig.device_memory, lower gpu_margin_mem_ratio, or use a smaller chunk_size or batch.",
+                f"the device budget cannot hold this period: {at_least}{short} bytes are missing even after "
+                f"evicting every chunk not in use (the device holds {held} bytes of chunks, "
+                f"{held - sum(candidates.values())} of them in use now: parameters of running or pending "
+                f"computations, gathered or prefetched parameters, gradient buckets, the margin's groups; {e}). "
+                f"Nothing was updated: parameters and optimizer states are as before this iteration (call "
+                f"optimizer.zero_grad() before retrying: its gradients are partial). Raise GeminiConfig.device_memory, "
+                f"lower gpu_margin_mem_ratio, or use a smaller chunk_size or batch.",
                 missing_bytes=short,
             ) from None
         return victims
