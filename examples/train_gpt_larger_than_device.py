@@ -3,7 +3,8 @@
     python examples/train_gpt_larger_than_device.py
     python examples/train_gpt_larger_than_device.py --device cuda --layers 24 --embd 1024 --model-to-budget 4
 
-The planner first says where every byte will go; then placement "auto" traces one warm-up
+The planner first sizes the model data (and from it the device budget; ``gemini plan`` says
+where every byte will go, before a run); then placement "auto" traces one warm-up
 iteration and from then on keeps the device under ``device_memory`` by moving chunks between
 the device and the host. Each step prints its memory report as one line. On a machine without
 a GPU the CPU stands in for the device (``--device cpu``, the default there), with real copies

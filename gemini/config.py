@@ -23,6 +23,11 @@ def _fail(name: str, value: Any, accepted: str) -> None:
     raise ValueError(f"GeminiConfig.{name}={value!r} is invalid: expected {accepted}")
 
 
+# The fp16 loss scaler's fields (set under another precision, warned about at initialize).
+SCALER_FIELDS = ("initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+                  "max_scale")
+
+
 @dataclass(kw_only=True)
 class GeminiConfig:
     """Configuration of :func:`gemini.initialize`. Bad values raise ``ValueError`` naming the field."""
@@ -247,6 +252,15 @@ class GeminiConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 _fail(name, v, "an int >= 1")
+
+    def warn_unused_scaler(self) -> None:
+        """A ``UserWarning`` if a loss-scaler field is set under a precision other than fp16 (called
+        by ``initialize``, once the precision is final: GeminiTrainer sets it from its arguments)."""
+        scaler = [f.name for f in fields(self) if f.name in SCALER_FIELDS and getattr(self, f.name) != f.default]
+        if scaler and self.precision != "fp16":
+            warnings.warn(f"GeminiConfig.{scaler[0]}={getattr(self, scaler[0])!r} will not be used: the loss scaler "
+                          f"runs under precision='fp16' only, and precision is {self.precision!r}",
+                          UserWarning, stacklevel=3)
 
     def checked(self) -> GeminiConfig:
         """A validated copy of this config as it is now: a field set after construction

@@ -76,6 +76,7 @@ def initialize(
     if not isinstance(config, GeminiConfig):
         raise TypeError(f"config must be a gemini.GeminiConfig, got {type(config).__name__}")
     config = config.checked()
+    config.warn_unused_scaler()
     config.check_device_available()
     _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     check_supported(config)  # combinations of fields that mean nothing fail loudly
@@ -194,7 +195,7 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     optimizer = HybridAdam(
         runtime, torch_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode
     )
-    runtime.scaler = optimizer.scaler
+    runtime.scaler = optimizer.scaled_backwards if optimizer.scaler is not None else None
     runtime.start_new_step()
     return wrapped, optimizer
 
@@ -258,7 +259,7 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout)
     nvme = NvmeTier(manager, cpu_memory=config.cpu_memory, fraction=config.nvme_offload_fraction,
                     depth=config.nvme_pipeline_depth)
     try:
-        nvme.plan_registration(layout)
+        nvme.plan_registration(layout, on_device=device_groups(config, layout).whole)
     except BaseException:
         manager.storage.close_nvme()
         raise

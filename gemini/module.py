@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import inspect
 import logging
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, UserDict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_map
 
 from chunks import ChunkGroup, ChunkState, TensorSlot
 from gemini.engine.descendant_reads import run_uncompiled, skip_call_frame
@@ -117,8 +118,7 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._cast_inputs:
-            cast = lambda t: t.to(self._compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-            args, kwargs = tree_map(cast, (args, kwargs))
+            args, kwargs = _cast_floats((args, kwargs), self._compute_dtype)
         with self._runtime.budget_errors("the forward pass", evaluation=not torch.is_grad_enabled()):
             return self.module(*args, **kwargs)
 
@@ -265,6 +265,28 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
             # Every slot written: the masters' file (maybe lost or corrupted) is not read.
             whole = {slot.index for slot, _ in entries} == {slot.index for slot in group.slots}
             tx.write(group, write, chunks=(group.master,), overwrite=whole)
+
+
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    """``x`` with every floating-point tensor cast to ``dtype``, looking into lists, tuples,
+    namedtuples, dicts, ``UserDict`` (Hugging Face's ``BatchEncoding``) and dataclasses, as FSDP's
+    casting does (torch's pytree stopped at the last two: a dataclass's tensor reached a bf16
+    model as fp32, "mat1 and mat2 must have the same dtype")."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (dict, UserDict)):
+        out = copy.copy(x)  # the same type (an OrderedDict, a defaultdict's factory, a BatchEncoding)
+        for k in out.keys():
+            out[k] = _cast_floats(out[k], dtype)
+        return out
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _cast_floats(getattr(x, f.name), dtype)
+                                         for f in dataclasses.fields(x) if f.init})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_cast_floats(v, dtype) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_floats(v, dtype) for v in x)
+    return x
 
 
 @torch.no_grad()

@@ -126,6 +126,11 @@ class MemoryReport:
     # Files holding the step's copies of parameters aside when cpu_memory sends them to NVMe
     # (see gemini/engine/transaction.py); not model data, so not in ``nvme_bytes``.
     nvme_undo_bytes: int = 0
+    # What GeminiConfig.cpu_memory bounds, to check it here: the step's most host bytes of the
+    # chunks that may live on NVMe (m, v; the masters under bf16/fp16) and of the step's copies
+    # aside, each kind's peak summed (an upper bound of their peak together); and the budget.
+    host_states_peak_bytes: int = 0
+    cpu_budget_bytes: int | None = None
     # Only on the report of a step that ended a warm-up trace (the first step under
     # placement="auto", and any step traced again after input shapes changed).
     timeline: WarmupTimeline | None = None

@@ -136,7 +136,7 @@ class NvmeStore:
     bytes. Requests on the same key run in the order they were made; requests on different
     keys overlap. Cancelling a future stops the wait, not the I/O (see [Note: cancellation] in
     offload/nvme_files.py). Use as a context manager, or call ``close()``; files are also removed
-    when the store is garbage-collected, at interpreter exit and on SIGTERM (see [Note: SIGTERM]
+    when the store is garbage-collected, at interpreter exit and on SIGTERM or SIGHUP (see [Note: SIGTERM]
     in offload/store_folder.py).
     While open, the store holds an exclusive ``flock`` on its folder's lock file, which tells
     other runs' sweeps of ``nvme_dir`` that the folder is in use (see offload/stale.py).

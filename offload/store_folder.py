@@ -1,6 +1,6 @@
 """A store's private folder over its life: ``nvme_dir`` checked, the folder made and locked,
 and the folder removed when the store is done with it (close, garbage collection, interpreter
-exit, SIGTERM). Folders of other runs are offload/stale.py's business."""
+exit, SIGTERM, SIGHUP). Folders of other runs are offload/stale.py's business."""
 
 from __future__ import annotations
 
@@ -75,11 +75,11 @@ def make_store_folder(nvme_dir: str, *, rank: int) -> tuple[str, int | None]:
 
 def register_cleanup(owner: object, io: IoLoopThread, folder: str, lock_fd: int | None) -> weakref.finalize:
     """The finalizer that stops ``owner``'s I/O threads and removes its folder: run by close(),
-    at garbage collection, at exit and on SIGTERM (see [Note: SIGTERM])."""
+    at garbage collection, at exit and on SIGTERM or SIGHUP (see [Note: SIGTERM])."""
     key = next(_finalizer_keys)
     finalizer = weakref.finalize(owner, shutdown, io, folder, os.getpid(), lock_fd, key)
     _live_finalizers[key] = finalizer
-    _install_sigterm_handler()
+    _install_signal_handlers()
     return finalizer
 
 
@@ -104,25 +104,28 @@ def shutdown(io: IoLoopThread | None, folder: str, owner_pid: int, lock_fd: int 
 # [Note: SIGTERM]
 # weakref.finalize runs the finalizers at a normal exit, after an uncaught exception and
 # after sys.exit, but SIGTERM's default action ends the process without running them, and
-# SIGTERM is how schedulers, `docker stop` and `kill` end a job. So the first store made on
-# the main thread (only there can Python set a handler) installs ``_on_sigterm``, which
-# chains to the handler it replaced:
-# - SIG_DFL (Python's own default for SIGTERM): remove every live store's folder, restore
-#   SIG_DFL and send SIGTERM again, so the process still dies of SIGTERM (exit status -15,
+# SIGTERM is how schedulers, `docker stop` and `kill` end a job; SIGHUP's likewise, sent when
+# the terminal or ssh session a run was started from closes. So the first store made on the
+# main thread (only there can Python set a handler) installs ``_on_ending_signal`` for both,
+# which chains to the handler it replaced:
+# - SIG_DFL (Python's own default for both): remove every live store's folder, restore
+#   SIG_DFL and send the signal again, so the process still dies of it (exit status -15 or -1,
 #   as its parent expects).
 # - a Python handler: call it and nothing else. It may end the process (sys.exit: the
 #   finalizers then run at exit) or note the signal and let training finish and save a
 #   checkpoint, which needs the stores' files, so they must not be deleted under it.
-# - SIG_IGN, or a handler set from C (getsignal() gives None, nothing we could chain to):
-#   no handler is installed; the process survives SIGTERM, or is not ours to handle.
+# - SIG_IGN (``nohup`` sets it for SIGHUP), or a handler set from C (getsignal() gives None,
+#   nothing we could chain to): no handler is installed; the process survives the signal, or
+#   is not ours to handle.
 # The handler stays after the last store closes; with no live store it only chains.
 _live_finalizers: dict[int, weakref.finalize] = {}
 _finalizer_keys = itertools.count()
-_sigterm_previous: object = None
+_ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+_previous_handlers: dict[int, object] = {}  # signal -> the handler ours replaced
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    previous = _sigterm_previous
+def _on_ending_signal(signum: int, frame: object) -> None:
+    previous = _previous_handlers.get(signum)
     if callable(previous):
         previous(signum, frame)
         return
@@ -130,20 +133,20 @@ def _on_sigterm(signum: int, frame: object) -> None:
         try:
             finalizer()
         except Exception:  # the process is ending: one store's failure must not keep the others' files
-            logger.exception("cleaning up an NVMe store on SIGTERM failed")
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+            logger.exception("cleaning up an NVMe store on signal %d failed", signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
-def _install_sigterm_handler() -> None:
-    global _sigterm_previous
+def _install_signal_handlers() -> None:
     if threading.current_thread() is not threading.main_thread():
         return  # signal.signal would raise; a later store made on the main thread installs it
-    current = signal.getsignal(signal.SIGTERM)
-    if current is _on_sigterm or current is signal.SIG_IGN or current is None:
-        return
-    _sigterm_previous = current
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    for signum in _ENDING_SIGNALS:
+        current = signal.getsignal(signum)
+        if current is _on_ending_signal or current is signal.SIG_IGN or current is None:
+            continue
+        _previous_handlers[signum] = current
+        signal.signal(signum, _on_ending_signal)
 
 
 def _remove_folder(folder: str) -> None:

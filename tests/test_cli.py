@@ -426,7 +426,7 @@ EFFECTS = {
     "--headroom-fraction": (["--headroom-fraction", "0.2"], lambda b, tmp: b.kwargs["headroom_fraction"] == 0.2),
     "--world-size": (["--world-size", "4"], lambda b, tmp: b.kwargs["world_size"] == 4),  # plan's
     "--ranks-per-host": (["--world-size", "4", "--ranks-per-host", "2"], lambda b, tmp: b.kwargs["ranks_per_host"] == 2),
-    "--shard-params": (["--shard-params"], lambda b, tmp: b.config.shard_params),
+    "--shard-params": (["--shard-params", "--world-size", "2"], lambda b, tmp: b.config.shard_params),
 }
 # What only a whole training run shows (demo and train), and the test that checks it there.
 END_TO_END = {
@@ -437,7 +437,8 @@ END_TO_END = {
 }
 COMMAND_OPTIONS = [(command, action.option_strings[0]) for command in ("demo", "train", "tune-margin", "plan")
                    for action in _options(_subparsers()[command])
-                   if not (command in ("demo", "train") and action.option_strings[0] in END_TO_END)]
+                   if not (command in ("demo", "train") and action.option_strings[0] in END_TO_END)
+                   and action.option_strings[0] != "-v"]  # every command's: test_verbose_is_taken_before_or_after
 
 
 @pytest.mark.parametrize("command,option", COMMAND_OPTIONS, ids=[f"{c} {o}" for c, o in COMMAND_OPTIONS])
@@ -600,3 +601,24 @@ def test_consolidate_writes_the_consolidated_checkpoint_of_a_sharded_one(tmp_pat
     # An output folder that does not exist yet is made (the error named a temporary file).
     assert main(["consolidate", str(tmp_path / "shards"), str(tmp_path / "new" / "dir" / "whole.pt")]) == 0
     assert (tmp_path / "new" / "dir" / "whole.pt").stat().st_size == (tmp_path / "whole.pt").stat().st_size
+
+
+def test_verbose_is_taken_before_or_after_the_command():
+    """``gemini plan -v ...`` was refused ("unrecognized arguments: -v"): only ``gemini -v plan``
+    was understood."""
+    from gemini.tools.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["consolidate", "-v", "in", "out"]).verbose is True
+    assert parser.parse_args(["-v", "consolidate", "in", "out"]).verbose is True
+    assert parser.parse_args(["consolidate", "in", "out"]).verbose is False
+
+
+def test_plan_with_shard_params_needs_a_world_size(capsys):
+    """``gemini plan --shard-params`` without --world-size planned one rank, which shards nothing."""
+    from gemini.tools.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--shard-params"])
+    assert exit_info.value.code == 2
+    assert "--shard-params: ZeRO-3 shards the parameters over the data-parallel ranks" in capsys.readouterr().err

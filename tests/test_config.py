@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -291,3 +292,16 @@ def test_an_nvme_dir_nothing_will_use_is_warned_about(tmp_path):
         gemini.GeminiConfig(nvme_dir=tmp_path, cpu_memory="1GiB")
         gemini.GeminiConfig(nvme_dir=tmp_path, nvme_offload_fraction=0.5)
         gemini.GeminiConfig()
+
+
+def test_loss_scaler_fields_under_another_precision_are_warned_about_at_initialize():
+    """The loss scaler runs under fp16 only: ``initial_scale=1024`` with bf16 was ignored without a
+    word (the docs promise a warning for settings with no effect). Warned at initialize, where
+    the precision is final (GeminiTrainer sets it from its fp16/bf16 arguments)."""
+    cfg = gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16", initial_scale=1024.0)
+    with pytest.warns(UserWarning, match=r"GeminiConfig.initial_scale=1024.0 will not be used.*precision is 'bf16'"):
+        gemini.initialize(torch.nn.Linear(2, 2), cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        gemini.initialize(torch.nn.Linear(2, 2), dataclasses.replace(cfg, precision="fp16"))
+        gemini.initialize(torch.nn.Linear(2, 2), gemini.GeminiConfig(device="cpu", placement="cpu", precision="bf16"))

@@ -118,6 +118,12 @@ def test_choice_keeps_the_first_groups_in_memory_and_budgets_the_pipeline():
     assert forced.nvme_groups == {3, 4}
     both = choose_nvme_groups(groups, cpu_memory=500, fraction=0.2, depth=1, nvme_available=True)
     assert both.nvme_groups == {2, 3, 4}
+    # Whole groups, the nearest count, halves up: Python's round() sent 0.5 of one group and 0.25
+    # of two to none, and 0.75 of two to both.
+    for sizes, fraction, want in [((100,), 0.5, {0}), ((100, 100), 0.25, {1}), ((100, 100), 0.75, {0, 1}),
+                                  ((100, 100), 0.2, set()), ((100,) * 4, 0.5, {2, 3}), ((100,) * 3, 0.5, {1, 2})]:
+        got = choose_nvme_groups(_sizes(*sizes), cpu_memory=None, fraction=fraction, depth=1, nvme_available=True)
+        assert got.nvme_groups == want, (sizes, fraction)
 
 
 def test_choice_errors_name_the_field():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -11,6 +12,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 import gemini
 from chunks import ChunkKind, ChunkState
@@ -97,6 +99,8 @@ def test_a_small_host_budget_gets_a_shallower_pipeline_and_keeps_to_it(tmp_path,
         opt.step()
         opt.zero_grad()
         assert_params_close(model.state_dict(), want[step], step=step)
+        # The report says it too (host_model_bytes also counts parameters and gradients).
+        assert opt.report.host_states_peak_bytes == peaks[-1] and opt.report.cpu_budget_bytes == budget
     assert len(peaks) == STEPS and 0 < max(peaks) <= budget
     said = [r for r in caplog.records if "the NVMe pipeline runs at depth 0" in r.getMessage()]
     assert len(said) == 1, "said once per run, however often the tier chooses"
@@ -104,6 +108,37 @@ def test_a_small_host_budget_gets_a_shallower_pipeline_and_keeps_to_it(tmp_path,
     base, _ = clone_pair()
     with pytest.raises(ValueError, match=r"cpu_memory=60000 .*at least one chunk group.*at least 98304"):
         gemini.initialize(base, _cfg(tmp_path, placement="cpu", cpu_memory=60_000), lr=1e-2)
+
+
+@pytest.mark.parametrize("offload_fraction", [0.0, 0.5])
+def test_static_counts_only_the_states_it_leaves_on_the_host_against_cpu_memory(tmp_path, offload_fraction):
+    """placement static keeps the first groups' optimizer states on the device, yet registration
+    checked cpu_memory against every group's (fraction 0.0 and cpu_memory 1 KiB: refused, "the
+    host cannot hold 327680 bytes"), and wrote groups to NVMe only to read them back; the planner
+    said the same. Now only the host's states count: training fits, equal to AdamW, nothing goes
+    to NVMe, and plan_placement agrees."""
+    base, ref = clone_pair()
+    data = batches(TINY, 2)
+    _, want, _ = train_reference(ref, data, lr=1e-2, weight_decay=0.1)
+    host_states = 0 if offload_fraction == 0 else None
+    cfg = _cfg(tmp_path, placement="static", static_optimizer_offload_fraction=offload_fraction, cpu_memory=1024)
+    if host_states is None:  # half the groups' states on the host: a budget just above them
+        probe = gemini.initialize(clone_pair()[0], _cfg(tmp_path, placement="static", nvme_dir=None,
+                                                       static_optimizer_offload_fraction=offload_fraction))[1]
+        host_states = sum(c.nbytes for g in probe._rt.manager.trainable_groups for c in (g.exp_avg, g.exp_avg_sq)
+                          if c.is_on(Tier.HOST))
+        probe.close()
+        assert host_states > 0
+        cfg = dataclasses.replace(cfg, cpu_memory=host_states + 1024)
+    assert gemini.plan_placement(clone_pair()[0], cfg).fits
+    model, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1)
+    for step, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        assert_params_close(model.state_dict(), want[step], step=step)
+    assert not opt._rt.nvme.groups and opt.report.nvme_bytes == 0
+    opt.close()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -353,3 +388,18 @@ def test_exit_without_close_removes_the_files_quietly(tmp_path):
     assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-3000:]
     assert "could not delete" not in proc.stderr, proc.stderr[-3000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_after_close_a_bf16_model_whose_masters_were_on_nvme_says_to_save_before(tmp_path):
+    """Under bf16 the fp32 masters state_dict() reads lived in the NVMe files close() deletes: the
+    error said only "the optimizer was closed"; it now says what went and to save before close."""
+    model, opt = gemini.initialize(clone_pair()[0], _cfg(tmp_path, placement="cpu", precision="bf16",
+                                                         nvme_offload_fraction=1.0), lr=1e-2)
+    x, y = batches(TINY, 1)[0]
+    opt.backward(GPT.loss(model(x), y))
+    opt.step()
+    saved = model.state_dict()  # before close: the masters
+    opt.close()
+    with pytest.raises(RuntimeError, match=r"optimizer was closed.*fp32 masters.*Save before optimizer.close\(\)"):
+        model.state_dict()
+    assert all(v.dtype == torch.float32 for v in saved.values())  # what saving before close gave: the masters

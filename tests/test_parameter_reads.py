@@ -275,6 +275,23 @@ def test_descendants_read_by_an_ancestor_zero3_train_like_torch(tmp_path):
             torch.testing.assert_close(got["eval"], evaluation, rtol=1e-5, atol=1e-6)
 
 
+def test_reads_after_the_owners_call_zero3_train_like_torch(tmp_path):
+    """Under ZeRO-3 a parameter read after its module's call was an empty shard (the group
+    released); the reading module gathers it now."""
+    names = ["tied_projection", "hook_reads_earlier"]
+    run_ranks(zw.run_zoo, names, STEPS, 64, str(tmp_path), timeout_seconds=240)
+    for name in names:
+        want, ref = _reference(name)
+        ref.eval()
+        with torch.no_grad():
+            evaluation = ref(zw.make_data(1, seed=5)[0][0])
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{name}_rank{rank}.pt", weights_only=True)
+            for step, (g, w) in enumerate(zip(got["states"], want)):
+                assert_params_close(g, w, step=step)
+            torch.testing.assert_close(got["eval"], evaluation, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("placement", ["cpu", "static"])
 def test_descendants_read_in_an_evaluation_before_any_training_are_fetched(placement):
     """The first forward is an evaluation without grad (no warm-up to learn from): the fused

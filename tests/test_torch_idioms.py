@@ -344,6 +344,15 @@ def test_fp16_gradients_are_refused_loudly_and_model_clip_works():
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
     got = gmodel.clip_grad_norm_(float("inf"))
     assert got.item() == pytest.approx(want.item(), rel=2e-2)  # fp16 compute vs fp32
+    # A plain loss.backward() (not scaled): its norm, divided by the scale, came out 65536 times
+    # too small and clipped nothing; refused as the step refuses it.
+    opt.zero_grad()
+    GPT.loss(gmodel(x), y).backward()
+    with pytest.raises(RuntimeError, match="1 of them not through optimizer.backward.*zero_grad"):
+        gmodel.clip_grad_norm_(1.0)
+    opt.zero_grad()
+    opt.backward(GPT.loss(gmodel(x), y))
+    assert gmodel.clip_grad_norm_(float("inf")).item() == pytest.approx(got.item(), rel=1e-6)
 
 
 def _fp16_run(steps, *, stray_unscaled_pass):

@@ -409,3 +409,65 @@ def test_an_evaluation_between_micro_batches_is_no_part_of_the_traced_iteration(
             assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()), step=step)
     assert "diverged" not in caplog.text
     assert opt.report.device_peak_bytes <= CONFIGS["auto-evicting"]["device_memory"]
+
+
+def test_inputs_in_dataclasses_and_userdicts_are_cast_like_plain_ones():
+    """Under bf16 floating-point inputs are cast on the way in; torch's pytree did not look into
+    a dataclass or a ``UserDict`` (Hugging Face's ``BatchEncoding``): their fp32 tensors reached
+    the bf16 model ("mat1 and mat2 must have the same dtype"). Integer tensors stay as they are."""
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        index: torch.Tensor
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            x, index = (batch.x, batch.index) if isinstance(batch, Batch) else (batch["x"], batch["index"])
+            assert index.dtype == torch.int64
+            return self.lin(x)[index]
+
+    torch.manual_seed(0)
+    model, _ = gemini.initialize(Net(), gemini.GeminiConfig(device=DEVICE, placement="cpu", precision="bf16"))
+    x, index = torch.randn(3, 4, device=DEVICE), torch.tensor([2, 0], device=DEVICE)
+    want = model({"x": x, "index": index})
+    assert want.dtype == torch.bfloat16
+    user_dict = collections.UserDict({"x": x, "index": index})
+    for batch in (Batch(x, index), user_dict, collections.OrderedDict(x=x, index=index)):
+        torch.testing.assert_close(model(batch), want, rtol=0, atol=0)
+    assert user_dict["x"].dtype == torch.float32  # the caller's container is left as it was
+
+
+@pytest.mark.standin  # budgets in the stand-in's bytes
+def test_a_loop_that_keeps_its_outputs_is_told_so_when_the_budget_runs_out():
+    """``outputs.append(model(x))`` keeps every iteration's logits on the device, so the peak
+    grows until the budget refuses an iteration; the error advised a smaller batch only. It now
+    names tensors kept across iterations, and once they are dropped training goes on."""
+    base, _ = clone_pair(CFG)
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    probe, probe_opt = gemini.initialize(clone_pair(CFG)[0], gemini.GeminiConfig(device=DEVICE, placement="cpu",
+                                                                                  device_memory=10**9))
+    _train_step(probe, probe_opt, x, y)
+    budget = probe_opt.report.device_peak_bytes + 100_000  # about three iterations' logits (32 KiB each)
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="cpu", device_memory=budget))
+    outputs = []
+    with pytest.raises(gemini.DeviceBudgetError, match=r"this iteration needed .*A tensor the loop keeps from "
+                                                       r"earlier iterations counts too \(outputs kept in a list"):
+        for _ in range(10):
+            outputs.append(model(x))
+            GPT.loss(outputs[-1], y).backward()
+            opt.step()
+            opt.zero_grad()
+    steps_taken = opt.reports_made
+    assert 2 <= steps_taken < 10
+    outputs.clear()
+    gc.collect()  # pytest's ExceptionInfo holds the frames in a cycle
+    opt.zero_grad()
+    _train_step(model, opt, x, y)
+    assert opt.reports_made == steps_taken + 1 and opt.report.device_peak_bytes <= budget

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from chunks import Chunk, ChunkGroup, ChunkManager, ChunkState, Tier
-from gemini.policies.nvme_choice import NvmeLayout, choose_nvme_groups, offloaded_bytes, shallower_pipeline, undo_ratio
+from gemini.policies.nvme_choice import (NvmeLayout, choose_nvme_groups, forced_count, offloaded_bytes,
+                                         shallower_pipeline, undo_ratio)
 from offload import format_size
 from offload.profiling import trace_range
 
@@ -69,12 +70,19 @@ class NvmeTier:
         if warning is not None and not self._warned_depth:  # chosen again at every rebalance: said once
             self._warned_depth = True
             logger.warning(warning)
+        if os_bytes and self.fraction > 0 and not forced_count(self.fraction, len(os_bytes)):
+            logger.warning("GeminiConfig.nvme_offload_fraction=%s of %d chunk group(s) on the host is no whole group: "
+                           "none goes to NVMe for it (raise it, or lower chunk_size for more, smaller groups)",
+                           self.fraction, len(os_bytes))
         return layout
 
-    def plan_registration(self, layout: Iterable[tuple[list[int], int, int]]) -> None:
-        """Before registration (every trainable group on the host tier): choose from the layout."""
+    def plan_registration(self, layout: Iterable[tuple[list[int], int, int]], *,
+                          on_device: Collection[int] = frozenset()) -> None:
+        """Before registration: choose from the layout among the trainable groups but ``on_device``
+        (those whose optimizer states the placement keeps on the device from the layout alone:
+        counted, static's were refused host budgets they never use)."""
         layout = list(layout)
-        trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
+        trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0 and i not in on_device]
         self.layout = self.plan(offloaded_bytes(layout, trainable, self.manager.param_dtype, world=self.manager.world))
         self._planned = self.layout.nvme_groups
         self._log()
@@ -294,7 +302,10 @@ class NvmeTier:
     # ---------------------------------------------------------------------------- closing
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the optimizer was closed: its NVMe files are deleted")
+            raise RuntimeError("the optimizer was closed: its NVMe files are deleted, with what lived only there (the "
+                               "optimizer states, and under bf16/fp16 the fp32 masters state_dict() and save_pretrained "
+                               "read). Save before optimizer.close(): model.state_dict(), gemini.save_checkpoint or "
+                               "gemini.save_pretrained")
 
     def close(self) -> None:
         """Delete every file. States that lived only on NVMe are gone after this."""

@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GeminiRuntime", "IterationState"]
 
-class LossScale(Protocol):
-    """What the engine reads of the optimizer's fp16 loss scaler (``gemini.optim.loss_scaler``)."""
+class LossScale(Protocol):  # what the engine reads of fp16's loss scaling (gemini/optim/loss_scaler.py)
     scale: float
+    def refuse_unscaled(self, cleared_at_pass: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -59,7 +59,7 @@ class GeminiRuntime:
     hooks: ModuleHooks | None = None
     activations: ActivationOffload | None = None  # GeminiConfig.offload_activations
     grad_views: GradViews | None = None  # p.grad between backward and the next pass; made in __post_init__
-    scaler: LossScale | None = None  # fp16: the optimizer's loss scaler (gemini.optim.loss_scaler)
+    scaler: LossScale | None = None  # fp16: the optimizer's ScaledBackwards (gemini.optim.loss_scaler)
     report_writer: ReportWriter | None = None
     warmup: Warmup | None = None
     plan: MemoryPlan | None = None
@@ -333,7 +333,7 @@ class GeminiRuntime:
                 return
             check_peak(peak_bytes, self.memory.budget_bytes,
                        what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
-                       chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE))
+                       chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE), later=not first)
         except Exception:  # a rank's budget refused
             self.on_budget_error()
             raise

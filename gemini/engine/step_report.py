@@ -71,7 +71,13 @@ def step_report(rt: GeminiRuntime, outcome: StepOutcome, *, step: int, step_seco
         activation_host_peak_bytes=ledger.activations.peak_bytes,
         activation_kept_bytes=transfers.activation_kept_bytes,
         nvme_undo_bytes=ledger.kind_bytes(Tier.NVME, UNDO_KIND),
+        host_states_peak_bytes=sum(ledger.kind_peak_bytes(Tier.HOST, kind) for kind in _BOUNDED_BY_CPU_MEMORY),
+        cpu_budget_bytes=rt.config.cpu_memory,
     )
+
+
+# What cpu_memory bounds in host memory (see [Note: what goes to NVMe] in gemini/policies/nvme_choice.py).
+_BOUNDED_BY_CPU_MEMORY = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ, ChunkKind.MASTER, UNDO_KIND)
 
 
 _TIER_NAMES = tuple((tier, tier.value) for tier in Tier)

@@ -116,10 +116,11 @@ class Warmup:
 
 
 def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
-               chunk_peak_bytes: int | None = None) -> None:
+               chunk_peak_bytes: int | None = None, later: bool = False) -> None:
     """Raise DeviceBudgetError when a measured peak went over the budget, with ``advice`` that
     fits the placement in force (``PlacementPolicy.budget_advice``: a user already on 'auto' is
-    not told to use 'auto')."""
+    not told to use 'auto'); ``later``: an iteration after the first, where what the loop keeps
+    from earlier ones may be the cause."""
     missing = missing_bytes(budget_bytes, peak_bytes)
     if not missing:
         return
@@ -129,7 +130,9 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
                  f"buffers)")
     raise DeviceBudgetError(
         f"{what} needed {peak_bytes} bytes of device memory at its peak{split} but GeminiConfig.device_memory is "
-        f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or {advice}.",
+        f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or {advice}."
+        + (" A tensor the loop keeps from earlier iterations counts too (outputs kept in a list, a loss kept "
+           "before its backward: keep loss.item() or outputs.detach().cpu())." if later else ""),
         missing_bytes=missing,
     )
 

@@ -79,6 +79,8 @@ def clip_model_grad_norm_(rt: GeminiRuntime, max_norm: float, norm_type: float =
     unscaled ones under fp16), and, above ``max_norm``, every gradient scaled down in place."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm={max_norm!r} is invalid: expected a number >= 0")
+    if rt.scaler is not None:  # fp16: a pass not through optimizer.backward would give a norm 65536x too small
+        rt.scaler.refuse_unscaled(rt.grads_cleared_at_pass)
     rt.grad_views.hide()  # what torch code did to p.grad counts
     with torch.no_grad():
         groups = rt.manager.trainable_groups

@@ -72,7 +72,7 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         self._rt = runtime
         self.adamw_mode = adamw_mode
         self.scaler = loss_scaler_for(runtime.config)
-        self._scaled_backwards = ScaledBackwards(self.scaler, lambda: runtime.hooks.backward_passes)
+        self.scaled_backwards = ScaledBackwards(self.scaler, lambda: runtime.hooks.backward_passes)
         self.report: MemoryReport | None = None
         self.reports_made = 0
         self._step_started = time.perf_counter()
@@ -106,7 +106,7 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
             inputs = graph_inputs(loss, [inputs] if isinstance(inputs, torch.Tensor) else list(inputs),
                                   [p for g in self._rt.manager.trainable_groups for p in g.params])
         with self._rt.budget_errors("the backward pass"):
-            self._scaled_backwards.backward(loss, retain_graph=retain_graph, inputs=inputs)
+            self.scaled_backwards.backward(loss, retain_graph=retain_graph, inputs=inputs)
 
     def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """What ``optimizer.state[param]`` holds in ``torch.optim.AdamW``: ``step``, ``exp_avg`` and
@@ -157,7 +157,7 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
             try:
                 rt.begin_step()  # may raise DeviceBudgetError: nothing has been updated yet
                 tx = StepTransaction(rt.storage, undo_on_nvme=rt.nvme is not None and rt.nvme.layout.undo_on_nvme)
-                self._scaled_backwards.check(rt.grads_cleared_at_pass, tx)
+                self.scaled_backwards.check(rt.grads_cleared_at_pass, tx)
                 try:
                     outcome = self._step(tx, interrupt)
                 except BaseException:

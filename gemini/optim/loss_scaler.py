@@ -98,28 +98,36 @@ class ScaledBackwards:
             raise
         self._scaled.extend(range(before + 1, self._passes() + 1))
 
-    def check(self, cleared_at_pass: int, tx: StepTransaction) -> None:
-        """Start a new count at this step (undone with ``tx``); raise if a pass whose gradients
-        the step would use was not scaled. ``cleared_at_pass``: the pass count at the last
-        ``zero_grad``."""
+    @property
+    def scale(self) -> float:
+        return self._scaler.scale
+
+    def refuse_unscaled(self, cleared_at_pass: int) -> None:
+        """Raise if a pass whose gradients a step or ``model.clip_grad_norm_`` would use was not
+        scaled (the norm of such gradients, divided by the scale, came out 65536 times too
+        small). ``cleared_at_pass``: the pass count at the last ``zero_grad``."""
         now = self._passes()
         since = max(self._passes_at_step, cleared_at_pass)
         unscaled = (now - since) - sum(n > since for n in self._scaled)
-        saved = (self._passes_at_step, self._scaled)
-
-        def restore() -> None:
-            self._passes_at_step, self._scaled = saved
-
-        tx.on_rollback(restore)
-        self._passes_at_step, self._scaled = now, []
         if self._scaler is not None and unscaled:
-            restore()
             raise RuntimeError(
                 f"precision='fp16' needs optimizer.backward(loss) so the loss is scaled; {now - since} backward "
                 f"pass(es) ran since the last step or zero_grad, {unscaled} of them not through optimizer.backward. "
                 f"Their gradients are kept: call optimizer.zero_grad() to drop them, then backward through "
                 f"optimizer.backward(loss)"
             )
+
+    def check(self, cleared_at_pass: int, tx: StepTransaction) -> None:
+        """Raise as :meth:`refuse_unscaled` does, before any change; then start a new count at this
+        step (undone with ``tx``)."""
+        self.refuse_unscaled(cleared_at_pass)
+        saved = (self._passes_at_step, self._scaled)
+
+        def restore() -> None:
+            self._passes_at_step, self._scaled = saved
+
+        tx.on_rollback(restore)
+        self._passes_at_step, self._scaled = self._passes(), []
 
 
 def update_scale(scaler: DynamicLossScaler | None, norm: torch.Tensor | None, tx: StepTransaction) -> bool:

@@ -29,13 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gemini.config import GeminiConfig
+from gemini.config import SCALER_FIELDS, GeminiConfig
 from gemini.parallel.collectives import Collectives
 
 __all__ = ["check_ranks_agree", "describe", "sync_buffers"]
 
-_SCALER_FIELDS = ("initial_scale", "min_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-                  "max_scale")
 
 
 def describe(config: GeminiConfig, *, chunk_size: int, named_groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
@@ -46,7 +44,7 @@ def describe(config: GeminiConfig, *, chunk_size: int, named_groups: Sequence[Se
         "precision": config.precision,
         "shard_params": config.shard_params,
         "clip_grad_norm": config.clip_grad_norm,
-        "fp16 loss scaler": {f: getattr(config, f) for f in _SCALER_FIELDS} if config.precision == "fp16" else None,
+        "fp16 loss scaler": {f: getattr(config, f) for f in SCALER_FIELDS} if config.precision == "fp16" else None,
         "trainable tensors per param group": [len(g) for g in named_groups],
         "parameters": [(n, tuple(p.shape), p.requires_grad) for g in (*named_groups, frozen) for n, p in g],
         "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],

@@ -17,8 +17,8 @@ import torch
 
 from offload import format_size
 
-__all__ = ["NvmeLayout", "choose_nvme_groups", "offloaded_bytes", "offloaded_bytes_per_element", "shallower_pipeline",
-           "undo_ratio"]
+__all__ = ["NvmeLayout", "choose_nvme_groups", "forced_count", "offloaded_bytes", "offloaded_bytes_per_element",
+           "shallower_pipeline", "undo_ratio"]
 
 
 def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
@@ -63,15 +63,15 @@ def choose_nvme_groups(
     """Choose the groups whose optimizer states live on NVMe.
 
     ``os_bytes``: (group index, bytes of its offloadable chunks) of the trainable groups whose
-    optimizer states are on the host tier, in model order. The last ``round(fraction * n)``
-    go to NVMe always; of the others, the first ones stay in host memory while they fit in
+    optimizer states are on the host tier, in model order. The last :func:`forced_count` of
+    them go to NVMe always; of the others, the first ones stay in host memory while they fit in
     ``cpu_memory`` next to the pipeline's staging, and the rest go to NVMe too.
     ``undo_ratio``: bytes a step copies aside per offloadable byte of a streamed group (its
     parameters'; see :func:`undo_ratio`). The copies stay in host memory if ``cpu_memory``
     holds them after everything else, else they go to NVMe files, one in memory at a time.
     """
     undo_of = {i: math.ceil(b * undo_ratio) for i, b in os_bytes}
-    n_forced = round(fraction * len(os_bytes))
+    n_forced = forced_count(fraction, len(os_bytes))
     forced = os_bytes[len(os_bytes) - n_forced:] if n_forced else []
     candidates = os_bytes[: len(os_bytes) - n_forced]
     total = sum(b for _, b in candidates)
@@ -82,7 +82,8 @@ def choose_nvme_groups(
     else:
         # The pipeline needs room for 2 * depth + 1 groups as soon as anything streams; a small
         # budget gets a shallower pipeline (depth 0: one group at a time, no overlap) before
-        # it is refused.
+        # it is refused. (So the depth asked for goes first: a budget that just holds its staging
+        # keeps fewer groups in memory than a smaller one that runs shallower.)
         largest = max(b for _, b in os_bytes)
         largest_undo = max(undo_of.values())  # the one copy aside in memory when they go to NVMe
         while depth > 0 and (2 * depth + 1) * largest + largest_undo > cpu_memory:
@@ -94,7 +95,7 @@ def choose_nvme_groups(
                 f"GeminiConfig.cpu_memory={cpu_memory} ({format_size(cpu_memory)}) is too small: streaming optimizer "
                 f"states from NVMe holds at least one chunk group's states in host memory, and a copy of its "
                 f"parameters ({least} bytes, {format_size(least)}); raise cpu_memory to at least {least}, or lower "
-                f"chunk_size"
+                f"chunk_size (a parameter larger than a chunk is a group of its own, which no chunk_size splits)"
             )
         room = cpu_memory - staging - largest_undo if (forced or total > cpu_memory) else cpu_memory
         chosen = {i for i, _ in forced}
@@ -118,6 +119,13 @@ def choose_nvme_groups(
         undo = largest_undo
     return NvmeLayout(frozenset(chosen), host, sum(b for i, b in os_bytes if i in chosen), staging if chosen else 0,
                       depth, undo, on_nvme)
+
+
+def forced_count(fraction: float, groups: int) -> int:
+    """How many of ``groups`` chunk groups ``nvme_offload_fraction=fraction`` sends to NVMe: whole
+    groups, the nearest count, halves up (Python's ``round`` took 0.5 of one group, and 0.25 of
+    two, to none, and 0.75 of two to both)."""
+    return math.floor(fraction * groups + 0.5)
 
 
 def undo_ratio(param_dtype: torch.dtype) -> float:

@@ -57,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
+        parser = sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
+        # Also after the command (`gemini plan -v ...`); absent there, the one before it stands.
+        parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                            help="log the engine's decisions (INFO)")
+        return parser
 
     demo_params = "19.5M parameters, about 300 MiB of model data with its gradients and Adam states"
     d = command("demo", "train a GPT several times larger than the device budget, with per-step reports",

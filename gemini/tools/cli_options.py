@@ -203,6 +203,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     embd, heads = getattr(args, "embd", None), getattr(args, "heads", None)
     if embd is not None and heads is not None and embd % heads:
         sub.error(f"argument --embd: {embd} is not a multiple of --heads {heads}")
+    if getattr(args, "shard_params", False) and (args.world_size or 1) < 2:
+        sub.error("argument --shard-params: ZeRO-3 shards the parameters over the data-parallel ranks: give "
+                  "--world-size (2 or more); one rank keeps them whole")
     plot_dir = getattr(args, "plot_dir", None)
     if plot_dir is not None:
         if os.path.exists(plot_dir) and not os.path.isdir(plot_dir):

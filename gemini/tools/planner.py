@@ -27,7 +27,7 @@ from torch import nn
 
 from chunks import ChunkKind, ChunkManager, ChunkStorage, Tier, missing_bytes
 from gemini.config import GeminiConfig
-from gemini.policies import check_supported
+from gemini.policies import check_supported, device_groups
 from gemini.policies.footprint import chunk_bytes, named_bytes
 from gemini.initialize import resolve_chunk_size, split_param_groups
 from gemini.parallel.zero import resolve_group
@@ -275,9 +275,10 @@ def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups
                                   nvme_available=config.nvme_dir is not None, undo_ratio=undo_ratio(config.param_dtype))
 
     try:
-        # initialize() chooses among every trainable group while registering (before a placement
-        # takes some onto the device), then again among those left on the host tier.
-        choose(trainable)
+        # initialize() chooses while registering among the groups the placement leaves on the host
+        # from the layout alone (every one under auto, before its margin takes some), then again
+        # among those left on the host tier.
+        choose([i for i in trainable if i not in device_groups(config, layout).whole])
         chosen = choose(host_groups)
         warning = shallower_pipeline(chosen, cpu_memory=config.cpu_memory, wanted=config.nvme_pipeline_depth)
         if warning is not None:

@@ -151,14 +151,17 @@ _SIGTERM_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode,returncode", [("default", -signal.SIGTERM), ("thread", -signal.SIGTERM),
-                                             ("exit-handler", 7), ("graceful-handler", 0)])
+                                             ("exit-handler", 7), ("graceful-handler", 0),
+                                             ("hangup", -signal.SIGHUP)])
 def test_sigterm_removes_the_folders_and_ends_the_process_as_before(tmp_path, mode, returncode):
+    """SIGHUP (the terminal or ssh session closed) ends a process as SIGTERM does: its folder
+    was left behind until a later run's sweep."""
     with _child([sys.executable, "-c", _SIGTERM_CHILD, mode, str(tmp_path)]) as child:
         line = _read_line(child)
         assert line, child.stderr.read()
         folders = line.split()
         assert len(folders) == (2 if mode == "thread" else 1) and all(os.path.isdir(f) for f in folders)
-        child.send_signal(signal.SIGTERM)
+        child.send_signal(signal.SIGHUP if mode == "hangup" else signal.SIGTERM)
         if mode == "graceful-handler":
             assert _read_line(child) == "usable True"
         assert child.wait(timeout=60) == returncode, child.stderr.read()
