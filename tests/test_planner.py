@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from types import SimpleNamespace
 
 import psutil
@@ -13,6 +15,7 @@ import gemini
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 from gemini.engine.memory import DeviceBudgetError
 from gemini.tools import planner
+from offload import NvmeStoreError
 from helpers import DEVICE, TINY, batches, make_gpt
 
 
@@ -106,7 +109,7 @@ def test_plans_a_model_larger_than_this_machine_without_allocating_it():
     assert "fits" in plan.table()
 
 
-def test_what_does_not_fit_is_said_with_the_knob_to_turn(tmp_path):
+def test_what_does_not_fit_is_said_with_the_knob_to_turn(tmp_path, monkeypatch):
     no_nvme = gemini.plan_placement(_model(), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000,
                                                                   cpu_memory=100_000))
     assert not no_nvme.fits and "nvme_dir" in no_nvme.problems[0]
@@ -118,6 +121,16 @@ def test_what_does_not_fit_is_said_with_the_knob_to_turn(tmp_path):
         config = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path / "missing"))
     missing = gemini.plan_placement(_model(), config)
     assert not missing.fits and "is not a folder" in missing.problems[0]
+    # A folder this process cannot write (a read-only mount; root passes mode bits, so faked here):
+    # the plan said it fit, and initialize refused it.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: os.fspath(path) != str(tmp_path) and real_access(path, mode))
+    read_only = dataclasses.replace(config, nvme_dir=str(tmp_path), cpu_memory=250_000)
+    plan = gemini.plan_placement(_model(), read_only)
+    assert not plan.fits and "is not writable by this process" in " ".join(plan.problems)
+    with pytest.raises(NvmeStoreError, match="is not writable by this process"):
+        gemini.initialize(_model(), read_only)
+    monkeypatch.undo()
     # The same budgets really fail at initialize.
     with pytest.raises(ValueError, match="nvme_dir"):
         gemini.initialize(_model(), gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000,

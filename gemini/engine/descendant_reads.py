@@ -286,4 +286,3 @@ class DescendantReadHooks:
                         "them too", type(module).__name__)
             own.extend(groups)
             self.residency.count_uses(groups)
-

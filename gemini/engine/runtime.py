@@ -208,6 +208,7 @@ class GeminiRuntime:
             self.end_window()
             self.hooks.follow_periods(False)  # UNPLANNED: no period to trace or count
             raise
+        self.warmup_peak_bytes = plan.warmup_peak_bytes  # this step's report's peak, planned or not
         if self.hooks.take_late_reads():  # see DescendantReadHooks.take_late_reads
             logger.info("auto placement: the warm-up found parameters read outside their modules; tracing again")
             self.hooks.follow_periods(False)  # UNPLANNED: the next training forward traces again
@@ -216,7 +217,6 @@ class GeminiRuntime:
         if self.activations is not None:
             plan = self.activations.with_trace(plan)
         plan = self.placement.with_trace(plan)
-        self.warmup_peak_bytes = plan.warmup_peak_bytes
         self.unreported_plan = plan
         self.traced_inputs.keep(plan)
         self._adopt(plan, step_follows=step_follows)

@@ -377,6 +377,8 @@ def _check_host_and_nvme(plan: PlacementPlan, forecast: PlacementForecast) -> No
     if config.nvme_dir is not None and not os.path.isdir(config.nvme_dir):
         plan.problems.append(f"nvme_dir {os.fspath(config.nvme_dir)!r} is not a folder: create it (or mount the "
                              f"drive) first")
+    elif config.nvme_dir is not None and not os.access(config.nvme_dir, os.W_OK | os.X_OK):  # as initialize checks
+        plan.problems.append(f"nvme_dir {os.fspath(config.nvme_dir)!r} is not writable by this process")
     elif plan.nvme_free_bytes is not None and nvme_bytes > plan.nvme_free_bytes:
         plan.problems.append(f"NVMe: {format_size(nvme_bytes)} of files{each and f' ({ranks} ranks)'} but "
                              f"{format_size(plan.nvme_free_bytes)} free under {os.fspath(config.nvme_dir)}")
