@@ -13,9 +13,10 @@ between steps. Two assumptions of the engine break under such a write:
 Every in-place op bumps its tensor's version counter (``_version``), which views and
 ``detach()`` share. But ``p.data = view`` leaves ``p`` its own counter: writes through ``p``
 bump it and not the payload's, and the engine's own writes into the payload (Adam, gradient
-copies, the step's casts, ZeRO's gathers) bump the payload's and not ``p``'s. So the sum of the
-parameters' counters moves exactly when torch code wrote through them: the engine's writes never
-count, and a chunk nobody edits never moves a byte more. The sum is read at every move of the
+copies, the step's casts, ZeRO's gathers) bump the payload's and not ``p``'s. (The step bumps the
+counters of the parameters it updated, as torch's step does, so that autograd refuses a graph saved
+before it, and says so: ``bumped``.) So the sum of the parameters' counters moves exactly when torch
+code wrote through them: the engine's writes never count, and a chunk nobody edits never moves a byte more. The sum is read at every move of the
 chunk (beside ``repoint``, which loops over the same parameters anyway): a move carries the
 primary copy's bytes along (a fetch copies them, ``drop_host_copy`` keeps them), except one
 that drops a device copy with a host copy beside it, where ``Chunk`` first copies the device
@@ -47,6 +48,11 @@ class ParamEdits:
 
     def _count(self) -> int:
         return sum(p._version for p in self._params)
+
+    def bumped(self, count: int) -> None:
+        """The engine bumped ``count`` of these counters itself (a step's update, so that autograd
+        refuses a graph saved before it, as after torch's step): no write of torch code."""
+        self._seen += count
 
     def new(self) -> bool:
         """Whether a parameter was written through since the last call (then ``edited`` is set)."""

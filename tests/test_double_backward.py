@@ -280,3 +280,92 @@ def test_a_warm_up_step_over_the_budget_is_refused_at_that_step(budget, message)
     assert_params_close({k: v.detach() for k, v in model.state_dict().items()}, before, rtol=0, atol=0)
     assert opt._rt.state.name in ("UNTRACED", "PLANNED", "UNPLANNED")
     opt.close()
+
+
+def _l2(model):
+    return 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+
+
+def penalty_after(model, batch):
+    """The loss's backward, then an L2 penalty over the parameters backpropagated on its own: a
+    graph that reaches no module's output (EWC, a regulariser kept apart for logging)."""
+    real, _, c, _ = batch
+    model(real, c).pow(2).mean().backward()
+    _l2(model).backward()
+
+
+def penalty_between(model, batch):
+    """Gradient accumulation with the penalty's backward between two micro-batches."""
+    real, fake, c, _ = batch
+    model(real, c).pow(2).mean().backward()
+    _l2(model).backward()
+    model(fake, c).pow(2).mean().backward()
+
+
+def penalty_first(model, batch):
+    """The penalty's backward before the forward (after zero_grad(set_to_none=False): zeros are out)."""
+    real, _, c, _ = batch
+    _l2(model).backward()
+    model(real, c).pow(2).mean().backward()
+
+
+PENALTIES = {"after": (penalty_after, 2), "between": (penalty_between, 3), "first": (penalty_first, 2)}
+
+
+@pytest.mark.parametrize("when", list(PENALTIES))
+@pytest.mark.parametrize("name", ["cuda", "cpu", "static", "auto"])
+def test_a_backward_over_the_parameters_alone_accumulates_like_torch(name, when):
+    """A backward reaching the parameters through no module's output began no pass: autograd
+    accumulated into the p.grad views the previous backward exposed, the hook copied the slot
+    onto itself and the view was then taken for p.grad = None: the gradients were dropped (the
+    step after penalty_after changed nothing; penalty_between kept the last micro-batch's only).
+    Now each parameter's gradient hook, run before autograd accumulates, begins the pass."""
+    loop, passes = PENALTIES[when]
+    (ref, ref_opt), (model, opt) = _pair(name)
+    data = _data()
+    grads = []
+    for m, o in ((ref, ref_opt), (model, opt)):
+        snapshots = []
+        for batch in data:
+            o.zero_grad(set_to_none=False)
+            loop(m, batch)
+            grads.append({n: p.grad.detach().to("cpu", copy=True) for n, p in m.named_parameters()})
+            o.step()
+            snapshots.append({k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()})
+        if m is ref:
+            want = snapshots
+    for step, (g, w) in enumerate(zip(snapshots, want)):
+        assert_params_close(g, w, step=step)
+    for step, (g, w) in enumerate(zip(grads[STEPS:], grads[:STEPS])):
+        assert_params_close(g, w, step=step)
+    assert opt._rt.hooks.backward_passes == STEPS * passes
+    opt.close()
+
+
+@pytest.mark.parametrize("name", ["cuda", "cpu", "static", "auto"])
+def test_a_graph_kept_across_a_step_is_refused_as_torch_refuses_it(name):
+    """backward(retain_graph=True), step, then the kept graph's backward again: torch refuses (the
+    step changed saved weights in place); gemini's step writes the chunks, not through the
+    parameters, so their version counters stayed and the second backward mixed old activations with
+    new weights. The step now bumps the versions of the parameters it updated. (Torch's error comes
+    from its default AdamW: the fused one bumps no version, so it does not refuse.)"""
+    (ref, ref_opt), (model, opt) = _pair(name)
+    plain = copy.deepcopy(ref)
+    data = _data(STEPS + 1)
+    real, _, c, _ = data[0]
+    errors = []
+    for m, o in ((plain, torch.optim.AdamW(plain.parameters(), lr=1e-2)), (model, opt)):
+        loss = m(real, c).pow(2).mean()
+        loss.backward(retain_graph=True)
+        o.step()
+        o.zero_grad()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as e:
+            loss.backward()
+        errors.append(str(e.value).split(";")[0])
+    assert errors[0] == errors[1]
+    opt.zero_grad()
+    _, want = _train(ref, ref_opt, _plain, data)  # and training goes on as torch's
+    _, got = _train(model, opt, _plain, data[1:])
+    for step, (g, w) in enumerate(zip(got, want[1:])):
+        assert_params_close(g, w, step=step)
+    opt.close()

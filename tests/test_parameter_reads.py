@@ -13,11 +13,12 @@ device copy. Under ZeRO-3 the unfetched parameter is an empty shard: the ranks c
 
 from __future__ import annotations
 
-
+import copy
 
 import pytest
 import torch
 import torch._dynamo
+from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -40,6 +41,7 @@ PLACEMENTS = {
     "auto": dict(placement="auto"),  # device_memory: see _budget
 }
 _MOVES = {torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+_NO_VALUES = {torch.ops.aten._has_compatible_shallow_copy_type.default}  # ``p.data = t`` under inference_mode
 
 
 class _HostReads(TorchDispatchMode):
@@ -65,7 +67,7 @@ class _HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.active and func not in _MOVES and not func.is_view:
+        if self.active and func not in _MOVES and func not in _NO_VALUES and not func.is_view:
             host = self._host_only()
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() in host:
@@ -300,8 +302,9 @@ def _assert_zero3_zoo_like_torch(names, chunk_size: int, tmp_path, *, compared=l
             torch.testing.assert_close(got["eval"], evaluation, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("placement", ["cpu", "static"])
-def test_descendants_read_in_an_evaluation_before_any_training_are_fetched(placement):
+def test_descendants_read_in_an_evaluation_before_any_training_are_fetched(placement, grad_off):
     """The first forward is an evaluation without grad (no warm-up to learn from): the fused
     attention reads out_proj in it, found at the dispatch level."""
     model, opt = gemini.initialize(zw.make_zoo("multihead_attention"), gemini.GeminiConfig(
@@ -310,10 +313,55 @@ def test_descendants_read_in_an_evaluation_before_any_training_are_fetched(place
     model.eval()
     x = zw.make_data(1, seed=5)[0][0]
     reads = _HostReads(opt._rt.manager)
-    with reads, torch.no_grad():
+    with reads, grad_off():
         reads.active = True
         for _ in range(2):
             torch.testing.assert_close(model(x), ref(x), rtol=1e-6, atol=1e-7)
         reads.active = False
     assert reads.hits == [], f"ops read parameter chunks with no device copy: {reads.hits[:4]}"
+    opt.close()
+
+
+@pytest.mark.parametrize("placement", ["cpu", "static", "auto"])
+def test_an_inference_mode_forward_finds_no_reads_in_a_plain_model(placement, caplog):
+    """Under inference_mode, ``p.data = view`` (a fetch re-pointing every parameter of its chunk, the
+    next layer's too) dispatches ``_has_compatible_shallow_copy_type``: the search took it for the root
+    reading the next layer's parameters, and the root's calls fetched every group from then on (under
+    auto, an evaluation between micro-batches then crashed the warm-up's next forward)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))  # one chunk group
+    ref = copy.deepcopy(net)
+    model, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", **PLACEMENTS[placement]), lr=1e-2)
+    x = zw.make_data(1, seed=5)[0][0]
+    with caplog.at_level("INFO", logger="gemini.engine.descendant_reads"), torch.inference_mode():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    assert "reads parameters of its descendants" not in caplog.text
+    assert model.module not in opt._rt.hooks._groups_of
+    opt.close()
+
+
+@pytest.mark.parametrize("between", ["none", "no_grad", "inference_mode"])
+def test_auto_warm_up_over_micro_batches_with_a_read_after_the_owners_call(between):
+    """A tied projection read in the root's forward, two micro-batches in the first step (with an
+    evaluation between them): the search re-registers the root's pre-hook ahead of the tracer's
+    signature hook, the next forward's root hook ended the warm-up and removed that hook while torch
+    was calling them, and torch called it without its kwargs (a TypeError in every such loop)."""
+    steps, micro = 2, 2
+    data = zw.make_data(steps, micro)
+    model, opt = gemini.initialize(zw.make_zoo("tied_projection"), gemini.GeminiConfig(
+        device="cpu", placement="auto", chunk_size=CHUNK["tied_projection"]), lr=1e-2, weight_decay=0.01)
+    probe = zw.make_data(1, seed=5)[0][0]
+    states = []
+    for s in range(steps):
+        for i, (x, y) in enumerate(data[s * micro : (s + 1) * micro]):
+            if i and between != "none":
+                with getattr(torch, between)():
+                    model(probe)
+            (zw.loss_fn(model(x), y) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(model.state_dict())
+    want, _, _ = zw.train_reference(steps, micro_batches=micro, model=zw.make_zoo("tied_projection"), data=data)
+    for step, (g, w) in enumerate(zip(states, want)):
+        assert_params_close(g, w, step=step)
     opt.close()

@@ -266,20 +266,27 @@ def test_an_evaluation_forward_over_the_budget_is_refused_and_training_goes_on(p
     model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement=placement, chunk_size=8192,
                                                              device_memory=budget), lr=1e-2, weight_decay=0.1)
     small, large = (batches(CFG, 1, batch=b, seq=32, seed=7)[0][0] for b in (2, 64))
-    for step, (x, y) in enumerate(batches(CFG, 3, batch=2, seq=16)):
-        with torch.no_grad():
-            torch.testing.assert_close(model(small), ref(small), rtol=1e-6, atol=1e-6)
-            with pytest.raises(gemini.DeviceBudgetError, match=r"this evaluation forward \(without gradients\) "
-                                                               r"needed \d+ bytes .* smaller evaluation batch"):
-                model(large)
-        gc.collect()  # pytest's ExceptionInfo keeps the traceback, and the forward's output in its frames, in a cycle
-        _train_step(ref, ref_opt, x, y)
-        _train_step(model, opt, x, y)
-        assert opt.report.device_peak_bytes <= budget
-        # An evaluation's peak says nothing of training's plan: it is kept (was traced again, a
-        # warm-up's traffic, after each refused evaluation).
-        assert (opt.report.timeline is None) == (placement != "auto" or step > 0), step
-        assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()), step=step)
+    gc.disable()  # the error's traceback held the forward's tensors in a cycle until a collection
+    try:
+        for step, (x, y) in enumerate(batches(CFG, 3, batch=2, seq=16)):
+            with torch.no_grad():
+                torch.testing.assert_close(model(small), ref(small), rtol=1e-6, atol=1e-6)
+                with pytest.raises(gemini.DeviceBudgetError, match=r"this evaluation forward \(without gradients\) "
+                                                                   r"needed \d+ bytes .* smaller evaluation batch"):
+                    model(large)
+            _train_step(ref, ref_opt, x, y)
+            _train_step(model, opt, x, y)
+            _check_after_refused_evaluation(model, opt, ref, placement, step, budget)
+    finally:
+        gc.enable()
+
+
+def _check_after_refused_evaluation(model, opt, ref, placement, step, budget) -> None:
+    assert opt.report.device_peak_bytes <= budget
+    # An evaluation's peak says nothing of training's plan: it is kept (was traced again, a
+    # warm-up's traffic, after each refused evaluation).
+    assert (opt.report.timeline is None) == (placement != "auto" or step > 0), step
+    assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()), step=step)
 
 
 @pytest.mark.parametrize("call", ["resize_token_embeddings", "set_input_embeddings"])
@@ -471,3 +478,22 @@ def test_a_loop_that_keeps_its_outputs_is_told_so_when_the_budget_runs_out():
     opt.zero_grad()
     _train_step(model, opt, x, y)
     assert opt.reports_made == steps_taken + 1 and opt.report.device_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("name", [*NAMES, "auto"])
+def test_a_step_after_a_forward_without_backward_is_a_no_op_like_torchs(name):
+    """A NaN guard (``if torch.isfinite(loss): loss.backward()``, then ``step()``) tripping on the first
+    batch: torch's step is a no-op; under auto the warm-up raised "optimizer.step() before any backward
+    pass". The traced iteration is given up and the next one traced; training equals torch's."""
+    (ref, ref_opt), (model, opt) = _pair(name)
+    timelines = []
+    for step, (x, y) in enumerate(batches(CFG, 3, batch=2, seq=16)):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss = GPT.loss(m(x), y)
+            if step != 0:  # the first batch's loss "was not finite"
+                loss.backward()
+            o.step()
+            o.zero_grad()
+        timelines.append(opt.report.timeline is not None)
+        assert_params_close(model.state_dict(), cpu_copy(ref.state_dict()), step=step)
+    assert timelines == [False, name.startswith("auto"), False]  # the second step ended the warm-up

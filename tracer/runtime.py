@@ -324,8 +324,10 @@ class RuntimeTracer:
             f"; {self._clamped_periods} period(s) clamped to 0" if self._clamped_periods else "",
         )
 
-    def _capture_signature(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._signature is None and not in_autograd_engine():
+    def _capture_signature(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+        # A trace ended by a pre-hook ahead of this one (the engine's, at a forward's start) removed it while
+        # torch was calling the module's pre-hooks: torch still calls it, without kwargs.
+        if self._state is TracerState.TRACING and self._signature is None and not in_autograd_engine():
             self._signature = input_signature(args, kwargs)
 
     def _module_tensors(self) -> list[torch.Tensor]:

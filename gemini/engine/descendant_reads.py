@@ -69,6 +69,10 @@ __all__ = ["DescendantReadHooks", "DescendantReads", "run_uncompiled", "skip_cal
 _METADATA = frozenset({"__get__", "__set__", "__hash__", "size", "dim", "numel", "nelement", "stride",
                        "element_size", "is_contiguous", "data_ptr", "untyped_storage", "storage_offset",
                        "register_hook", "register_post_accumulate_grad_hook", "requires_grad_"})
+# The same at the dispatch level: under inference_mode ``p.data = view`` (the engine re-pointing every
+# parameter of a chunk it fetched, a later module's too) dispatches the first of these.
+_METADATA_OPS = frozenset({"_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel",
+                           "sym_storage_offset", "is_same_size"})
 
 
 class DescendantReads:
@@ -188,7 +192,8 @@ class _DispatchReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._reads.read_args(args, kwargs)
+        if func._opname not in _METADATA_OPS:
+            self._reads.read_args(args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -3,9 +3,11 @@ and the period boundaries the warm-up traces and the auto policy counts.
 
 Only real PyTorch hooks are used: forward pre/post hooks on every module that owns parameters, a
 pre-hook on the autograd nodes of each call's outputs as its pre-backward hook (``hook_first_grad_of``),
-a post-accumulate-grad hook on every trainable parameter, an autograd-engine callback at the end of each
+a gradient hook (before autograd accumulates) and a post-accumulate-grad hook on every trainable
+parameter, an autograd-engine callback at the end of each
 backward pass, and, while boundaries are wanted, :class:`tracer.PeriodHooks` on every module, feeding the
-warm-up's tracer and then the policy through one callback.
+warm-up's tracer and then the policy through one callback. The backward half (passes begun and ended,
+gradients into their chunks) is gemini/engine/backward_hooks.py.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torch import nn
 
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.backward_uses import (BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of,
-                                         moves_drop_accumulators, refuse_function_transforms, renew_accumulators,
-                                         task_computes_gradient_of)
+                                         moves_drop_accumulators, refuse_function_transforms, renew_accumulators)
+from gemini.engine.backward_hooks import BackwardHooks
 from gemini.engine.descendant_reads import DescendantReads, DescendantReadHooks
 from gemini.engine.residency import Residency
 from gemini.errors import DeviceBudgetError, NotCopyable
@@ -45,7 +47,7 @@ def _weak_method(method: Callable) -> Callable:
     return call
 
 
-class ModuleHooks(DescendantReadHooks, NotCopyable):
+class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
     """Installs and owns the hooks that drive chunk movement for one module tree."""
 
     def __init__(
@@ -136,10 +138,11 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
         # them: one holding these hooks strongly kept the whole engine (every chunk) alive for
         # good, even with the model and the optimizer dropped. So it holds them weakly; the
         # module hooks above keep them alive as long as the model can run.
-        on_grad = _weak_method(self._on_grad)
+        on_grad, arriving = _weak_method(self._on_grad), _weak_method(self._grad_arriving)
         for group in manager.trainable_groups:
             for p in group.params:
                 if p.requires_grad:
+                    self._handles.append(p.register_hook(arriving))
                     self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
     def _announce(self, on_boundary: Callable[[Boundary], None], boundary: Boundary) -> None:
@@ -273,128 +276,7 @@ class ModuleHooks(DescendantReadHooks, NotCopyable):
         # backward pass begins here: the gradient views are withdrawn before autograd could accumulate into one.
         hook_first_grad_of(output, self._begin_backward_pass)
         if error is not None:  # the forward's output is dropped: nothing of it was kept
-            raise error
-
-    # -------------------------------------------------------------------------- backward
-    # [Note: a graph task that accumulates no parameter gradient]
-    # Not every autograd graph task through the model is the iteration's backward:
-    # ``torch.autograd.grad(out, x)`` (a saliency map; an input-gradient penalty with
-    # create_graph=True) and ``backward(inputs=[x])`` compute gradients of inputs and none of a
-    # parameter (``torch.autograd.grad(loss, params)`` does: its gradients go to p.grad by hand). Such a task reads the parameters all the same (the pre-backward
-    # hooks fetch them, its end releases them), but it is no backward pass: no p.grad is armed
-    # or exposed, no gradient moves, neither fp16's scaled count nor auto's warm-up counts it,
-    # and auto's iteration goes on. Taken for the pass, it armed p.grad for nothing, fp16 then
-    # refused the step (a second, unscaled pass), and the real backward after it was no longer
-    # the pass. (Under create_graph its groups are held past its end: [Note: parameters a
-    # create_graph pass saved] in residency.py.) Whether the running task will accumulate, torch
-    # says node by node: the graph's AccumulateGrad nodes of parameters are asked at the first hook
-    # of each task, until one says yes (a few nodes from the loss in an ordinary backward; the
-    # task's id spares its later hooks even that; see [Note: the graph's own gradient
-    # accumulators] in backward_uses.py). A task nested in one that accumulates nothing (reentrant
-    # checkpointing runs a segment's backward inside the outer task) that does accumulate makes
-    # the outer pass the iteration's backward: its end callback is queued already.
-    def _begin_backward_pass(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if task == self._task_seen:
-            return
-        self._task_seen = task
-        if self._backward_task is None:
-            self._backward_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self._iteration_pass and self._computes_parameter_gradients():
-            self._iteration_pass = True
-            self._on_backward_begin()
-
-    def _computes_parameter_gradients(self) -> bool:
-        """Whether the running graph task will compute a gradient of a trainable parameter (see
-        [Note: the graph's own gradient accumulators] in gemini/engine/backward_uses.py)."""
-        return task_computes_gradient_of([p for group in self.manager.trainable_groups for p in group.params])
-
-    # [Note: a backward pass that raised]
-    # Autograd runs a queued callback only when its graph task completes: when the backward
-    # raises (a user's autograd Function, an anomaly check, an out-of-memory), the end of the
-    # backward never comes. Left so, no later pass queued its own end (p.grad stayed None and
-    # torch's clip_grad_norm_ clipped nothing, fp16 and auto's warm-up counted no more passes)
-    # and the groups fetched for that backward stayed held. torch recovers with zero_grad() and
-    # the next batch, so the engine ends the broken pass at the first call that can only come
-    # after it: the next forward, zero_grad() or step(), outside any backward. The pass counts
-    # as one: under fp16 it went through optimizer.backward, which counted it as scaled. The
-    # iteration it belonged to is given up, and with it the graphs its create_graph passes made:
-    # the groups held for them go (see [Note: parameters a create_graph pass saved]).
-    @property
-    def backward_aborted(self) -> bool:
-        """A backward pass raised and was not ended yet (see [Note: a backward pass that raised])."""
-        return self._backward_task is not None and torch._C._current_graph_task_id() == -1
-
-    def end_aborted_backward(self) -> None:
-        """End a backward pass that raised (see [Note: a backward pass that raised])."""
-        if self.backward_aborted:
-            logger.info("a backward pass raised before it ended: closing it")
-            self._end_of_backward()
-            self.residency.release_held()
-
-    def _pre_backward(self, groups: list[ChunkGroup], use: BackwardUse | None) -> None:
-        with self._phase("gemini::pre_backward"):
-            self._begin_backward_pass()
-            if use is not None:
-                use.begin()
-            self.residency.before_backward(groups)
-            if torch.is_grad_enabled():  # create_graph=True: the graph it makes saves the parameters
-                self.residency.hold(groups)
-
-    def _on_grad(self, param: nn.Parameter) -> None:
-        """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
-        if self._accumulated_in_place(param):
-            # Autograd added it into the chunk: nothing to move, no decision to mark (see [Note:
-            # autograd accumulates into the chunks] in gemini/engine/grad_views.py).
-            group, slot = self.manager.locate(param)
-            group.grad_ready[slot.index] = True
-            self._count_grad(group)
-            return
-        with self._phase("gemini::grad_to_chunk"):
-            group, slot = self.manager.locate(param)
-            if param.grad.requires_grad:
-                param.grad = None  # not left for the next pass to accumulate onto
-                raise RuntimeError(
-                    f"gemini: backward(create_graph=True) made the gradient of {slot.name} part of an autograd "
-                    f"graph (a higher-order gradient through the parameters). Gradients live in gemini's chunks, "
-                    f"which hold values only: higher-order gradients through parameters are not supported. "
-                    f"Input-gradient penalties are (WGAN-GP, R1): compute them with torch.autograd.grad(outputs, "
-                    f"inputs=<the inputs>, create_graph=True) and backward the loss with the penalty added.")
-            if group.grads_this_backward == 0:
-                self.residency.mark()  # the group's first gradient of this backward
-            grad = self.residency.grad_buffer(group)
-            dst = grad.flat_view(slot)
-            src = param.grad.reshape(-1)
-            if group.grad_ready[slot.index]:
-                dst.add_(src)  # accumulation over micro-batches
-            else:
-                dst.copy_(src)
-                group.grad_ready[slot.index] = True
-            param.grad = None
-            self._count_grad(group)
-
-    def _count_grad(self, group: ChunkGroup) -> None:
-        """One more of ``group``'s gradients is in; after the last, the group's backward is over."""
-        group.grads_this_backward += 1
-        if group.grads_this_backward == len(group.slots):
-            group.grads_this_backward = 0
-            self.residency.after_backward(group)
-
-    def _end_of_backward(self) -> None:
-        """Close chunk groups whose parameters got no gradient (unused or frozen)."""
-        with trace_range("gemini::end_of_backward"):
-            self._backward_task = None
-            if not self._iteration_pass:  # see [Note: a graph task that accumulates no parameter gradient]
-                self.residency.end_backward(iteration=False)
-                return
-            self._iteration_pass = False
-            self._graph_forwards = 0
-            self.backward_passes += 1
-            for group in self.residency.groups_fetched_for_backward():
-                group.grads_this_backward = 0
-                self.residency.after_backward(group)
-            self.residency.end_backward()
-            for group in self.manager.trainable_groups:
-                group.grads_this_backward = 0
-            self._on_backward_end()
+            try:
+                raise error
+            finally:  # the frame, in the error's traceback, holds no error: no cycle keeps the forward's tensors
+                error = None

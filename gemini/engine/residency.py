@@ -216,7 +216,7 @@ class Residency(StepMoves):
         """The backward pass is over (after ``after_backward`` of every group it touched); with
         ``iteration=False`` a graph task that accumulated no parameter gradient, whose groups are
         released here (see [Note: a graph task that accumulates no parameter gradient] in
-        gemini/engine/hooks.py): no gradient to reduce, and the policy's iteration goes on."""
+        gemini/engine/backward_hooks.py): no gradient to reduce, and the policy's iteration goes on."""
         if not iteration:
             fetched, self._fetched_for_backward = self._fetched_for_backward, set()
             for i in sorted(fetched):
@@ -246,7 +246,7 @@ class Residency(StepMoves):
     # parameters that graph saved, and plain torch refuses to run a graph whose saved tensors
     # were modified in place, so no correct loop uses one after a step. Not until zero_grad:
     # ``loss = ...; opt.zero_grad(); loss.backward()`` is a common order. A backward that
-    # raised ends the iteration too (see [Note: a backward pass that raised] in hooks.py).
+    # raised ends the iteration too (see [Note: a backward pass that raised] in backward_hooks.py).
     def hold(self, groups: list[ChunkGroup]) -> None:
         """Keep ``groups`` on the device until :meth:`release_held` (see [Note: parameters a
         create_graph pass saved])."""

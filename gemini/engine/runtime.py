@@ -1,4 +1,5 @@
-"""`GeminiRuntime`: the state shared by the wrapped module and the optimizer."""
+"""`GeminiRuntime`: the state shared by the wrapped module and the optimizer (its measurement window and
+budget checks: gemini/engine/measurement.py)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,31 @@ import logging
 import sys
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from chunks import ChunkGroup, ChunkManager, ChunkStorage, MemoryLedger, Tier, missing_bytes
+from chunks import ChunkGroup, ChunkManager, ChunkStorage
 from gemini.engine.activations import ActivationOffload
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
 from gemini.engine.grad_views import GradViews, why_no_grad_views
 from gemini.engine.hooks import ModuleHooks
-from gemini.engine.memory import DeviceBudgetError, DeviceMemory, model_tensors_on
+from gemini.engine.measurement import IterationMeasurement
+from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.engine.residency import Residency
 from gemini.policies import PlacementPolicy
 from gemini.policies.plan import MemoryPlan
 from gemini.engine.step_report import StepOutcome, step_report
-from gemini.report import MemoryReport, ReportWriter, WarmupTimeline
+from gemini.report import MemoryReport, ReportWriter
 from gemini.engine.system_memory import SystemMemory
-from gemini.engine.warmup import Warmup, check_peak, peak_error
+from gemini.engine.warmup import Warmup, peak_error
 from gemini.parallel.zero import agree_on_budget, agree_on_trace, gather_params
 from gemini.engine.iteration_state import IterationState
-from tracer import Boundary, TracedInputs, reset_cuda_peak
+from tracer import Boundary, TracedInputs
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class LossScale(Protocol):  # what the engine reads of fp16's loss scaling (gemi
 
 
 @dataclass(eq=False)
-class GeminiRuntime:
+class GeminiRuntime(IterationMeasurement):
     config: GeminiConfig
     device: torch.device
     storage: ChunkStorage
@@ -175,11 +177,15 @@ class GeminiRuntime:
         """A backward that raised ends here ([Note: a backward pass that raised]); in the warm-up
         its trace is given up (a budget error stopped its monitor): the next one traces anew."""
         if self.hooks.backward_aborted and self.tracing:
-            self.warmup.abandon()
-            self.placement.end_trace()
-            self.end_window()
-            self._move(IterationState.UNTRACED, IterationState.TRACING)
+            self._abandon_trace()
         self.hooks.end_aborted_backward()
+
+    def _abandon_trace(self) -> None:
+        """The traced iteration is given up: the next training forward traces anew."""
+        self.warmup.abandon()
+        self.placement.end_trace()
+        self.end_window()
+        self._move(IterationState.UNTRACED, IterationState.TRACING)
 
     def _move(self, to: IterationState, *allowed: IterationState) -> None:
         if self.state not in allowed:
@@ -273,82 +279,6 @@ class GeminiRuntime:
         """Closes the engine (NVMe files, I/O threads, allocator cap) when called or when the runtime goes."""
         return weakref.finalize(self, _close, self.activations, self.nvme, self.system, self.memory)
 
-    # ----------------------------------------------------------------------- measurement
-    @property
-    def window_open(self) -> bool:
-        """Whether the device is being measured now (an iteration's window is open)."""
-        return self.memory.monitor is not None and self.memory.monitor.running
-
-    def begin_window(self) -> None:
-        """Start measuring the device (if not already) for the iteration beginning now."""
-        if self.memory.monitor is not None and not self.window_open:
-            # Not a closure over the runtime: the memory outlives it in the closer's finalizer.
-            model_bytes = functools.partial(_device_model_bytes, self.storage.ledger, self.fixed_bytes)
-            tensors = model_tensors_on(self.device, self.module, self.manager) if self.memory.counts_tensors else []
-            self.memory.start(tensors, model_bytes)
-
-    def end_window(self) -> None:
-        if self.window_open:
-            self.memory.monitor.stop()
-
-    def on_budget_error(self) -> None:  # a hook's DeviceBudgetError (also under loss.backward(), past budget_errors)
-        if not self._evaluation_window:  # an evaluation's peak says nothing of training's plans
-            self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
-        self.end_window()
-
-    def take_timeline(self) -> WarmupTimeline | None:  # of a warm-up ended since the last call (the step's report)
-        plan, self.unreported_plan = self.unreported_plan, None
-        return plan.timeline() if plan is not None else None
-
-    @contextlib.contextmanager
-    def budget_errors(self, what: str, *, evaluation: bool = False) -> Iterator[None]:
-        """An out-of-memory error inside (``what``: "the forward pass", ...) raised as the budget's
-        ``DeviceBudgetError`` (``DeviceMemory.budget_error``); the plans in force are traced again,
-        unless it was an ``evaluation`` (a forward without grad)."""
-        try:
-            yield
-        except (DeviceBudgetError, torch.OutOfMemoryError) as e:
-            if not evaluation:  # a larger evaluation batch says nothing of training's plans
-                self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
-            budget = None if isinstance(e, DeviceBudgetError) else self.memory.budget_error(
-                e, what=what, chunk_bytes=self.storage.ledger.bytes_on(Tier.DEVICE),
-                advice=self.placement.budget_advice)
-            if budget is None:  # a period the plan cannot hold, or no budget
-                raise
-            raise budget from e
-
-    def check_step_peak(self) -> None:
-        """The budget promise on every step: the measured peak of this iteration's forward and
-        backward stays under ``device_memory``, checked before the step changes anything (a
-        tensor the caller keeps alive counts too); the warm-up's step also with its safety
-        reserve where the trace ends (here: what ran after that, a second round of R1)."""
-        peak_bytes = self.memory.peak_bytes()
-        first = peak_bytes is not None and not self._first_step_checked  # None: no forward ran, nothing to check
-        self._first_step_checked |= peak_bytes is not None
-        checked = peak_bytes is not None and self.config.device_memory is not None and self.memory.measuring
-        try:
-            agree_on_budget(self.zero, missing_bytes(self.memory.budget_bytes, peak_bytes) if checked else 0,
-                            what="the first iteration" if first else "this iteration", reducer=self.residency.reducer)
-            if not checked:
-                return
-            check_peak(peak_bytes, self.memory.budget_bytes,
-                       what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
-                       chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE), later=not first)
-        except Exception:  # a rank's budget refused
-            self.on_budget_error()
-            raise
-
-    def start_new_step(self) -> None:
-        """Reset the per-step peaks and transfer counters."""
-        self.end_window()
-        self.storage.ledger.start_step()
-        self.traced_inputs.start_step()
-        self.memory.reset_peak()
-        self.warmup_peak_bytes = 0
-        self.system.reset_peak()
-        if self.device.type == "cuda":
-            reset_cuda_peak(self.device)  # see [Note: one device peak, several monitors]
-
     # ------------------------------------------------------------------ the optimizer's step
     def begin_step(self) -> None:
         """The optimizer's step begins, before it changes any value: under auto the first step
@@ -356,8 +286,12 @@ class GeminiRuntime:
         self.residency.release_held()  # see [Note: parameters a create_graph pass saved]
         if self.tracing:
             if self.hooks.backward_passes == self._backward_passes_at_trace:
-                raise RuntimeError("optimizer.step() before any backward pass: nothing to step on")
-            self.finish_warmup()
+                # A forward whose backward was skipped (a NaN guard): torch's step is a no-op, and the
+                # trace, with no backward, plans nothing.
+                logger.info("auto placement: step() with no backward pass since the traced forward; tracing again")
+                self._abandon_trace()
+            else:
+                self.finish_warmup()
         elif self.state is IterationState.ADOPTING:  # the step that adopted the plan failed moving groups
             self._apply_plan(step_follows=True)
         self.check_step_peak()
@@ -369,6 +303,12 @@ class GeminiRuntime:
             self.gather_updated_params(groups)
             for g in groups:
                 self.residency.after_commit(g)
+            # Written in their chunks, not through them: a graph kept from before the step (backward with
+            # retain_graph, then again after it) is refused as torch refuses it, not run on new weights.
+            for g in groups:
+                updated = [p for p, ready in zip(g.params, g.grad_ready) if ready]
+                torch.autograd.graph.increment_version(updated)
+                g.param.edits.bumped(len(updated))  # see [Note: writes through the parameters] in chunks/edits.py
         if self.residency.gatherer is not None:
             self.residency.gatherer.end_iteration()
 
@@ -395,6 +335,3 @@ def _close(*parts) -> None:
     for part in filter(None, parts):  # the activations and the NVMe tier may be None
         part.close()
 
-
-def _device_model_bytes(ledger: MemoryLedger, fixed_bytes: int) -> int:
-    return ledger.bytes_on(Tier.DEVICE) + fixed_bytes

@@ -121,26 +121,28 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
     fits the placement in force (``PlacementPolicy.budget_advice``: a user already on 'auto' is
     not told to use 'auto'); ``later``: an iteration after the first, where what the loop keeps
     from earlier ones may be the cause."""
+    error = peak_error(peak_bytes, budget_bytes, what=what, advice=advice, chunk_peak_bytes=chunk_peak_bytes,
+                       later=later)
+    if error is not None:
+        raise error
+
+
+def peak_error(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
+               chunk_peak_bytes: int | None = None, later: bool = False) -> DeviceBudgetError | None:
+    """:func:`check_peak`'s error, returned (to be raised once the caller's state is consistent). Made,
+    not raised and caught: a caught error's traceback holds this frame's callers, whose locals (the
+    error itself, a forward's inputs) it kept alive in a cycle until the garbage collector ran."""
     missing = missing_bytes(budget_bytes, peak_bytes)
     if not missing:
-        return
+        return None
     split = ""
     if chunk_peak_bytes is not None:
         split = (f" (chunks at most {chunk_peak_bytes} bytes; the rest is activations, workspaces and "
                  f"buffers)")
-    raise DeviceBudgetError(
+    return DeviceBudgetError(
         f"{what} needed {peak_bytes} bytes of device memory at its peak{split} but GeminiConfig.device_memory is "
         f"{budget_bytes}: {missing} bytes are missing. Nothing was updated. Raise device_memory, or {advice}."
         + (" A tensor the loop keeps from earlier iterations counts too (outputs kept in a list, a loss kept "
            "before its backward: keep loss.item() or outputs.detach().cpu())." if later else ""),
         missing_bytes=missing,
     )
-
-
-def peak_error(peak_bytes: int, budget_bytes: int, **check: str) -> DeviceBudgetError | None:
-    """:func:`check_peak`'s error, returned (to be raised once the caller's state is consistent)."""
-    try:
-        check_peak(peak_bytes, budget_bytes, **check)
-    except DeviceBudgetError as e:
-        return e
-    return None

@@ -1,0 +1,154 @@
+"""The backward half of the engine's module hooks (a base class of
+:class:`gemini.engine.hooks.ModuleHooks`, using its residency, manager and bookkeeping): when a
+backward pass begins and ends, and each parameter's gradient moved into its chunk."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from chunks import ChunkGroup
+from gemini.engine.backward_uses import BackwardUse, task_computes_gradient_of
+from offload.profiling import trace_range
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BackwardHooks"]
+
+
+class BackwardHooks:
+    """Gradient and backward-pass hooks: see :class:`gemini.engine.hooks.ModuleHooks`."""
+
+    # [Note: a graph task that accumulates no parameter gradient]
+    # Not every autograd graph task through the model is the iteration's backward:
+    # ``torch.autograd.grad(out, x)`` (a saliency map; an input-gradient penalty with
+    # create_graph=True) and ``backward(inputs=[x])`` compute gradients of inputs and none of a
+    # parameter (``torch.autograd.grad(loss, params)`` does: its gradients go to p.grad by hand).
+    # Such a task reads the parameters all the same (the pre-backward hooks fetch them, its end
+    # releases them), but it is no backward pass: no p.grad is armed
+    # or exposed, no gradient moves, neither fp16's scaled count nor auto's warm-up counts it,
+    # and auto's iteration goes on. Taken for the pass, it armed p.grad for nothing, fp16 then
+    # refused the step (a second, unscaled pass), and the real backward after it was no longer
+    # the pass. (Under create_graph its groups are held past its end: [Note: parameters a
+    # create_graph pass saved] in residency.py.) Whether the running task will accumulate, torch
+    # says node by node: the graph's AccumulateGrad nodes of parameters are asked at the first hook
+    # of each task, until one says yes (a few nodes from the loss in an ordinary backward; the
+    # task's id spares its later hooks even that; see [Note: the graph's own gradient
+    # accumulators] in backward_uses.py). A task nested in one that accumulates nothing (reentrant
+    # checkpointing runs a segment's backward inside the outer task) that does accumulate makes
+    # the outer pass the iteration's backward: its end callback is queued already.
+    def _begin_backward_pass(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self._task_seen:
+            return
+        self._task_seen = task
+        if self._backward_task is None:
+            self._backward_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._iteration_pass and self._computes_parameter_gradients():
+            self._iteration_pass = True
+            self._on_backward_begin()
+
+    def _grad_arriving(self, grad: torch.Tensor) -> None:
+        # A graph over the parameters themselves (a penalty ``sum(p.pow(2))`` backpropagated on its
+        # own) reaches no module's output, whose hook announces a pass: announced here, before
+        # autograd accumulates, the exposed views are withdrawn first (accumulated into, they were
+        # taken for gradients torch code replaced, and the pass was never counted).
+        if torch._C._current_graph_task_id() != self._task_seen:
+            self._begin_backward_pass()
+
+    def _computes_parameter_gradients(self) -> bool:
+        """Whether the running graph task will compute a gradient of a trainable parameter (see
+        [Note: the graph's own gradient accumulators] in gemini/engine/backward_uses.py)."""
+        return task_computes_gradient_of([p for group in self.manager.trainable_groups for p in group.params])
+
+    # [Note: a backward pass that raised]
+    # Autograd runs a queued callback only when its graph task completes: when the backward
+    # raises (a user's autograd Function, an anomaly check, an out-of-memory), the end of the
+    # backward never comes. Left so, no later pass queued its own end (p.grad stayed None and
+    # torch's clip_grad_norm_ clipped nothing, fp16 and auto's warm-up counted no more passes)
+    # and the groups fetched for that backward stayed held. torch recovers with zero_grad() and
+    # the next batch, so the engine ends the broken pass at the first call that can only come
+    # after it: the next forward, zero_grad() or step(), outside any backward. The pass counts
+    # as one: under fp16 it went through optimizer.backward, which counted it as scaled. The
+    # iteration it belonged to is given up, and with it the graphs its create_graph passes made:
+    # the groups held for them go (see [Note: parameters a create_graph pass saved]).
+    @property
+    def backward_aborted(self) -> bool:
+        """A backward pass raised and was not ended yet (see [Note: a backward pass that raised])."""
+        return self._backward_task is not None and torch._C._current_graph_task_id() == -1
+
+    def end_aborted_backward(self) -> None:
+        """End a backward pass that raised (see [Note: a backward pass that raised])."""
+        if self.backward_aborted:
+            logger.info("a backward pass raised before it ended: closing it")
+            self._end_of_backward()
+            self.residency.release_held()
+
+    def _pre_backward(self, groups: list[ChunkGroup], use: BackwardUse | None) -> None:
+        with self._phase("gemini::pre_backward"):
+            self._begin_backward_pass()
+            if use is not None:
+                use.begin()
+            self.residency.before_backward(groups)
+            if torch.is_grad_enabled():  # create_graph=True: the graph it makes saves the parameters
+                self.residency.hold(groups)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        """Move ``param``'s freshly accumulated gradient into its gradient chunk."""
+        if self._accumulated_in_place(param):
+            # Autograd added it into the chunk: nothing to move, no decision to mark (see [Note:
+            # autograd accumulates into the chunks] in gemini/engine/grad_views.py).
+            group, slot = self.manager.locate(param)
+            group.grad_ready[slot.index] = True
+            self._count_grad(group)
+            return
+        with self._phase("gemini::grad_to_chunk"):
+            group, slot = self.manager.locate(param)
+            if param.grad.requires_grad:
+                param.grad = None  # not left for the next pass to accumulate onto
+                raise RuntimeError(
+                    f"gemini: backward(create_graph=True) made the gradient of {slot.name} part of an autograd "
+                    f"graph (a higher-order gradient through the parameters). Gradients live in gemini's chunks, "
+                    f"which hold values only: higher-order gradients through parameters are not supported. "
+                    f"Input-gradient penalties are (WGAN-GP, R1): compute them with torch.autograd.grad(outputs, "
+                    f"inputs=<the inputs>, create_graph=True) and backward the loss with the penalty added.")
+            if group.grads_this_backward == 0:
+                self.residency.mark()  # the group's first gradient of this backward
+            grad = self.residency.grad_buffer(group)
+            dst = grad.flat_view(slot)
+            src = param.grad.reshape(-1)
+            if group.grad_ready[slot.index]:
+                dst.add_(src)  # accumulation over micro-batches
+            else:
+                dst.copy_(src)
+                group.grad_ready[slot.index] = True
+            param.grad = None
+            self._count_grad(group)
+
+    def _count_grad(self, group: ChunkGroup) -> None:
+        """One more of ``group``'s gradients is in; after the last, the group's backward is over."""
+        group.grads_this_backward += 1
+        if group.grads_this_backward == len(group.slots):
+            group.grads_this_backward = 0
+            self.residency.after_backward(group)
+
+    def _end_of_backward(self) -> None:
+        """Close chunk groups whose parameters got no gradient (unused or frozen)."""
+        with trace_range("gemini::end_of_backward"):
+            self._backward_task = None
+            if not self._iteration_pass:  # see [Note: a graph task that accumulates no parameter gradient]
+                self.residency.end_backward(iteration=False)
+                return
+            self._iteration_pass = False
+            self._graph_forwards = 0
+            self.backward_passes += 1
+            for group in self.residency.groups_fetched_for_backward():
+                group.grads_this_backward = 0
+                self.residency.after_backward(group)
+            self.residency.end_backward()
+            for group in self.manager.trainable_groups:
+                group.grads_this_backward = 0
+            self._on_backward_end()
