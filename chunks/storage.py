@@ -14,12 +14,13 @@ import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from chunks.ledger import MemoryLedger
 from offload import NvmeStore, PinnedHostPool, Tier
@@ -46,6 +47,39 @@ class StorageObserver:
     exclude: Callable[[torch.Tensor], None]
     # A device payload's storage was resized in place (resize_ bypasses the dispatcher).
     resized: Callable[[torch.Tensor], None] = lambda payload: None
+    # Whether a dispatch mode is the monitor's: it still sees the moves, which every other mode
+    # does not (see [Note: moves unseen by dispatch modes]).
+    counts_in: Callable[[object], bool] = lambda mode: False
+
+
+# [Note: moves unseen by dispatch modes]
+# The engine moves chunks from module hooks, which run inside the user's forward: inside
+# whatever TorchDispatchMode is active there, selective activation checkpointing's among them
+# (``checkpoint(..., context_fn=partial(create_selective_checkpoint_contexts, policy))``). That
+# mode numbers every operator it sees by (operator, how many of it came before) in the forward
+# and looks each one up by the same number in the recompute. A move's operators (the device
+# payload's allocation, the copy, the parameters' slices and views) depend on where the chunks
+# are, which under placements that move them ("cpu", "static", "auto") differs between the
+# forward and the recompute, run in backward: a block ending in Dropout is recomputed from its
+# mask's node, before the backward hooks of its modules fetched their groups, so the recompute
+# fetched and re-pointed more than the forward had ("aten.slice.Tensor invocation index 9
+# encountered during backward but not found in storage"); a policy saving such an operator
+# would have handed the recompute the forward's result instead of running it. Moves are the
+# engine's business, not the model's computation, so they run with the dispatch modes taken
+# off the stack; only the CPU stand-in's accounting mode, which measures the device, is put
+# back (``StorageObserver.counts_in``).
+@contextlib.contextmanager
+def unseen_by_dispatch_modes(counts_in: Callable[[object], bool] = lambda mode: False):
+    """Run the body with no dispatch mode active but those ``counts_in`` keeps (see [Note: moves
+    unseen by dispatch modes])."""
+    if torch._C._len_torch_dispatch_stack() == 0 and torch._ops._len_torch_dispatch_stack_pre_dispatch() == 0:
+        yield
+        return
+    with _disable_current_modes() as modes, contextlib.ExitStack() as kept:
+        for mode in reversed(modes):  # innermost last, as they were
+            if counts_in(mode):
+                kept.enter_context(mode)
+        yield
 
 
 @dataclass
@@ -79,9 +113,13 @@ class ChunkStorage:
         previous, self._move_watcher = self._move_watcher, move_context
         return previous
 
-    def move_context(self) -> AbstractContextManager:
-        """The context one move onto or off the device runs in (see :meth:`swap_move_watcher`)."""
-        return self._move_watcher() if self._move_watcher is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def move_context(self) -> Iterator[None]:
+        """The context one move runs in: the move watcher's (see :meth:`swap_move_watcher`), and
+        within it no dispatch mode but the monitor's (see [Note: moves unseen by dispatch modes])."""
+        with self._move_watcher() if self._move_watcher is not None else contextlib.nullcontext():
+            with unseen_by_dispatch_modes(self.observer.counts_in if self.observer is not None else lambda m: False):
+                yield
 
     def __post_init__(self) -> None:
         self.device = compute_device(self.device)

@@ -43,6 +43,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +62,20 @@ __all__ = ["CheckpointCorruptionError", "CheckpointDiskFullError", "consolidate_
 logger = logging.getLogger(__name__)
 
 
+def _gemini_model(model: nn.Module, function: str) -> GeminiModel:
+    """The model ``initialize`` returned, also when ``model`` is its ``torch.compile`` handle,
+    whose own state_dict prefixes "_orig_mod.": the file has the bare keys, so a checkpoint of
+    either handle loads into the other (and into a plain module)."""
+    # Only a loaded dynamo can have made an OptimizedModule: gemini does not import it for this.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    if not isinstance(model, GeminiModel):
+        raise TypeError(f"{function}() got a {type(model).__name__} for model: pass the model gemini.initialize "
+                        f"returned (or torch.compile of it)")
+    return model
+
+
 def _buffers(model: GeminiModel) -> dict[str, torch.Tensor]:
     own, memory = model.module.state_dict(keep_vars=True), model._runtime.memory
     return {k: memory.to_host(v) for k, v in own.items() if not isinstance(v, nn.Parameter)}
@@ -73,7 +88,9 @@ def save_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
 
     Durable and all or nothing: a crash, an error or a full disk (``CheckpointDiskFullError``)
     leaves the previous file at ``path`` intact. Only tensors and plain Python data are written;
-    a param-group value of another type raises ``TypeError`` naming it."""
+    a param-group value of another type raises ``TypeError`` naming it. ``model`` may be the
+    ``torch.compile``d model: the keys are the uncompiled model's."""
+    model = _gemini_model(model, "save_checkpoint")
     zero, manager = optimizer._rt.zero, optimizer._rt.manager
     rank, world = manager.rank, manager.world
     path = Path(path)
@@ -100,6 +117,7 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     anything is loaded into the model or the optimizer. A sharded checkpoint of another world size,
     chunk layout or precision is made whole first (:func:`consolidate_checkpoint`: every rank
     reads every rank's file)."""
+    model = _gemini_model(model, "load_checkpoint")
     path = Path(path)
     file = _file_to_load(path, optimizer, sharded=sharded)
     if file is not None:

@@ -74,6 +74,8 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         # unless the module's parameters were of another dtype, whose inputs its caller passes.
         self._cast_inputs = cast_inputs or self._compute_dtype != torch.float32
         self._foreign_warned: set[str] = set()  # parameters put in place since initialize, warned about
+        self._parent_loads: list[int] = []  # see [Note: loaded by a parent module]
+        self.register_load_state_dict_post_hook(_take_back_wrapped_missing)
         skip_call_frame(GeminiModel.__call__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -226,8 +228,35 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
             self._load_into(state_dict, tx)
         return keys
 
-    def _check_load(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> _IncompatibleKeys:
-        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing."""
+    # [Note: loaded by a parent module]
+    # A parent (torch.compile's OptimizedModule, whose keys are "_orig_mod." + ours, or any module
+    # holding this one) loads through nn.Module.load_state_dict's recursion: our
+    # ``_load_from_state_dict`` with our prefix, then our children's. The keys our state_dict
+    # wrote under ``prefix`` are loaded here through gemini's own load (chunks, masters, all or
+    # nothing); the wrapped module's keys lack "module.", so its modules, handed nothing, report
+    # all their keys missing: the post-hook takes those back (from the mark on: they come last).
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError("load_state_dict(assign=True) is not supported on gemini's model: parameters live in chunks")
+        ours = {k[len(prefix):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix)}
+        self._runtime.manager.adopt_assigned()  # as load_state_dict
+        try:
+            keys = self._check_load(ours, strict=False, prefix=prefix)
+        except RuntimeError as e:  # a size mismatch: nothing of ours loads, torch raises it at the end
+            error_msgs.append(str(e))
+            keys = _IncompatibleKeys([], [])
+        else:
+            with LoadTransaction(self._runtime) as tx:
+                self._load_into(ours, tx)
+        missing_keys.extend(prefix + k for k in keys.missing_keys)
+        unexpected_keys.extend(prefix + k for k in keys.unexpected_keys)
+        self._parent_loads.append(len(missing_keys))
+
+    def _check_load(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True,
+                    prefix: str = "") -> _IncompatibleKeys:
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing
+        (``prefix``: the keys' prefix in a parent's state_dict, for the messages)."""
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -237,7 +266,7 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
             # A parameter's shape from its slot: under ZeRO-3 its .data is empty between uses.
             shape = tuple(self._runtime.manager.locate(t)[1].shape) if self._in_chunks(key, t) else tuple(t.shape)
             if key in state_dict and tuple(state_dict[key].shape) != shape:
-                raise RuntimeError(f"size mismatch for {key}: checkpoint {tuple(state_dict[key].shape)}, "
+                raise RuntimeError(f"size mismatch for {prefix}{key}: checkpoint {tuple(state_dict[key].shape)}, "
                                    f"model {shape}")
         return _IncompatibleKeys(missing, unexpected)
 
@@ -265,6 +294,12 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
             # Every slot written: the masters' file (maybe lost or corrupted) is not read.
             whole = {slot.index for slot, _ in entries} == {slot.index for slot in group.slots}
             tx.write(group, write, chunks=(group.master,), overwrite=whole)
+
+
+def _take_back_wrapped_missing(model: GeminiModel, incompatible: Any) -> None:
+    """A post-hook of a parent's load (torch's incompatible keys): see [Note: loaded by a parent module]."""
+    if model._parent_loads:  # our load_state_dict runs no hooks; only torch's recursion, after the mark
+        del incompatible.missing_keys[model._parent_loads.pop():]
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:

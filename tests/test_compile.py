@@ -15,14 +15,19 @@ kernels may order float operations differently (there the tolerance is looser, s
 
 from __future__ import annotations
 
+import copy
+import re
+
 import pytest
 import torch
 import torch._dynamo
+from torch import nn
 from torch._dynamo.utils import counters
 
 import gemini
 from gemini.tools.gpt import GPT
-from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair, train_reference
+from helpers import (DEVICE, TINY, assert_params_close, batches, clone_pair, make_gpt, roomy_budget,
+                     train_reference)
 
 STEPS = 3
 CHUNK = 2000  # 14 chunk groups for TINY: most modules' parameters share a chunk with others
@@ -139,3 +144,165 @@ def test_compiling_each_block_equals_adamw():
 
     got_losses, got, graphs, _ = _train_compiled(base, data, cfg, compile_blocks, lr=1e-2)
     _check(got_losses, got, want_losses, want, graphs, rtol=1e-6, atol=1e-7)
+
+
+# Activation offload's saved-tensor hooks run wherever autograd saves a tensor, also in the
+# compiled model's eager stretches (here GELU's forward runs eagerly between the Linears'
+# graphs): traced, the first compiled forward under "cpu" failed a guard on weakref.finalize's
+# registry ("Guard failed on the same frame it was created"), and under "auto" with room to
+# keep them ``_pack`` was compiled again every step. See [Note: saved-tensor hooks under
+# torch.compile] in gemini/engine/activations.py.
+OFFLOADING = {
+    "cpu": dict(placement="cpu"),
+    "auto-keeping": dict(placement="auto", device_memory=roomy_budget("4MiB")),  # keeps every saved tensor
+    # Evicts chunks, keeps some saved tensors and offloads the others (measured on the stand-in:
+    # 256 KiB kept, 320 KiB offloaded per step).
+    "auto-evicting": dict(placement="auto", device_memory=int(1.2 * 2**20)),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.standin) if n in STANDIN else n
+                                  for n in OFFLOADING])
+def test_compiled_model_with_activation_offload_equals_adamw(name):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))  # 256 KiB saved per GELU
+    ref = copy.deepcopy(base).to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    cfg = gemini.GeminiConfig(device=DEVICE, chunk_size=CHUNK, offload_activations=True,
+                              activation_offload_min_bytes=1024, **OFFLOADING[name])
+    gmodel, opt = gemini.initialize(base, cfg, lr=1e-2, weight_decay=0.1)
+    compiled = torch.compile(gmodel, backend="aot_eager")
+    graphs, reports = [], []
+    for step in range(4):
+        x = torch.randn(256, 64, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        want = ref(x).square().mean()
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        # From the step after the first that compiled on, a frame compiled again raises.
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True,
+                                        error_on_recompile=bool(graphs) and graphs[-1] > 0):
+            loss = compiled(x).square().mean()
+            opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        graphs.append(_unique_graphs())
+        reports.append(opt.report)
+        assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+        assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
+    assert graphs[1] > 0 and graphs[-1] == graphs[1], f"graphs compiled after the second step: {graphs}"
+    last = reports[-1]
+    if name == "auto-keeping":
+        assert last.activation_kept_bytes > 0 and last.activation_offload_bytes == 0
+    else:
+        assert last.activation_offload_bytes > 0, "the last (compiled) step offloaded nothing"
+    if name == "auto-evicting":
+        assert last.activation_kept_bytes > 0, "the plan kept nothing on the device"
+        assert opt._rt.residency.evictions > 0
+        assert last.device_peak_bytes <= cfg.device_memory
+
+
+# ------------------------------------------------------------------ state dicts and checkpoints
+# The compiled handle's own state_dict has torch's "_orig_mod." keys, and a parent module holding
+# the gemini model names it by its attribute: both load what they saved through torch's
+# recursion, which reaches gemini's load (see [Note: loaded by a parent module] in
+# gemini/module.py). Before, the recursion expected "_orig_mod.module.<key>".
+class _Parent(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(4, 4)
+
+
+_HANDLES = {
+    "compiled": lambda m: torch.compile(m, backend="aot_eager"),
+    "parent": lambda m: _Parent(m),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("handle", list(_HANDLES))
+def test_handle_holding_the_model_round_trips_its_state_dict_like_torch(handle, precision):
+    data = _data()
+    torch.manual_seed(3)
+    ref = _HANDLES[handle](make_gpt().to(DEVICE))  # plain torch under the same handle
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", precision=precision, chunk_size=CHUNK)
+    gmodel, opt = gemini.initialize(make_gpt(), cfg, lr=1e-2)
+    torch.manual_seed(3)
+    ours = _HANDLES[handle](gmodel)
+    run = ours if handle == "compiled" else gmodel
+    opt.backward(GPT.loss(run(data[0][0]), data[0][1]))
+    opt.step()
+    inner = "_orig_mod." if handle == "compiled" else "body."
+    saved = ours.state_dict()
+    assert list(saved) == list(ref.state_dict())
+    ours.load_state_dict(saved)  # what it saved loads back, changing nothing
+    assert_params_close(gmodel.state_dict(), {k[len(inner):]: v for k, v in saved.items() if k.startswith(inner)},
+                        rtol=0, atol=0)
+
+    g = torch.Generator().manual_seed(11)
+    new = {k: torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point() else v
+           for k, v in saved.items()}
+    assert tuple(ours.load_state_dict(new)) == tuple(ref.load_state_dict(new)) == ([], [])
+    # The values torch's model holds after the same load (the tied embedding and head: the
+    # last key's), in gemini's masters under bf16.
+    assert_params_close(gmodel.state_dict(), {k[len(inner):]: v for k, v in ref.state_dict().items()
+                                              if k.startswith(inner)}, rtol=0, atol=0)
+    if handle == "parent":
+        assert_params_close(ours.head.state_dict(), ref.head.state_dict(), rtol=0, atol=0)
+    x = data[1][0]
+    plain = ref if handle == "compiled" else ref.body
+    if precision == "bf16":  # gemini computes with bf16 copies of its masters: so does this one
+        plain = copy.deepcopy(plain).to(torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), plain(x))
+
+    # strict=False reports what torch reports; a mismatched shape loads nothing of gemini's.
+    dropped, lacking = next(iter(new)), dict(new)
+    del lacking[dropped]
+    lacking[inner + "extra.weight"] = torch.zeros(1)
+    assert tuple(ours.load_state_dict(lacking, strict=False)) == tuple(ref.load_state_dict(lacking, strict=False))
+    with pytest.raises(RuntimeError, match=re.escape(f"Missing key(s) in state_dict: \"{dropped}\"")):
+        ours.load_state_dict(lacking)
+    before = gmodel.state_dict()
+    wrong = dict(new)
+    wrong[inner + "wte.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=re.escape(f"size mismatch for {inner}wte.weight")):
+        ours.load_state_dict(wrong)
+    assert_params_close(gmodel.state_dict(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["consolidated", "sharded"])
+def test_checkpoint_of_the_compiled_handle_has_the_bare_keys(sharded, tmp_path):
+    """save_checkpoint/load_checkpoint take the compiled model: the file's keys are the uncompiled
+    model's (a plain module's), and it loads into either handle."""
+    data = _data()
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=CHUNK)
+    gmodel, opt = gemini.initialize(make_gpt(), cfg, lr=1e-2)
+    compiled = torch.compile(gmodel, backend="aot_eager")
+    for x, y in data[:2]:
+        opt.backward(GPT.loss(compiled(x), y))
+        opt.step()
+        opt.zero_grad()
+    want, want_opt = gmodel.state_dict(), opt.state_dict()
+    path = tmp_path / ("sharded" if sharded else "ckpt.pt")
+    gemini.save_checkpoint(path, compiled, opt, sharded=sharded)
+    if not sharded:
+        plain = make_gpt(seed=9)
+        plain.load_state_dict(torch.load(path, weights_only=True)["model"])  # bare keys: a plain module loads them
+        assert_params_close(plain.state_dict(), want, rtol=0, atol=0)
+    for compile_target in (False, True):
+        target, target_opt = gemini.initialize(make_gpt(seed=5), cfg, lr=1e-2)
+        handle = torch.compile(target, backend="aot_eager") if compile_target else target
+        gemini.load_checkpoint(path, handle, target_opt, sharded=sharded)
+        assert_params_close(target.state_dict(), want, rtol=0, atol=0)
+        got_opt = target_opt.state_dict()["state"]
+        for i, state in want_opt["state"].items():
+            assert torch.equal(got_opt[i]["exp_avg"], state["exp_avg"]), i
+    uncompiled_path = tmp_path / "uncompiled.pt"
+    gemini.save_checkpoint(uncompiled_path, gmodel, opt)  # the uncompiled handle's loads into the compiled one
+    target, target_opt = gemini.initialize(make_gpt(seed=5), cfg, lr=1e-2)
+    gemini.load_checkpoint(uncompiled_path, torch.compile(target, backend="aot_eager"), target_opt)
+    assert_params_close(target.state_dict(), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="GPT for model: pass the model gemini.initialize returned"):
+        gemini.save_checkpoint(tmp_path / "plain.pt", make_gpt(), opt)

@@ -16,7 +16,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel
 from transformers.utils import logging as hf_logging
 
 import gemini
@@ -236,6 +236,32 @@ def test_missing_unexpected_and_mismatched_keys_are_all_named(checkpoints, tmp_p
     assert "unexpected keys ['model.extra.weight']" in msg
     assert "model.layers.1.mlp.up_proj.weight: checkpoint [4, 4], model [128, 64]" in msg
     assert all(p.is_meta for p in model.parameters()), "nothing may change before the check"
+
+
+def test_keys_that_differ_by_a_prefix_are_refused_with_a_hint(checkpoints, tmp_path):
+    """Weights saved from the base model (LlamaModel: "layers.0...") for the model with a head
+    (LlamaForCausalLM: "model.layers.0..."), or the reverse: transformers' from_pretrained adds
+    or strips the prefix; gemini stays strict, and the error says which prefix differs."""
+    folder = checkpoints[False, False]
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu")
+    torch.manual_seed(0)
+    saved = LlamaModel(_llama_config(False))
+    saved.save_pretrained(tmp_path / "base")
+    n = len(saved.state_dict())  # every key of the base model
+    with pytest.raises(WeightsError, match=r"missing keys .*unexpected keys .*hint: the file's keys lack the prefix "
+                                           rf"'model\.' the model's keys have \({n} of the {n} unexpected keys"):
+        gemini.initialize(_meta_llama(folder), cfg, weights=tmp_path / "base")
+    with init_empty_weights():
+        base = LlamaModel(_llama_config(False))
+    with pytest.raises(WeightsError, match=r"hint: the file's keys have the prefix 'model\.' the model's keys lack "
+                                           rf"\({n} of the {n} missing keys"):
+        gemini.initialize(base, cfg, weights=folder)
+    # Keys that differ otherwise get no hint.
+    other = _write_variant(folder, tmp_path / "other.safetensors", drop=["model.norm.weight"],
+                           add={"norm.bias": torch.zeros(64)})
+    with pytest.raises(WeightsError) as err:
+        gemini.initialize(_meta_llama(folder), cfg, weights=other)
+    assert "missing keys ['model.norm.weight']" in str(err.value) and "hint" not in str(err.value)
 
 
 def test_a_tied_model_needs_one_of_the_tied_names_but_an_untied_one_needs_both(checkpoints):

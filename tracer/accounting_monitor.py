@@ -143,6 +143,13 @@ class TensorAccountingMonitor(MemoryMonitor):
         for monitor in {self, *(mode.monitors if mode is not None else [])}:
             monitor.track(tensors)
 
+    @staticmethod
+    def counts_in(mode: object) -> bool:
+        """Whether ``mode`` is the dispatch mode handing operators to the monitors (one a thread,
+        shared by every monitor running there): code that hides its operators from other modes
+        keeps this one, so that the device stays measured."""
+        return isinstance(mode, _AccountingMode)
+
     def exclude(self, tensors: torch.Tensor | Iterable[torch.Tensor]) -> None:
         """Never count these tensors' storages while they live, even when operators use them;
         nor does any other monitor (see [Note: monitors sharing one mode])."""

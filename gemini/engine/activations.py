@@ -246,6 +246,15 @@ class ActivationOffload:
             return False  # a view of a parameter: chunk data too
         return t.numel() * t.element_size() >= self.min_bytes
 
+    # [Note: saved-tensor hooks under torch.compile]
+    # Autograd calls these from the compiled model's eager stretches (between graph breaks),
+    # where dynamo's frame callback is set: traced, ``_pack`` guarded on weakref.finalize's
+    # registry, which its own finalize changes ("Guard failed on the same frame it was
+    # created"), and on the tensor saved, which a later step no longer has (a recompile every
+    # step). They only move tensors to and from host buffers: they run eagerly, as the module
+    # hooks do (see [Note: hooks under torch.compile] in gemini/engine/hooks.py); about 1 us
+    # per saved tensor, compiled or not.
+    @torch._disable_dynamo
     def _pack(self, t: torch.Tensor):
         if not self._eligible(t):
             return _without_graph(t)
@@ -324,6 +333,7 @@ class ActivationOffload:
         self.storage.pool.release(buffer)
         self.ledger.activations.sub(nbytes)
 
+    @torch._disable_dynamo  # see [Note: saved-tensor hooks under torch.compile]
     def _unpack(self, packed):
         if not isinstance(packed, _Offloaded):
             return packed.tensor if isinstance(packed, _Kept) else packed

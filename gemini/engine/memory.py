@@ -59,7 +59,8 @@ class DeviceMemory:
     def observer(self) -> StorageObserver | None:
         if self._accounting is None:
             return None
-        return StorageObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.resized)
+        return StorageObserver(quiet=self.quiet, exclude=self._accounting.exclude, resized=self._accounting.resized,
+                               counts_in=self._accounting.counts_in)
 
     def start(self, tracked: list[torch.Tensor], model_bytes: Callable[[], int]) -> None:
         """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks),

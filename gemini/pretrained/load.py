@@ -112,9 +112,42 @@ def _check_keys(model: nn.Module, ckpt: SafetensorsCheckpoint, *, shape_of=lambd
     found += [f"unexpected keys {unexpected}"] if unexpected else []
     found += ["size mismatch for " + "; ".join(mismatched)] if mismatched else []
     found += list(problems)
+    hint = _prefix_hint(missing, unexpected)
+    found += [hint] if hint else []
     if found:
         raise WeightsError(f"the weights in {ckpt.path} do not match {type(model).__name__}: " + "; ".join(found))
     return own, key_of
+
+
+def _common_prefix(longer: list[str], shorter: list[str]) -> tuple[str, int]:
+    """The prefix (whole dotted components) that most often turns a key of ``shorter`` into one
+    of ``longer``, and how many keys of ``shorter`` it does that for ("", 0 if none)."""
+    targets, counts = set(shorter), {}
+    for key in longer:
+        for i, c in enumerate(key):
+            if c == "." and key[i + 1:] in targets:
+                counts[key[:i + 1]] = counts.get(key[:i + 1], 0) + 1
+    return max(counts.items(), key=lambda kv: kv[1], default=("", 0))
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
+    """Why the keys may not match, when most of the file's unmatched keys are the missing ones
+    less or plus one prefix: weights saved from the base model (``LlamaModel``) loaded into a
+    model with a head (``LlamaForCausalLM``, whose keys carry "model."), or the reverse, or from
+    a wrapper (torch.compile's "_orig_mod.", DDP's "module."). Transformers' ``from_pretrained``
+    adds or strips the base model's prefix itself; loading stays strict here, so it only says so."""
+    lacks, n_lacks = _common_prefix(missing, unexpected)
+    has, n_has = _common_prefix(unexpected, missing)
+    if n_lacks >= n_has and 2 * n_lacks >= len(unexpected) > 0:
+        return (f"hint: the file's keys lack the prefix {lacks!r} the model's keys have ({n_lacks} of the "
+                f"{len(unexpected)} unexpected keys are missing keys without it): were the weights saved from the "
+                f"base model (LlamaModel for LlamaForCausalLM)? Load them into that class, or save the full model")
+    if n_has and 2 * n_has >= len(missing):
+        return (f"hint: the file's keys have the prefix {has!r} the model's keys lack ({n_has} of the "
+                f"{len(missing)} missing keys are unexpected keys without it): were the weights saved from a model "
+                f"holding this one (a class with a head; torch.compile's '_orig_mod.', DDP's 'module.')? Load them "
+                f"into that model, or save this one")
+    return None
 
 
 def _load_buffers(model: nn.Module, own: dict[str, torch.Tensor], key_of: dict[int, str],
