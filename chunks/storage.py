@@ -68,11 +68,15 @@ class StorageObserver:
 # engine's business, not the model's computation, so they run with the dispatch modes taken
 # off the stack; only the CPU stand-in's accounting mode, which measures the device, is put
 # back (``StorageObserver.counts_in``).
+def dispatch_modes_active() -> bool:
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._ops._len_torch_dispatch_stack_pre_dispatch() > 0
+
+
 @contextlib.contextmanager
 def unseen_by_dispatch_modes(counts_in: Callable[[object], bool] = lambda mode: False):
     """Run the body with no dispatch mode active but those ``counts_in`` keeps (see [Note: moves
     unseen by dispatch modes])."""
-    if torch._C._len_torch_dispatch_stack() == 0 and torch._ops._len_torch_dispatch_stack_pre_dispatch() == 0:
+    if not dispatch_modes_active():
         yield
         return
     with _disable_current_modes() as modes, contextlib.ExitStack() as kept:
@@ -113,13 +117,19 @@ class ChunkStorage:
         previous, self._move_watcher = self._move_watcher, move_context
         return previous
 
-    @contextlib.contextmanager
-    def move_context(self) -> Iterator[None]:
+    def move_context(self) -> AbstractContextManager:
         """The context one move runs in: the move watcher's (see :meth:`swap_move_watcher`), and
         within it no dispatch mode but the monitor's (see [Note: moves unseen by dispatch modes])."""
-        with self._move_watcher() if self._move_watcher is not None else contextlib.nullcontext():
-            with unseen_by_dispatch_modes(self.observer.counts_in if self.observer is not None else lambda m: False):
-                yield
+        watcher = self._move_watcher() if self._move_watcher is not None else contextlib.nullcontext()
+        if not dispatch_modes_active():  # the common case on a GPU: no generator per move
+            return watcher
+        return self._unseen(watcher)
+
+    @contextlib.contextmanager
+    def _unseen(self, watcher: AbstractContextManager) -> Iterator[None]:
+        with watcher, unseen_by_dispatch_modes(self.observer.counts_in if self.observer is not None
+                                               else lambda mode: False):
+            yield
 
     def __post_init__(self) -> None:
         self.device = compute_device(self.device)
