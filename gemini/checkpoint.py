@@ -43,7 +43,6 @@ import contextlib
 import functools
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,27 +52,13 @@ from torch import nn
 from gemini.checkpoint_file import CheckpointCorruptionError, CheckpointDiskFullError, atomic_save, read_checkpoint
 from gemini.consolidate import SHARD_KEYS, consolidate_checkpoint, manifest, shard_file, shard_files
 from gemini.engine.load_transaction import LoadTransaction
-from gemini.module import GeminiModel
+from gemini.module import GeminiModel, gemini_model
 from gemini.optim.hybrid_adam import HybridAdam
 
 __all__ = ["CheckpointCorruptionError", "CheckpointDiskFullError", "consolidate_checkpoint", "load_checkpoint",
            "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-
-def _gemini_model(model: nn.Module, function: str) -> GeminiModel:
-    """The model ``initialize`` returned, also when ``model`` is its ``torch.compile`` handle,
-    whose own state_dict prefixes "_orig_mod.": the file has the bare keys, so a checkpoint of
-    either handle loads into the other (and into a plain module)."""
-    # Only a loaded dynamo can have made an OptimizedModule: gemini does not import it for this.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
-        model = model._orig_mod
-    if not isinstance(model, GeminiModel):
-        raise TypeError(f"{function}() got a {type(model).__name__} for model: pass the model gemini.initialize "
-                        f"returned (or torch.compile of it)")
-    return model
 
 
 def _buffers(model: GeminiModel) -> dict[str, torch.Tensor]:
@@ -90,7 +75,7 @@ def save_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     leaves the previous file at ``path`` intact. Only tensors and plain Python data are written;
     a param-group value of another type raises ``TypeError`` naming it. ``model`` may be the
     ``torch.compile``d model: the keys are the uncompiled model's."""
-    model = _gemini_model(model, "save_checkpoint")
+    model = gemini_model(model, "save_checkpoint")
     zero, manager = optimizer._rt.zero, optimizer._rt.manager
     rank, world = manager.rank, manager.world
     path = Path(path)
@@ -117,7 +102,7 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
     anything is loaded into the model or the optimizer. A sharded checkpoint of another world size,
     chunk layout or precision is made whole first (:func:`consolidate_checkpoint`: every rank
     reads every rank's file)."""
-    model = _gemini_model(model, "load_checkpoint")
+    model = gemini_model(model, "load_checkpoint")
     path = Path(path)
     file = _file_to_load(path, optimizer, sharded=sharded)
     if file is not None:

@@ -10,10 +10,11 @@ import inspect
 import logging
 import sys
 from collections import OrderedDict, UserDict
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys  # what nn.Module.load_state_dict returns
 from torch.nn.parallel import DistributedDataParallel
 
 from chunks import ChunkGroup, ChunkState, TensorSlot
@@ -32,15 +33,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GeminiModel"]
+__all__ = ["GeminiModel", "gemini_model"]
 
 # The code of DistributedDataParallel's method that calls the module it wraps (None elsewhere).
 _DDP_CALLS_MODULE = getattr(getattr(DistributedDataParallel, "_run_ddp_forward", None), "__code__", None)
-
-
-class _IncompatibleKeys(NamedTuple):
-    missing_keys: list[str]
-    unexpected_keys: list[str]
 
 
 class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
@@ -390,3 +386,15 @@ def _wrapper_class(inner: type[nn.Module], signature_of: type[nn.Module]) -> typ
     })
     _WRAPPER_CLASSES[inner, signature_of] = cls
     return cls
+
+
+def gemini_model(model: nn.Module, function: str) -> GeminiModel:
+    """The model ``initialize`` returned, unwrapping its ``torch.compile`` handle ("_orig_mod." keys)."""
+    # Only a loaded dynamo can have made an OptimizedModule: gemini does not import it for this.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    if not isinstance(model, GeminiModel):
+        raise TypeError(f"{function}() got a {type(model).__name__} for model: pass the model gemini.initialize "
+                        f"returned (or torch.compile of it)")
+    return model

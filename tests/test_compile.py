@@ -25,6 +25,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import gemini
+from gemini.pretrained import load_pretrained_into
 from gemini.tools.gpt import GPT
 from helpers import (DEVICE, TINY, assert_params_close, batches, clone_pair, make_gpt, roomy_budget,
                      train_reference)
@@ -306,3 +307,26 @@ def test_checkpoint_of_the_compiled_handle_has_the_bare_keys(sharded, tmp_path):
     assert_params_close(target.state_dict(), want, rtol=0, atol=0)
     with pytest.raises(TypeError, match="GPT for model: pass the model gemini.initialize returned"):
         gemini.save_checkpoint(tmp_path / "plain.pt", make_gpt(), opt)
+
+
+def test_safetensors_of_the_compiled_handle_have_the_bare_keys(tmp_path):
+    """save_pretrained / load_pretrained_into take the compiled model like the checkpoints do:
+    the files' keys are the plain module's, read back byte for byte."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=CHUNK)
+    gmodel, opt = gemini.initialize(make_gpt(), cfg, lr=1e-2)
+    compiled = torch.compile(gmodel, backend="aot_eager")
+    x, y = _data()[0]
+    opt.backward(GPT.loss(compiled(x), y))
+    opt.step()
+    want = gmodel.state_dict()
+    gemini.save_pretrained(compiled, tmp_path)
+    saved = safetensors.load_file(tmp_path / "model.safetensors")
+    for key, value in saved.items():  # a tied parameter under its first name only
+        assert torch.equal(value, want[key]), key
+    target, _ = gemini.initialize(make_gpt(seed=5), cfg, lr=1e-2)
+    load_pretrained_into(torch.compile(target, backend="aot_eager"), tmp_path)
+    assert_params_close(target.state_dict(), want, rtol=0, atol=0)
+    for function in (gemini.save_pretrained, load_pretrained_into):
+        with pytest.raises(TypeError, match="GPT for model: pass the model gemini.initialize returned"):
+            function(make_gpt(), tmp_path)

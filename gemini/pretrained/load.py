@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from chunks import TensorSlot, ValueSource
-from gemini.module import GeminiModel
+from gemini.module import GeminiModel, gemini_model
 from gemini.pretrained.meta_init import _meta_buffers, _reset_source
 from gemini.pretrained.reader import SafetensorsCheckpoint, WeightsError
 from offload import format_size
@@ -193,8 +193,7 @@ def load_pretrained_into(model: GeminiModel, weights: str | os.PathLike) -> None
     and written into the parameter chunk (or its ZeRO-3 shard) and the fp32 master, a master on
     NVMe read and written back once. Keys are checked as strictly. Adam's states are untouched.
     Under ZeRO every rank reads its own ranges; no collective."""
-    if not isinstance(model, GeminiModel):
-        raise TypeError(f"load_pretrained_into takes the model gemini.initialize returned, got {type(model).__name__}")
+    model = gemini_model(model, "load_pretrained_into")
     runtime = model._runtime
     manager = runtime.manager
     params = {id(p) for p in model.module.parameters()}

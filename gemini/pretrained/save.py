@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gemini.module import GeminiModel
+from gemini.module import GeminiModel, gemini_model
 from gemini.parallel.zero import gather_state
 from gemini.peft import is_peft_model, save_adapter
 from gemini.pretrained.format import _NAMES, _SHARD_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, _element_size
@@ -102,8 +102,7 @@ def save_pretrained(model: GeminiModel, folder: str | os.PathLike, *, max_shard_
     group at a time]). Under ZeRO a collective: every rank calls it, rank 0 writes. Returns the
     weight files written (on rank 0; an empty list elsewhere).
     """
-    if not isinstance(model, GeminiModel):
-        raise TypeError(f"save_pretrained takes the model gemini.initialize returned, got {type(model).__name__}")
+    model = gemini_model(model, "save_pretrained")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype not in _NAMES):
         raise ValueError(f"dtype={dtype!r} is invalid: expected None (the fp32 masters) or a floating-point torch "
                          f"dtype safetensors stores ({sorted(str(d) for d in _NAMES if d.is_floating_point)})")
