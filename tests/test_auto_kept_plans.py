@@ -155,3 +155,72 @@ def test_a_kept_plan_brings_back_its_saved_activations_plan():
         assert following or step < 2, step  # the iteration matched its plan's trace to the end
     assert sizes["a"] != sizes["b"]
     opt.close()
+
+
+class Unrolled(torch.nn.Module):
+    """A GRU cell unrolled over the input's length: each parameter of the cell gets its gradient
+    once, after its last use in backward (the first time step's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(16, 64)
+        self.cell = torch.nn.GRUCell(64, 64)
+        self.l2, self.l3, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 64, device=x.device)
+        for t in range(x.shape[1]):
+            h = self.cell(self.emb(x[:, t]), h)
+        return self.head(self.l3(self.l2(h)))
+
+
+def _unrolled_inputs(lengths):
+    g = torch.Generator().manual_seed(1)
+    for length in lengths:
+        yield (torch.randn(8, length, 16, generator=g).to(DEVICE), torch.randint(0, 4, (8,), generator=g).to(DEVICE))
+
+
+@STANDIN
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_shorter_inputs_follow_the_longest_ones_plan(ratio, caplog):
+    """Unrolled 6 steps first, then 3, 2, 5, 1, 6, 4: the shorter inputs run on the plan traced over
+    6 (it covers them), skipping traced periods, and their gradients land in a cell backward
+    that had no marks in the trace. Each continues at the next traced period of the same module
+    ([Note: an iteration that skips traced periods] in gemini/policies/plan.py): no step leaves
+    the plan, every step stays under the budget and equals AdamW. Before, each left the plan at
+    its head; at ratio 1 (the margin's groups fill what the plan leaves) the first shorter input
+    raised DeviceBudgetError (22,280 bytes missing) under the budget the longest trained in."""
+    lengths = [6, 3, 2, 5, 1, 6, 4]
+    loss = torch.nn.functional.cross_entropy
+    torch.manual_seed(0)
+    base = Unrolled()
+    budget = 16 * sum(p.numel() for p in base.parameters())  # fp32 params, grads, m, v: 554,048 bytes
+    ref = copy.deepcopy(base).to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    want = []
+    for x, y in _unrolled_inputs(lengths):
+        loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append({k: v.detach().cpu().clone() for k, v in ref.state_dict().items()})
+    del ref, ref_opt
+    config = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=4096, device_memory=budget,
+                                 gpu_margin_mem_ratio=ratio)
+    model, opt = gemini.initialize(base, config, lr=1e-2, weight_decay=0.1)
+    got, reports, states = [], [], []
+    with caplog.at_level(logging.WARNING, logger="gemini"):
+        for x, y in _unrolled_inputs(lengths):
+            out = model(x)
+            states.append(opt._rt.state)
+            opt.backward(loss(out, y))
+            del x, y, out
+            opt.step()
+            opt.zero_grad()
+            got.append({k: v.cpu() for k, v in model.state_dict().items()})
+            reports.append(opt.report)
+    opt.close()
+    assert not [r for r in caplog.records if "diverged" in r.getMessage()]
+    _check(got, want, reports, budget)
+    assert [s is IterationState.TRACING for s in states] == [True] + [False] * (len(lengths) - 1)
+    if ratio:
+        assert all(r.os_chunks_on_device > 0 for r in reports[1:])  # the margin holds optimizer states

@@ -86,7 +86,9 @@ def _covers(mine: Any, other: Any) -> bool:
 # inputs at least as large in every dimension (same structure, dtypes and devices) bounds an
 # iteration on smaller ones, and on inputs needing no gradient where the traced ones did (a GAN's
 # discriminator takes the generator's output with a graph, the real batch without): the plan is
-# kept (conservatively: the room a smaller batch leaves is not used), and only inputs larger
+# kept (conservatively: the room a smaller batch leaves is not used; an iteration of fewer periods,
+# an RNN unrolled fewer steps, follows the trace as [Note: an iteration that skips traced periods]
+# in gemini/policies/plan.py says), and only inputs larger
 # somewhere are traced, so a run traces about as often as its largest batch grows. Every step's
 # peak is still checked against the budget: a model whose memory does not shrink with its inputs
 # fails that check once, and those inputs are traced when they come again; the plan's own inputs

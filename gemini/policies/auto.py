@@ -64,6 +64,7 @@ class AutoPlacement(PlacementPolicy):
         self.os_on_device: set[int] = set()
         self.period = -1
         self._diverged = False
+        self._skipped = False  # this iteration skipped traced periods: [Note: an iteration that skips traced periods]
         self._iteration_open = False  # a forward with grad ran and its backward has not
         self._trace: AccessTrace | None = None  # the warm-up's tracer, between begin_trace and end_trace
         self._segment = 0  # marks passed in the current period
@@ -176,7 +177,7 @@ class AutoPlacement(PlacementPolicy):
         if not self._iteration_open:
             self.period = -1
             self._segment = 0
-            self._diverged = False
+            self._diverged = self._skipped = False
         self._iteration_open = torch.is_grad_enabled()
         if self._trace is not None and torch.is_grad_enabled():
             self._host_uses = self._host_storage_uses()
@@ -220,13 +221,15 @@ class AutoPlacement(PlacementPolicy):
         self.period += 1
         self._segment = 0
         self._used_in_period = set()
-        if not self._diverged and (self.period >= len(plan.keys) or plan.keys[self.period] != (boundary.phase, boundary.module_name)):
-            self._diverged = True
-            logger.warning(
-                "auto placement: iteration diverged from the traced one at period %d (%s %r); "
-                "planning with the largest non-model peak until the next forward",
-                self.period, boundary.phase.value, boundary.module_name,
-            )
+        key = (boundary.phase, boundary.module_name)
+        if not self._diverged and (self.period >= len(plan.keys) or plan.keys[self.period] != key):
+            later = plan.continues_at(self.period, key)  # [Note: an iteration that skips traced periods]
+            self.period, self._diverged = (self.period, True) if later is None else (later, False)
+            self._skipped = not self._diverged
+            if self._diverged:
+                logger.warning("auto placement: iteration diverged from the traced one at period %d (%s %r); planning "
+                               "with the largest non-model peak until the next forward", self.period,
+                               boundary.phase.value, boundary.module_name)
         return set(plan.access[self.period]) if not self._diverged else set()
 
     def begin_trace(self, trace: AccessTrace) -> None:
@@ -240,8 +243,13 @@ class AutoPlacement(PlacementPolicy):
     def mark(self) -> None:
         if self._trace is not None:
             self._trace.mark()
-        if self.plan is not None:
+        plan = self.plan
+        if plan is not None:
             self._segment += 1
+            if self._skipped and not self._diverged and self._segment >= len(plan.segment_non_model_bytes[self.period]):
+                # More marks than traced: see [Note: an iteration that skips traced periods].
+                later = plan.continues_at(self.period, plan.keys[self.period], marks=self._segment)
+                self.period = self.period if later is None else later
 
     # [Note: every mark decides]
     # The plan charges each segment of a period the model data the warm-up held at its mark
@@ -337,8 +345,9 @@ class AutoPlacement(PlacementPolicy):
                     set(candidates), keep, self.plan.order, max(self.period, 0), over, candidates,
                     rule=self.eviction_rule, last=self._soonest_first(wanted & set(candidates)),
                 )
-            else:
-                victims = self._any_victims(candidates, over, wanted)
+            else:  # no order to follow: the largest first, ``wanted`` ones last
+                victims = choose_victims(set(candidates), keep, (), max(self.period, 0), over, candidates,
+                                         last=sorted(wanted & set(candidates)))
         except EvictionError as e:
             short = over - sum(candidates.values())
             held = self.manager.storage.ledger.bytes_on(Tier.DEVICE)
@@ -369,18 +378,6 @@ class AutoPlacement(PlacementPolicy):
         return upcoming + done
 
     @staticmethod
-    def _any_victims(candidates: dict[int, int], over: int, wanted: set[int]) -> list[int]:
-        victims, freed = [], 0
-        for i, b in sorted(candidates.items(), key=lambda kv: (kv[0] in wanted, -kv[1])):
-            if freed >= over:
-                break
-            victims.append(i)
-            freed += b
-        if freed < over:
-            raise EvictionError(f"only {freed} of {over} bytes can be freed")
-        return victims
-
-    @staticmethod
     def _evictable_bytes(g: ChunkGroup) -> int:
         total = g.param.nbytes if g.param.state is ChunkState.HOST_AND_DEVICE else 0
         # A ZeRO gradient bucket waits for its reduce-scatter and is freed by it: never evicted.
@@ -398,3 +395,4 @@ class AutoPlacement(PlacementPolicy):
         need = sum(self.manager.groups[i].param.nbytes for i in missing)
         non_model = max(plan.non_model_bytes[self.period], plan.non_model_bytes[nxt])
         return missing if missing and not self._missing_bytes(need, non_model) else []
+

@@ -88,6 +88,28 @@ class MemoryPlan:
         """
         return self.budget_bytes - self.reserve_bytes - self.planned_peak_bytes
 
+    # [Note: an iteration that skips traced periods]
+    # A later iteration is matched to the trace period by period, by the (phase, module) that
+    # begins each. An input the traced one covers (kept plans: [Note: plans kept per input
+    # signature] in tracer/signature.py) may run fewer of them: an RNN unrolled 3 steps on a plan
+    # traced over 6 reaches its head where the trace had the 4th step, and its gradients (one per
+    # parameter, after the last use) land in its 3rd cell backward, which had no marks in the
+    # trace. Each mismatch used to end the matching: every later decision was charged the trace's
+    # largest non-model peak next to the chunks in use, more than any decision of the trace held
+    # at once, and at gpu_margin_mem_ratio 1 (the margin's groups fill what the plan leaves) the
+    # smaller input raised DeviceBudgetError under a budget its larger one trained in. So a
+    # mismatch continues at the next traced period begun by the same module, and a period with
+    # (once the iteration has skipped some) more marks than traced at the next one of the same
+    # module that had that many: the skipped periods' activations were in the trace there too,
+    # so its peaks bound this iteration's. Only a module the rest of the trace never begins with
+    # ends the matching.
+    def continues_at(self, period: int, key: tuple[Phase, str], *, marks: int = 0) -> int | None:
+        """The first traced period after ``period`` begun by ``key`` with more than ``marks``
+        marks, where an iteration that went off the trace at ``period`` continues (see [Note: an
+        iteration that skips traced periods]); None if there is none."""
+        return next((i for i in range(period + 1, len(self.keys))
+                     if self.keys[i] == key and marks < len(self.segment_non_model_bytes[i])), None)
+
     def timeline(self) -> WarmupTimeline:
         """The plan as a report shows it: per period, its non-model peak and chunk groups."""
         periods = [
