@@ -30,7 +30,7 @@ import torch
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["gradient_node", "hook_each", "hook_first_grad", "node_key"]
+__all__ = ["gradient_node", "hook_each", "hook_first_grad", "node_key", "unbatched"]
 
 
 def gradient_node(t: torch.Tensor) -> Node:
@@ -59,6 +59,25 @@ def hook_each(tensors: list[torch.Tensor], make: Callable[[int], Callable]) -> l
     leaves = [t for t in tensors if t.grad_fn is None]
     hook = make(len(nodes) + len(leaves))
     return [node.register_prehook(hook) for node in nodes] + [t.register_hook(hook) for t in leaves]
+
+
+# [Note: outputs of a call under vmap]
+# Inside ``torch.func.vmap`` a call's outputs are batched wrappers, with no ``grad_fn`` of their
+# own, and they say they need no gradient: the graph the backward after the vmap runs is the
+# wrapped tensors'. So no call's backward began: the engine never fetched its groups back and
+# backward read freed storage ("setStorage: ... storage of size 0"), the period hooks announced
+# nothing. The hooks go on the wrapped tensors' nodes.
+def unbatched(values: list) -> list:
+    """``values`` with vmap's batched wrappers replaced by the tensors they wrap (see [Note:
+    outputs of a call under vmap]); one C call outside functorch's transforms."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return values
+    out = []
+    for t in values:
+        while isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t):
+            t = torch._C._functorch.get_unwrapped(t)
+        out.append(t)
+    return out
 
 
 def hook_first_grad(tensors: list[torch.Tensor], hook: Callable[[], None]) -> list[RemovableHandle]:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from tracer.grad_nodes import gradient_node, hook_first_grad, node_key
+from tracer.grad_nodes import gradient_node, hook_first_grad, node_key, unbatched
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class PeriodHooks:
         if in_autograd_engine() or not torch.is_grad_enabled():
             return
         self._prune_fired()
-        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outputs = [t for t in unbatched(tree_leaves(output)) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs:
             return
         key = tuple(id(t) for t in outputs)

@@ -49,7 +49,22 @@ class BackwardHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not self._iteration_pass and self._computes_parameter_gradients():
             self._iteration_pass = True
+            self._grad_hooks_last()
             self._on_backward_begin()
+
+    # [Note: the user's post-accumulate hooks]
+    # Torch runs a parameter's post-accumulate-grad hooks in the order they were registered, and
+    # the engine's (_on_grad, registered by initialize) moves the gradient into its chunk and sets
+    # ``p.grad = None`` (where autograd does not accumulate into the chunk): a hook the user
+    # registered after initialize (a per-parameter optimizer, a gradient logger, a hook scaling
+    # ``p.grad`` in place) found None. So each pass puts the engine's hook after every other
+    # (torch keeps them in a dict the C++ side walks): theirs see and may
+    # change the accumulated gradient, as in plain torch, before it goes into the chunk.
+    def _grad_hooks_last(self) -> None:
+        for p, key in self._grad_hooks:
+            hooks = p._post_accumulate_grad_hooks
+            if next(reversed(hooks)) != key:
+                hooks[key] = hooks.pop(key)  # not move_to_end: the C++ side walks the plain dict's order
 
     def _grad_arriving(self, grad: torch.Tensor) -> None:
         # A graph over the parameters themselves (a penalty ``sum(p.pow(2))`` backpropagated on its
@@ -105,6 +120,8 @@ class BackwardHooks:
             group.grad_ready[slot.index] = True
             self._count_grad(group)
             return
+        if param.grad is None:
+            return  # a hook of the user's before this one dropped it: no gradient, as in torch
         with self._phase("gemini::grad_to_chunk"):
             group, slot = self.manager.locate(param)
             if param.grad.requires_grad:
@@ -135,6 +152,15 @@ class BackwardHooks:
             group.grads_this_backward = 0
             self.residency.after_backward(group)
 
+    # [Note: a group released before all its gradients]
+    # A group's backward is over when each of its parameters has its gradient (_count_grad), or
+    # when the calls that fetched it for backward are all done (its release, [Note: a group
+    # between its uses in backward] in gemini/engine/residency.py). A group holding a parameter
+    # that gets no gradient in a pass (a submodule the forward skipped, a pooler a loss ignores,
+    # one left out of ``backward(inputs=...)``) beside ones that do was released by its last call
+    # and so was never closed: its gradients stayed on the device while its parameters went back
+    # to the host, so ``p.grad`` raised "not beside its parameter" until the step, and with it
+    # torch's clip_grad_norm_. Every group with gradients of the pass is closed at its end.
     def _end_of_backward(self) -> None:
         """Close chunk groups whose parameters got no gradient (unused or frozen)."""
         with trace_range("gemini::end_of_backward"):
@@ -148,7 +174,9 @@ class BackwardHooks:
             for group in self.residency.groups_fetched_for_backward():
                 group.grads_this_backward = 0
                 self.residency.after_backward(group)
-            self.residency.end_backward()
             for group in self.manager.trainable_groups:
-                group.grads_this_backward = 0
+                if group.grads_this_backward:  # see [Note: a group released before all its gradients]
+                    group.grads_this_backward = 0
+                    self.residency.after_backward(group)
+            self.residency.end_backward()
             self._on_backward_end()

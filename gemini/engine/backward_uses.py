@@ -25,7 +25,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from chunks import ChunkGroup
-from tracer.grad_nodes import gradient_node, hook_each, hook_first_grad
+from tracer.grad_nodes import gradient_node, hook_each, hook_first_grad, unbatched
 
 __all__ = ["BackwardUse", "graph_inputs", "hook_all_grads_of", "hook_first_grad_of", "hook_nodes_of",
            "moves_drop_accumulators", "refuse_function_transforms", "renew_accumulators",
@@ -67,7 +67,7 @@ class BackwardUse:
 def needing_grad(tree) -> list[torch.Tensor]:
     if not torch.is_grad_enabled():
         return []
-    tensors = {id(t): t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad}
+    tensors = {id(t): t for t in unbatched(tree_flatten(tree)[0]) if isinstance(t, torch.Tensor) and t.requires_grad}
     return list(tensors.values())
 
 
@@ -132,7 +132,8 @@ def hook_nodes_of(output, hook: Callable[[], None]) -> bool:
     more than MAX_NODES_FOLLOWED: such a call is held until its groups' gradients are in."""
     nodes: list = []
     seen: set = set()
-    stack = [gradient_node(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stack = [gradient_node(t) for t in unbatched(tree_flatten(output)[0])
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a parameter

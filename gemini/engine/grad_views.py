@@ -173,6 +173,7 @@ class GradViews:
         self.hide()
         if self._unavailable_reason is not None:
             return
+        self.adopt_assigned(buffer)  # a tensor the user put in p.grad: this backward adds onto it, as torch's
         with torch.no_grad():
             for g in self.manager.trainable_groups:
                 grad = buffer(g)

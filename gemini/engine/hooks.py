@@ -68,6 +68,7 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self._on_root_forward_end = on_root_forward_end
         self._accumulated_in_place = accumulated_in_place
         self._handles: list = []
+        self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # (parameter, the key of _on_grad among its post-accumulate hooks)
         self._open_uses: dict[nn.Module, list[BackwardUse | None]] = {}
         # The autograd graph task whose end-of-backward callback is queued (None: none is), and
         # whether it is the iteration's backward (see [Note: a graph task that accumulates no
@@ -144,6 +145,7 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
                 if p.requires_grad:
                     self._handles.append(p.register_hook(arriving))
                     self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+                    self._grad_hooks.append((p, self._handles[-1].id))  # see [Note: the user's post-accumulate hooks]
 
     def _announce(self, on_boundary: Callable[[Boundary], None], boundary: Boundary) -> None:
         try:
