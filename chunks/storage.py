@@ -127,9 +127,15 @@ class ChunkStorage:
 
     @contextlib.contextmanager
     def _unseen(self, watcher: AbstractContextManager) -> Iterator[None]:
-        with watcher, unseen_by_dispatch_modes(self.observer.counts_in if self.observer is not None
-                                               else lambda mode: False):
+        with watcher, self.unseen():
             yield
+
+    def unseen(self) -> AbstractContextManager:
+        """No dispatch mode active but the monitor's: for moves, and the chunk work around them
+        (ZeRO-3's gathers), see [Note: moves unseen by dispatch modes]."""
+        if not dispatch_modes_active():
+            return contextlib.nullcontext()
+        return unseen_by_dispatch_modes(self.observer.counts_in if self.observer is not None else lambda mode: False)
 
     def __post_init__(self) -> None:
         self.device = compute_device(self.device)

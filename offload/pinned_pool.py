@@ -139,6 +139,8 @@ class PinnedHostPool:
             raise ValueError(f"numel={numel!r} must be a non-negative int")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype={dtype!r} must be a torch.dtype")
+        if numel == 0:  # no block: every empty tensor's data_ptr is 0, so none could be told apart
+            return torch.empty(0, dtype=dtype)
         element_bytes = dtype.itemsize
         nbytes = numel * element_bytes
         class_bytes = size_class_bytes(nbytes)
@@ -156,6 +158,8 @@ class PinnedHostPool:
 
     def release(self, tensor: torch.Tensor) -> None:
         """Return a tensor obtained from ``acquire``; the caller must not use it afterwards."""
+        if tensor.numel() == 0:
+            return  # handed out without a block
         with self._lock:
             block = self._in_use.pop(tensor.data_ptr(), None)
             if block is None:

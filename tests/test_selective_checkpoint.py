@@ -22,7 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import gemini
+import zero_workers as zw
 from helpers import DEVICE, assert_params_close, tolerance
+from multiprocess import run_ranks
 
 STEPS = 3
 WIDTH = 64
@@ -120,3 +122,19 @@ def test_selective_checkpointing_with_dropout_trains_like_torch(name, policy):
     if name == "auto-budget":
         assert max(peaks) <= MODEL_DATA_BYTES // 2, peaks  # every step, the recompute's included
     opt.close()
+
+
+def test_selective_checkpointing_under_zero3_trains_like_torch(tmp_path):
+    """2 ZeRO-3 ranks: the recompute gathers each block's parameters again. Before the fix the
+    gathers (the collective, the views of the gathered chunk) ran inside SAC's dispatch mode, which
+    numbered them: "c10d._allgather_base_.default invocation index 4 ... not found in storage",
+    and with every other output saved "Tensor cached during selective activation checkpoint has
+    been mutated" (the gathered chunk, freed and filled again)."""
+    names = ["checkpoint_save_matmuls", "checkpoint_save_all_but_mutating"]
+    run_ranks(zw.run_zoo, names, 3, 512, str(tmp_path), timeout_seconds=240)
+    for name in names:
+        want, _, _ = zw.train_reference(3, model=zw.make_zoo(name))
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{name}_rank{rank}.pt", weights_only=True)
+            for step, (g, w) in enumerate(zip(got["states"], want, strict=True)):
+                assert_params_close(g, w, step=step)

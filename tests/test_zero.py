@@ -39,6 +39,10 @@ SPECS = [
     ("nvme-zero2", {"config": {"placement": "cpu", "nvme": True, "nvme_offload_fraction": 1.0}}),
     ("nvme-zero3", {"config": {"placement": "cpu", "nvme": True, "nvme_offload_fraction": 1.0,
                                "shard_params": True}}),
+    # Half the states on NVMe: a rank's part of a small chunk's range is empty (the step's copy
+    # of it aside once raised at the commit, after the step had landed).
+    ("nvme-half-zero3", {"config": {"placement": "cpu", "nvme": True, "nvme_offload_fraction": 0.5,
+                                    "shard_params": True}}),
 ]
 
 
@@ -105,7 +109,8 @@ def test_optimizer_state_per_rank_is_half(two_rank_runs, name, tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("name", [n for n, s in SPECS if s["config"]["placement"] != "auto"])
+@pytest.mark.parametrize("name", [n for n, s in SPECS if s["config"]["placement"] != "auto"
+                                  and s["config"].get("nvme_offload_fraction", 0.0) in (0.0, 1.0)])
 def test_each_rank_measures_the_footprint_of_its_shards(two_rank_runs, name, tmp_path):
     """gemini/policies/footprint.py's figures for one of 2 ranks (shards, released gradient buckets, ZeRO-3's
     parameter shards) equal what each rank's ledger counted after the last step."""

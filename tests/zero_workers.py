@@ -8,6 +8,8 @@ gradients match one process on the global batch to rounding.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.utils.prune
 import torch.nn.functional as F
@@ -329,6 +331,39 @@ def _hook_reads_earlier() -> nn.Module:
     return m
 
 
+class _SelectivelyCheckpointed(nn.Module):
+    """Two blocks under selective activation checkpointing with ``policy`` (Dropout at p=0: the
+    ranks' masks could not match one process's)."""
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.policy = policy
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16),
+                                                  nn.Dropout(0.0)) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+        h = self.inp(x)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, self.policy)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+        return self.head(h)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_all_but_mutating(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+    mutated = op._schema.is_mutable or op in (torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format)
+    return CheckpointPolicy.PREFER_RECOMPUTE if mutated else CheckpointPolicy.MUST_SAVE
+
+
 ZOO = {
     "weight_norm": _weight_norm,
     "spectral_norm": _spectral_norm,
@@ -338,6 +373,8 @@ ZOO = {
                                                                 batch_first=True)),
     "tied_projection": _TiedProjection,
     "hook_reads_earlier": _hook_reads_earlier,
+    "checkpoint_save_matmuls": lambda: _SelectivelyCheckpointed(_save_matmuls),
+    "checkpoint_save_all_but_mutating": lambda: _SelectivelyCheckpointed(_save_all_but_mutating),
 }
 
 

@@ -192,7 +192,9 @@ class ParamGatherer:
 
     def gather(self, groups: Sequence[ChunkGroup]) -> None:
         """Every group of ``groups`` gathered (waiting for prefetched ones), then prefetch."""
-        with trace_range("gemini::all_gather_params"):
+        # Unseen by dispatch modes, as chunk moves are: selective checkpointing's numbers the
+        # collectives and views of the forward and looks them up in the recompute.
+        with trace_range("gemini::all_gather_params"), self.manager.storage.unseen():
             for g in groups:
                 if not self.gathered(g):
                     self._start(g)
@@ -242,8 +244,9 @@ class ParamGatherer:
         self._wait(g)
         self.prefetched.discard(g.index)
         if self.gathered(g):
-            self._keep_edits(g)
-            g.param.release()
+            with self.manager.storage.unseen():
+                self._keep_edits(g)
+                g.param.release()
 
     def _keep_edits(self, g: ChunkGroup) -> None:
         """Torch code wrote into the gathered parameters (``nn.Embedding(max_norm=...)`` in

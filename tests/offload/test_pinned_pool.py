@@ -47,6 +47,18 @@ def test_release_of_foreign_or_released_tensor_raises():
         pool.acquire(-1)
 
 
+def test_empty_tensors_take_no_buffer_and_release_cleanly():
+    """A ZeRO rank's part of a small chunk may be empty: two empty tensors at once used to share
+    the key data_ptr 0, and the second release raised (one buffer leaked)."""
+    pool = PinnedHostPool()
+    a, b = pool.acquire(0, torch.float32), pool.acquire(0, torch.float32)
+    assert a.numel() == b.numel() == 0 and a.dtype == torch.float32
+    assert pool.bytes_in_use == 0 and pool.stats().buffers_in_use == 0
+    pool.release(a)
+    pool.release(b)
+    assert pool.bytes_in_use == 0 and pool.bytes_reserved == 0
+
+
 def test_limit_names_the_numbers_and_idle_buffers_are_trimmed_first():
     reserved = []  # what the pool tells a ledger: every change of its reserved bytes
     pool = PinnedHostPool(limit_bytes="3MiB", on_reserve=reserved.append)
