@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu_capacity.py --device cuda                        # states on the host
     python benchmarks/bench_gpu_capacity.py --device cuda --nvme-dir /tmp/nvme --cpu-memory 32GiB
     python benchmarks/bench_gpu_capacity.py --device cuda --fit                  # auto / cuda when all fits
-    python benchmarks/bench_gpu_capacity.py --device cpu --budget 48MiB --embd 128 --heads 4 --seq 64  # smoke test
+    python benchmarks/bench_gpu_capacity.py --device cpu --budget 24MiB --embd 128 --heads 4 --seq 64 --vocab 1024 --batch 2  # smoke test
 
 A GPT of width ``--embd`` (activation checkpointing on every block, fp32 weights) is built on
 the meta device, so the host never holds it whole before ``gemini.initialize`` fills the chunks

@@ -163,8 +163,8 @@ def _markdown(results: dict) -> str:
     lines = [
         f"# Planner vs training ({info['device']}, {info['date']})",
         "",
-        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}. `python benchmarks/bench_plan.py"
-        f"{' --device ' + info['device'] if info['device'] != 'cpu' else ''}`. {STEPS} steps a cell; peaks in MiB; "
+        f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}. `{results.get('command', 'python benchmarks/bench_plan.py')}`. "
+        f"{STEPS} steps a cell; peaks in MiB; "
         f"error = measured / predicted - 1 per step (the first step against the plan's first-step peak).",
         "",
         "| model | placement | budget | plan fits | trained | agree | predicted (1st, later) | measured per step "
@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         tiers_exact=sum(bool(c["tiers_exact"]) for c in trained),
         plan_ms_median=sorted(c["plan_ms"] for c in cells)[len(cells) // 2],
     )
-    results = dict(machine=machine_info(args.device), steps=STEPS, tolerance=TOLERANCE, summary=summary, cells=cells)
+    results = dict(machine=machine_info(args.device), command=" ".join(["python", "benchmarks/bench_plan.py", *sys.argv[1:]]),
+                   steps=STEPS, tolerance=TOLERANCE, summary=summary, cells=cells)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"plan_{args.device}"
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")

@@ -17,6 +17,7 @@ import os
 import torch
 
 import gemini
+from gemini.tools.cli_options import POSITIVE, byte_size
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 
@@ -24,10 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="reports")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embd", type=int, default=256)
-    p.add_argument("--budget", default="24MiB", help="device_memory")
+    p.add_argument("--steps", type=POSITIVE, default=6)
+    p.add_argument("--layers", type=POSITIVE, default=4)
+    p.add_argument("--embd", type=POSITIVE, default=256)
+    p.add_argument("--budget", type=byte_size, default="24MiB", help="device_memory")
     args = p.parse_args(argv)
 
     cfg = GPTConfig(vocab_size=1024, block_size=32, n_layer=args.layers, n_head=4, n_embd=args.embd)

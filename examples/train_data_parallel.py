@@ -21,18 +21,19 @@ import torch
 import torch.distributed as dist
 
 import gemini
+from gemini.tools.cli_options import POSITIVE
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embd", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8, help="global batch, split between the ranks")
+    p.add_argument("--steps", type=POSITIVE, default=5)
+    p.add_argument("--layers", type=POSITIVE, default=4)
+    p.add_argument("--embd", type=POSITIVE, default=256)
+    p.add_argument("--vocab", type=POSITIVE, default=4096)
+    p.add_argument("--seq", type=POSITIVE, default=64)
+    p.add_argument("--batch", type=POSITIVE, default=8, help="global batch, split between the ranks")
     p.add_argument("--placement", default="cpu", choices=["cpu", "auto", "cuda", "static"])
     p.add_argument("--shard-params", action="store_true", help="ZeRO-3: shard the parameters too")
     p.add_argument("--checkpoint", default=None, help="folder for the checkpoints")

@@ -18,19 +18,20 @@ import argparse
 import torch
 
 import gemini
+from gemini.tools.cli_options import POSITIVE, number_in
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--embd", type=int, default=512)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--model-to-budget", type=float, default=4.0, help="model data / device budget")
+    p.add_argument("--layers", type=POSITIVE, default=6)
+    p.add_argument("--embd", type=POSITIVE, default=512)
+    p.add_argument("--vocab", type=POSITIVE, default=1024)
+    p.add_argument("--seq", type=POSITIVE, default=32)
+    p.add_argument("--batch", type=POSITIVE, default=2)
+    p.add_argument("--steps", type=POSITIVE, default=8)
+    p.add_argument("--model-to-budget", type=number_in(1.0), default=4.0, help="model data / device budget")
     args = p.parse_args(argv)
 
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.embd)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import gemini
+from gemini.tools.cli_options import POSITIVE, byte_size
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -44,14 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--weights", default=None, help="a Llama checkpoint folder (default: write a small random one)")
-    p.add_argument("--layers", type=int, default=4, help="layers of the random Llama (default: %(default)s)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size of the random Llama (default: %(default)s)")
-    p.add_argument("--vocab", type=int, default=2048, help="vocabulary of the random Llama (default: %(default)s)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--budget", default="16MiB", help="GeminiConfig.device_memory (default: %(default)s)")
+    p.add_argument("--layers", type=POSITIVE, default=4, help="layers of the random Llama (default: %(default)s)")
+    p.add_argument("--hidden", type=POSITIVE, default=256, help="hidden size of the random Llama (default: %(default)s)")
+    p.add_argument("--vocab", type=POSITIVE, default=2048, help="vocabulary of the random Llama (default: %(default)s)")
+    p.add_argument("--seq", type=POSITIVE, default=32, help="tokens per row (default: %(default)s)")
+    p.add_argument("--steps", type=POSITIVE, default=6, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--budget", type=byte_size, default="16MiB", help="GeminiConfig.device_memory (default: %(default)s)")
     p.add_argument("--out", default=None, help="output folder (default: a temporary one)")
     args = p.parse_args(argv)
+    if args.weights is not None and not Path(args.weights).is_dir():
+        p.error(f"--weights {args.weights!r} is not a folder (a Llama checkpoint folder is expected)")
     try:
         import transformers
         from accelerate import init_empty_weights

@@ -15,17 +15,18 @@ import argparse
 import torch
 
 import gemini
+from gemini.tools.cli_options import POSITIVE, byte_size
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embd", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--budget", default="16MiB", help="device_memory")
+    p.add_argument("--layers", type=POSITIVE, default=4)
+    p.add_argument("--embd", type=POSITIVE, default=256)
+    p.add_argument("--vocab", type=POSITIVE, default=2048)
+    p.add_argument("--seq", type=POSITIVE, default=32)
+    p.add_argument("--steps", type=POSITIVE, default=5)
+    p.add_argument("--budget", type=byte_size, default="16MiB", help="device_memory")
     args = p.parse_args(argv)
     try:
         import transformers

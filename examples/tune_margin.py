@@ -16,20 +16,21 @@ import argparse
 import torch
 
 import gemini
+from gemini.tools.cli_options import POSITIVE, byte_size, ratio_list
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embd", type=int, default=384)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--budget", default="64MiB", help="device_memory")
-    p.add_argument("--ratios", default="0,0.25,0.5,0.75,1")
-    p.add_argument("--steps", type=int, default=4, help="per ratio; the first is the warm-up")
+    p.add_argument("--layers", type=POSITIVE, default=4)
+    p.add_argument("--embd", type=POSITIVE, default=384)
+    p.add_argument("--vocab", type=POSITIVE, default=1024)
+    p.add_argument("--seq", type=POSITIVE, default=32)
+    p.add_argument("--batch", type=POSITIVE, default=2)
+    p.add_argument("--budget", type=byte_size, default="64MiB", help="device_memory")
+    p.add_argument("--ratios", type=ratio_list, default="0,0.25,0.5,0.75,1")
+    p.add_argument("--steps", type=POSITIVE, default=4, help="per ratio; the first is the warm-up")
     args = p.parse_args(argv)
 
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     config = gemini.GeminiConfig(device=args.device, placement="auto", device_memory=args.budget)
     tuning = gemini.tune_margin(
         make_model, lambda model: GPT.loss(model(x), y), config,
-        ratios=[float(r) for r in args.ratios.split(",")], steps=args.steps, headroom_fraction=0.1, lr=1e-3,
+        ratios=args.ratios, steps=args.steps, headroom_fraction=0.1, lr=1e-3,
         on_trial=lambda t: print(f"ratio {t.ratio:g} done", flush=True),
     )
     print(tuning.table())

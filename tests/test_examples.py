@@ -27,6 +27,21 @@ def test_docstring_gives_the_command(name):
     assert f"{launcher} examples/{name}.py" in doc
 
 
+@pytest.mark.parametrize("name, argv, said", [
+    ("memory_reports", ["--steps", "0"], "argument --steps: '0' is not an int >= 1"),
+    ("train_gpt_larger_than_device", ["--model-to-budget", "0"], "argument --model-to-budget: '0' is not"),
+    ("train_hf_transformers", ["--budget", "abc"], "argument --budget: 'abc' is not a positive size"),
+    ("tune_margin", ["--ratios", "abc"], "argument --ratios: 'abc' is not a comma-separated list"),
+    ("train_hf_trainer", ["--weights", "/no/such/folder"], "--weights '/no/such/folder' is not a folder"),
+])
+def test_bad_flags_are_refused_by_name(name, argv, said, capsys):
+    """An example's bad flag ends in argparse's one line naming it (exit 2), not a traceback from
+    deep inside (an IndexError for --steps 0, a ZeroDivisionError for --model-to-budget 0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _example(name).main(argv)
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_train_gpt_larger_than_device(capsys):
     argv = ["--device", "cpu", "--layers", "4", "--embd", "128", "--vocab", "256", "--seq", "16", "--steps", "3"]
     assert _example("train_gpt_larger_than_device").main(argv) == 0

@@ -87,6 +87,19 @@ def test_ranks_on_one_host_share_its_memory(monkeypatch):
     assert any("4 ranks of" in p for p in four.problems), four.problems
 
 
+def test_host_memory_advice_names_what_is_left_to_turn(tmp_path, monkeypatch):
+    """Host memory short with cpu_memory and nvme_dir set already: the advice is to lower
+    cpu_memory, raise the NVMe fraction or shorten the pipeline (it used to say to set both)."""
+    config = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=2000, cpu_memory=250_000,
+                                 nvme_dir=str(tmp_path))
+    monkeypatch.setattr(planner.psutil, "virtual_memory", lambda: SimpleNamespace(available=1000))
+    plan = gemini.plan_placement(_model(), config)
+    (problem,) = [p for p in plan.problems if p.startswith("host memory")]
+    assert "lower cpu_memory" in problem and "set cpu_memory" not in problem and "nvme_pipeline_depth" in problem
+    bare = gemini.plan_placement(_model(), dataclasses.replace(config, cpu_memory=None, nvme_dir=None))
+    assert any("set cpu_memory and nvme_dir" in p for p in bare.problems), bare.problems
+
+
 def test_auto_host_and_nvme_figures_are_those_of_ratio_zero(tmp_path):
     config = gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=2000, device_memory="8MiB",
                                  cpu_memory=250_000, nvme_dir=str(tmp_path), nvme_pipeline_depth=1)

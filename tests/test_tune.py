@@ -17,7 +17,8 @@ BUDGET = 2_500_000  # room for TINY's warm-up, and a margin that holds several c
 
 
 def _config(**kw) -> gemini.GeminiConfig:
-    return gemini.GeminiConfig(device="cpu", placement="auto", chunk_size=3000, device_memory=BUDGET, **kw)
+    return gemini.GeminiConfig(**{"device": "cpu", "placement": "auto", "chunk_size": 3000, "device_memory": BUDGET,
+                                  **kw})
 
 
 def _loss_fn():
@@ -62,6 +63,25 @@ def test_default_measurement_times_the_steps_after_the_warmup():
     assert trial.step_seconds > 0 and 0 < trial.device_peak_bytes <= BUDGET
     assert 0 < trial.needed_bytes <= BUDGET
     assert tuning.recommended_ratio == 0.0
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_budget_of_the_needed_bytes_trains(ratio):
+    """*needed* is a device_memory the step trains in: the warm-up accepts it and every step stays
+    under it. It used to leave out the reserve the engine keeps free, so the warm-up refused a
+    budget of exactly that size ("65536 bytes are missing")."""
+    tuning = gemini.tune_margin(make_gpt, _loss_fn(), _config(), ratios=[ratio], steps=2, rounds=1, lr=1e-2,
+                                headroom_fraction=0.0, isolate=False)
+    (trial,) = tuning.trials
+    needed = trial.needed_bytes
+    model, opt = gemini.initialize(make_gpt(), _config(device_memory=needed, gpu_margin_mem_ratio=ratio), lr=1e-2)
+    loss_fn = _loss_fn()
+    for _ in range(3):
+        opt.backward(loss_fn(model))
+        opt.step()
+        opt.zero_grad()
+        assert opt.report.device_peak_bytes <= needed
+    opt.close()
 
 
 def _result(ratio, seconds, needed, peak=99, error=None):

@@ -55,6 +55,14 @@ class PlacementForecast:
     # Ends the offload_activations note.
     activation_offload_note = ""
 
+    def host_memory_advice(self, staging_bytes: int) -> str:
+        """What takes more out of host memory when it is short (``staging_bytes``: the NVMe pipeline's)."""
+        config = self.config
+        if config.nvme_dir is None or (config.cpu_memory is None and not config.nvme_offload_fraction):
+            return self.host_advice
+        return (f"with nvme_dir set, lower cpu_memory or raise nvme_offload_fraction (more optimizer states in "
+                f"files), or lower nvme_pipeline_depth (its staging holds {format_size(staging_bytes)} of host memory)")
+
     @property
     def traces(self) -> bool:
         """Whether the placement plans from a warm-up iteration (auto), which keeps a reserve."""

@@ -363,7 +363,7 @@ def _check_host_and_nvme(plan: PlacementPlan, forecast: PlacementForecast) -> No
     if host_bytes * ranks > plan.host_available_bytes:
         plan.problems.append(
             f"host memory: {format_size(host_bytes * ranks)} needed{each}, {format_size(plan.host_available_bytes)} "
-            f"available now; {forecast.host_advice}")
+            f"available now; {forecast.host_memory_advice(plan.nvme_staging_bytes)}")
     if plan.nvme_staging_bytes:
         plan.notes.append(f"the NVMe pipeline stages up to {format_size(plan.nvme_staging_bytes)} in host memory")
     nvme_bytes = plan.tier_bytes("nvme")

@@ -14,9 +14,11 @@ ratio, and says nothing about how close a ratio runs to the edge. What a step *n
 the engine cannot evict: the warm-up's planned peak (``MemoryPlan.planned_peak_bytes``: at each
 decision of the schedule, the chunks the step computes with, the buffers and the non-model
 memory, never below the warm-up's measured peak) plus the chunk groups the margin pinned on
-the device for good (every flavour of each: parameters, gradients, master, m, v). That sum is
-the tuner's ``needed_bytes`` (an upper bound: a pinned group's parameters may already be part
-of the planned peak); the engine itself guarantees it stays under ``budget − reserve``. A ratio
+the device for good (every flavour of each: parameters, gradients, master, m, v), plus the
+safety reserve the engine keeps free beside them. That sum is the tuner's ``needed_bytes``: the
+``device_memory`` the step trains in (an upper bound: a pinned group's parameters may already
+be part of the planned peak; it left the reserve out, so a budget of that size was refused by
+64 KiB on the CPU stand-in, 5.77 MiB on CUDA). A ratio
 keeps the headroom when ``needed_bytes <= (1 − headroom_fraction) × budget``: the room left is
 what longer sequences or fragmentation can use after the engine evicts its cache. Both figures
 are reported.
@@ -199,12 +201,12 @@ def _run_trial(model_fn, loss_fn, config: GeminiConfig, steps: int, initialize_k
 
 
 def _needed_bytes(optimizer) -> int | None:
-    """The warm-up's planned peak plus every chunk group pinned on the device (see [Note:
-    needed memory, not the measured peak]); None without a plan."""
+    """The warm-up's planned peak plus every chunk group pinned on the device and the reserve
+    (see [Note: needed memory, not the measured peak]); None without a plan."""
     runtime = optimizer._rt
     plan, placement = runtime.plan, runtime.placement
     if plan is None:
         return None
     pinned = getattr(placement, "os_on_device", set())
-    return plan.planned_peak_bytes + sum(placement.group_device_bytes(g) for g in runtime.manager.groups
-                                         if g.index in pinned)
+    return plan.planned_peak_bytes + plan.reserve_bytes + sum(placement.group_device_bytes(g)
+                                                              for g in runtime.manager.groups if g.index in pinned)
