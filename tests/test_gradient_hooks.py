@@ -75,10 +75,11 @@ def _assert_same_grads(got: dict, want: dict, step: int) -> None:
             torch.testing.assert_close(g, want[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}, {n}: {m}")
 
 
-def _run(name: str, iteration):
-    """``iteration(model, opt, x, y, step)`` on both; returns nothing, checks p.grad after each
-    iteration and the parameters after each step."""
+def _run(name: str, iteration, *, setup=lambda ref, model: None):
+    """``setup(ref, model)``, then ``iteration(model, opt, x, y, step)`` on both; checks p.grad
+    after each iteration and the parameters after each step."""
     ref, ref_opt, model, opt = _pair(name)
+    setup(ref, model)
     for step, (x, y) in enumerate(_data()):
         for m, o in ((ref, ref_opt), (model, opt)):
             iteration(m, o, x, y, step)
@@ -111,28 +112,23 @@ def test_post_accumulate_grad_hooks_registered_after_initialize_see_the_gradient
     does, and scaling it in place counts once. Before the fix the engine's own hook (registered
     at initialize, so run first) had moved the gradient into its chunk: every hook found None
     under "cpu", "static" and "auto"."""
-    seen = {}
+    seen = {"torch": [], "gemini": []}
 
-    def scale(p: nn.Parameter, model) -> None:
-        seen.setdefault(id(model), []).append(p.grad.norm().item())
+    def setup(ref, model) -> None:
+        for who, m in (("torch", ref), ("gemini", model)):
+            for p in m.parameters():
+                p.register_post_accumulate_grad_hook(lambda p, who=who: scale(p, who))
+
+    def scale(p: nn.Parameter, who: str) -> None:
+        seen[who].append(p.grad.norm().item())
         p.grad.mul_(0.5)
 
-    ref, ref_opt, model, opt = _pair(name)
-    for m in (ref, model):
-        for p in m.parameters():
-            p.register_post_accumulate_grad_hook(lambda p, m=m: scale(p, m))
-    for step, (x, y) in enumerate(_data()):
-        for m in (ref, model):
-            F.mse_loss(m(x), y).backward()
-        _assert_same_grads(_grads(model), _grads(ref), step)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-        assert_params_close(model.state_dict(), ref.state_dict(), step=step)
-    torch.testing.assert_close(seen[id(model)], seen[id(ref)], rtol=1e-6, atol=1e-7)
-    assert len(seen[id(model)]) == STEPS * 6  # a, b and c's weight and bias, each step
-    opt.close()
+    def iteration(model, opt, x, y, step):
+        F.mse_loss(model(x), y).backward()
+
+    _run(name, iteration, setup=setup)
+    torch.testing.assert_close(seen["gemini"], seen["torch"], rtol=1e-6, atol=1e-7)
+    assert len(seen["gemini"]) == STEPS * 6  # a, b and c's weight and bias, each step
 
 
 @pytest.mark.parametrize("name", NAMES)
