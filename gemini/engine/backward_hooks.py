@@ -63,7 +63,7 @@ class BackwardHooks:
     def _grad_hooks_last(self) -> None:
         for p, key in self._grad_hooks:
             hooks = p._post_accumulate_grad_hooks
-            if next(reversed(hooks)) != key:
+            if key in hooks and next(reversed(hooks)) != key:
                 hooks[key] = hooks.pop(key)  # not move_to_end: the C++ side walks the plain dict's order
 
     def _grad_arriving(self, grad: torch.Tensor) -> None:
