@@ -106,12 +106,14 @@ def test_a_gradient_put_in_p_grad_before_backward_is_added_onto(name):
     _run(name, iteration)
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("name", NAMES)
-def test_post_accumulate_grad_hooks_registered_after_initialize_see_the_gradient(name):
+def test_post_accumulate_grad_hooks_registered_after_initialize_see_the_gradient(name, micro_batches):
     """A hook the user registers on each parameter after initialize sees ``p.grad`` as torch's
     does, and scaling it in place counts once. Before the fix the engine's own hook (registered
     at initialize, so run first) had moved the gradient into its chunk: every hook found None
-    under "cpu", "static" and "auto"."""
+    under "cpu", "static" and "auto"; and with micro-batches a later pass's hook saw that pass's
+    gradient alone, not the step's so far (its scaling left the earlier ones unscaled)."""
     seen = {"torch": [], "gemini": []}
 
     def setup(ref, model) -> None:
@@ -124,11 +126,12 @@ def test_post_accumulate_grad_hooks_registered_after_initialize_see_the_gradient
         p.grad.mul_(0.5)
 
     def iteration(model, opt, x, y, step):
-        F.mse_loss(model(x), y).backward()
+        for part in range(micro_batches):
+            F.mse_loss(model(x[part::micro_batches]), y[part::micro_batches]).backward()
 
     _run(name, iteration, setup=setup)
     torch.testing.assert_close(seen["gemini"], seen["torch"], rtol=1e-6, atol=1e-7)
-    assert len(seen["gemini"]) == STEPS * 6  # a, b and c's weight and bias, each step
+    assert len(seen["gemini"]) == STEPS * 6 * micro_batches  # a, b and c's weight and bias, each pass
 
 
 @pytest.mark.parametrize("name", NAMES)

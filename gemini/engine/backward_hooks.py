@@ -51,6 +51,7 @@ class BackwardHooks:
             self._iteration_pass = True
             self._grad_hooks_last()
             self._on_backward_begin()
+            self._hooked_grads_accumulated()
 
     # [Note: the user's post-accumulate hooks]
     # Torch runs a parameter's post-accumulate-grad hooks in the order they were registered, and
@@ -60,11 +61,28 @@ class BackwardHooks:
     # ``p.grad`` in place) found None. So each pass puts the engine's hook after every other
     # (torch keeps them in a dict the C++ side walks): theirs see and may
     # change the accumulated gradient, as in plain torch, before it goes into the chunk.
+    # Their hooks see the gradient accumulated since zero_grad, as torch's do: where an earlier
+    # pass of the step left one in the chunk (micro-batches) and ``p.grad`` is not the chunk's
+    # view (the engine moves chunks, and took the gradient out of p.grad), a copy of it goes into
+    # ``p.grad`` before the pass for autograd to add onto, and the chunk's slot takes the sum, not
+    # another addition. Not under ZeRO, whose slots hold the reduced gradient of the ranks.
     def _grad_hooks_last(self) -> None:
         for p, key in self._grad_hooks:
             hooks = p._post_accumulate_grad_hooks
             if key in hooks and next(reversed(hooks)) != key:
                 hooks[key] = hooks.pop(key)  # not move_to_end: the C++ side walks the plain dict's order
+
+    @torch.no_grad()
+    def _hooked_grads_accumulated(self) -> None:
+        if self.residency.reducer is not None:
+            return
+        for p, _ in self._grad_hooks:
+            if len(p._post_accumulate_grad_hooks) < 2 or p.grad is not None:
+                continue  # no hook of the user's, or p.grad is the chunk's view (accumulated into)
+            group, slot = self.manager.locate(p)
+            if group.grad_ready[slot.index]:
+                p.grad = group.grad.flat_view(slot).view(slot.shape).to(p.device, p.dtype, copy=True)
+                self._preloaded.add(p)
 
     def _grad_arriving(self, grad: torch.Tensor) -> None:
         # A graph over the parameters themselves (a penalty ``sum(p.pow(2))`` backpropagated on its
@@ -120,8 +138,12 @@ class BackwardHooks:
             group.grad_ready[slot.index] = True
             self._count_grad(group)
             return
-        if param.grad is None:
-            return  # a hook of the user's before this one dropped it: no gradient, as in torch
+        if param.grad is None:  # a hook of the user's before this one dropped it: no gradient, as in torch
+            if param in self._preloaded:  # the step's so far included
+                self._preloaded.discard(param)
+                group, slot = self.manager.locate(param)
+                group.grad_ready[slot.index] = False
+            return
         with self._phase("gemini::grad_to_chunk"):
             group, slot = self.manager.locate(param)
             if param.grad.requires_grad:
@@ -137,7 +159,9 @@ class BackwardHooks:
             grad = self.residency.grad_buffer(group)
             dst = grad.flat_view(slot)
             src = param.grad.reshape(-1)
-            if group.grad_ready[slot.index]:
+            preloaded = param in self._preloaded  # p.grad holds the step's gradient: see _grad_hooks_last
+            self._preloaded.discard(param)
+            if group.grad_ready[slot.index] and not preloaded:
                 dst.add_(src)  # accumulation over micro-batches
             else:
                 dst.copy_(src)
@@ -169,6 +193,7 @@ class BackwardHooks:
                 self.residency.end_backward(iteration=False)
                 return
             self._iteration_pass = False
+            self._preloaded.clear()
             self._graph_forwards = 0
             self.backward_passes += 1
             for group in self.residency.groups_fetched_for_backward():
