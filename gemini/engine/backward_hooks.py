@@ -9,7 +9,7 @@ import logging
 import torch
 from torch import nn
 
-from chunks import ChunkGroup
+from chunks import ChunkGroup, ChunkState
 from gemini.engine.backward_uses import BackwardUse, task_computes_gradient_of
 from offload.profiling import trace_range
 
@@ -80,7 +80,7 @@ class BackwardHooks:
             if len(p._post_accumulate_grad_hooks) < 2 or p.grad is not None:
                 continue  # no hook of the user's, or p.grad is the chunk's view (accumulated into)
             group, slot = self.manager.locate(p)
-            if group.grad_ready[slot.index]:
+            if group.grad_ready[slot.index] and group.grad.state is not ChunkState.RELEASED:
                 p.grad = group.grad.flat_view(slot).view(slot.shape).to(p.device, p.dtype, copy=True)
                 self._preloaded.add(p)
 
