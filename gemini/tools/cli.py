@@ -15,6 +15,7 @@ import argparse
 import logging
 import re
 import sys
+import warnings
 
 from gemini.engine.memory import DeviceBudgetError
 from gemini.tools.cli_commands import cmd_consolidate, cmd_demo, cmd_plan, cmd_report, cmd_train, cmd_tune_margin
@@ -139,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     check_arguments(parser, args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        # One line, as the errors below: not Python's "file:line: Category" with the source line.
+        print(f"gemini {args.command}: warning: {message}", file=sys.stderr)
+
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = show
+            return args.func(args)
     except (ValueError, DeviceBudgetError, NotImplementedError, ImportError, OSError) as e:
         # Configuration and budget errors are the user's to fix: their message, no traceback.
         print(f"gemini {args.command}: error: {readable_sizes(str(e))}", file=sys.stderr)
