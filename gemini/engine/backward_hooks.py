@@ -138,9 +138,11 @@ class BackwardHooks:
             group.grad_ready[slot.index] = True
             self._count_grad(group)
             return
+        # p.grad holds the step's gradient so far: see [Note: the user's post-accumulate hooks]
+        preloaded = param in self._preloaded
+        self._preloaded.discard(param)
         if param.grad is None:  # a hook of the user's before this one dropped it: no gradient, as in torch
-            if param in self._preloaded:  # the step's so far included
-                self._preloaded.discard(param)
+            if preloaded:  # the step's so far included
                 group, slot = self.manager.locate(param)
                 group.grad_ready[slot.index] = False
             return
@@ -159,8 +161,6 @@ class BackwardHooks:
             grad = self.residency.grad_buffer(group)
             dst = grad.flat_view(slot)
             src = param.grad.reshape(-1)
-            preloaded = param in self._preloaded  # p.grad holds the step's gradient: see _grad_hooks_last
-            self._preloaded.discard(param)
             if group.grad_ready[slot.index] and not preloaded:
                 dst.add_(src)  # accumulation over micro-batches
             else:
