@@ -268,7 +268,10 @@ def run_isolated(name: str, args, *, device_memory: int | str | None = None) -> 
     budget = device_memory if device_memory is not None else args.device_memory
     if budget is not None:
         cmd += ["--device-memory", str(budget)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # a row saying so; the other contenders still run
+        return {"contender": name, "ok": False, "error": f"no result in --timeout {args.timeout} s"}
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])

@@ -75,7 +75,7 @@ for s in "$@"; do
                 --junitxml="$R/gpu_suite.xml" tests
             wait ;;
         suite)
-            GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage suite 200 "${PYTEST[@]}" -n 12 --timeout 120 \
+            GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage suite "${SUITE_SECONDS:-200}" "${PYTEST[@]}" -n 12 --timeout 120 \
                 --junitxml="$R/gpu_suite.xml" tests ;;
         capacity)
             limit=$(search_limit 300) || { echo "== capacity: skipped, too little time left"; continue; }

@@ -42,8 +42,13 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+    except dist.DistNetworkError as e:
+        if rank == 0 and "EADDRINUSE" in str(e):
+            os._exit(_PORT_TAKEN)  # see [Note: a port taken before rank 0 listens]
+        raise
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -54,10 +59,46 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
     os._exit(0)  # see [Note: how a rank leaves]
 
 
-def run_ranks(fn, *args, world: int = 2, timeout_seconds: float = 240.0) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise if any rank fails or it hangs."""
-    ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
-                             start_method="spawn")
+# [Note: ranks on the CPU beside a GPU]
+# The ranks train on the CPU (gloo, device="cpu"), but code they run asks torch where to put
+# tensors: HF Trainer wraps the model in DDP on cuda:<rank> (no cuda:1 on a one-GPU machine),
+# PEFT and accelerate move inputs to "cuda". So the ranks see no GPU unless a test asks for one
+# (``cuda=True``), and train on the CPU whatever GEMINI_TEST_DEVICE says.
+# [Note: a port taken before rank 0 listens]
+# free_port() lets the port go before rank 0 binds it: beside other tests starting ranks (12
+# pytest-xdist workers on the GPU machine) another process took it in between (EADDRINUSE,
+# four tests at once). Rank 0 then leaves with _PORT_TAKEN and the ranks start again on a new port.
+_PORT_TAKEN = 75
+_PORT_TRIES = 3
+
+
+def _spawn_env(cuda: bool) -> dict[str, str]:
+    return {} if cuda else {"CUDA_VISIBLE_DEVICES": "", "GEMINI_TEST_DEVICE": "cpu"}
+
+
+def run_ranks(fn, *args, world: int = 2, timeout_seconds: float = 240.0, cuda: bool = False) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise if any rank fails or it hangs.
+    The ranks see the GPUs only with ``cuda`` (see [Note: ranks on the CPU beside a GPU])."""
+    for attempt in range(_PORT_TRIES):
+        try:
+            return _run_ranks_once(fn, args, world, timeout_seconds, _spawn_env(cuda))
+        except mp.ProcessExitedException as e:
+            if e.exit_code != _PORT_TAKEN or attempt == _PORT_TRIES - 1:
+                raise
+
+
+def _run_ranks_once(fn, args, world: int, timeout_seconds: float, env: dict[str, str]) -> None:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the spawned interpreters inherit it; this process's CUDA is as it was
+    try:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
+                                 start_method="spawn")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     deadline = time.monotonic() + timeout_seconds
     try:
         while not ctx.join(timeout=1.0):  # raises ProcessRaisedException / ProcessExitedException

@@ -47,7 +47,7 @@ def _inputs(schedule, *, token_budget: bool):
     g = torch.Generator().manual_seed(1)
     for step, micro in enumerate(schedule):
         shape = lambda rows: ((16, 2, 64) if step % 2 else (32, 1, 64)) if token_budget else (rows, 64)
-        yield [(torch.randn(*shape(rows), generator=g, device=DEVICE), task) for rows, task in micro]
+        yield [(torch.randn(*shape(rows), generator=g).to(DEVICE), task) for rows, task in micro]
 
 
 def _train(config: gemini.GeminiConfig, schedule, *, token_budget: bool = False):

@@ -479,3 +479,22 @@ def test_the_allocators_slack_is_its_reserved_peak_less_the_warmups_peak(monkeyp
     budget.monitor.reset_peak()
     use(30 * MiB, 40 * MiB)
     assert budget.allocator_slack_bytes(30 * MiB) == 10 * MiB
+
+
+def test_a_cuda_budget_error_counts_the_allocators_segments_not_its_tensors(monkeypatch):
+    """On CUDA the budget caps the caching allocator, which counts its segments: an operator can
+    fail with the tensors well under the budget when the segments' free blocks are too split to
+    serve it. On the GPU (gemini auto at torchao's peak, 2026-11-27) that read "about 1 bytes are
+    missing" (tensors 8,137,029,632 + the request 824,180,736 < the budget 10,446,428,672); the
+    error now counts what the allocator held and says so."""
+    from gemini.engine.memory import DeviceMemory
+
+    memory = DeviceMemory.__new__(DeviceMemory)  # the CUDA side without a GPU: only what budget_error reads
+    memory.device, memory.budget_bytes, memory.budgeted, memory.monitor = torch.device("cuda"), 10_446_428_672, True, None
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 8_137_029_632)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10_200_000_000)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 786.00 MiB. GPU 0 has a total capacity")
+    err = memory.budget_error(oom, what="the backward pass", chunk_bytes=760_315_904, advice="lower the ratio")
+    assert err.missing_bytes == 10_200_000_000 + 786 * 2**20 - 10_446_428_672
+    assert "the allocator held 10200000000 in segments, 2062970368 of them free blocks" in str(err)
+    assert "expandable_segments:True" in str(err)

@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 import gemini
 from gemini.pretrained import load_pretrained_into
 from gemini.tools.gpt import GPT
-from helpers import (DEVICE, TINY, assert_params_close, batches, clone_pair, make_gpt, roomy_budget,
+from helpers import (DEVICE, TINY, assert_params_close, batches, clone_pair, make_gpt, roomy_budget, tolerance,
                      train_reference)
 
 STEPS = 3
@@ -80,7 +80,7 @@ def _train_compiled(model, data, config: gemini.GeminiConfig, compile_fn, *, lr:
 
 
 def _check(got_losses, got, want_losses, want, graphs, *, rtol: float, atol: float):
-    assert got_losses == pytest.approx(want_losses, rel=max(rtol, 1e-6))
+    assert got_losses == pytest.approx(want_losses, rel=tolerance(max(rtol, 1e-6), 0)["rtol"])
     for step, (g, w) in enumerate(zip(got, want)):
         assert_params_close(g, w, rtol=rtol, atol=atol, step=step)
     assert graphs[1] > 0, "nothing was compiled"
@@ -189,7 +189,7 @@ def test_compiled_model_with_activation_offload_equals_adamw(name):
         opt.zero_grad()
         graphs.append(_unique_graphs())
         reports.append(opt.report)
-        assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+        assert loss.item() == pytest.approx(want.item(), rel=tolerance(1e-6, 0)["rtol"])  # see [Note: equal to torch on a GPU]
         assert_params_close(gmodel.state_dict(), ref.state_dict(), step=step)
     assert graphs[1] > 0 and graphs[-1] == graphs[1], f"graphs compiled after the second step: {graphs}"
     last = reports[-1]

@@ -278,8 +278,8 @@ def test_gemini_accelerator_refuses_accelerates_fp16_scaler():
     gemini's backward never scaled: refused, pointing at gemini's own fp16."""
     from gemini.hf import GeminiAccelerator
 
-    acc = GeminiAccelerator(cpu=True)
-    acc.scaler = torch.amp.GradScaler("cpu")  # what mixed_precision="fp16" makes on a GPU
+    acc = GeminiAccelerator(cpu=DEVICE == "cpu")  # on a GPU its device is the model's
+    acc.scaler = torch.amp.GradScaler(DEVICE)  # what mixed_precision="fp16" makes on a GPU
     model, opt = gemini.initialize(_llama(), gemini.GeminiConfig(device=DEVICE, placement="cpu"))
     with pytest.raises(ValueError, match=r"GeminiConfig\(precision='fp16'\)"):
         acc.prepare(model, opt)

@@ -123,7 +123,7 @@ def _data():
 def _args(out, **extra):
     return transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, max_steps=4, learning_rate=LR, logging_steps=1,
-        save_steps=2, report_to=[], use_cpu=True, seed=42, disable_tqdm=True, weight_decay=0.01, **extra)
+        save_steps=2, report_to=[], use_cpu=DEVICE == "cpu", seed=42, disable_tqdm=True, weight_decay=0.01, **extra)
 
 
 def test_gemini_trainer_trains_saves_and_resumes_a_peft_model_as_trainer_does(tmp_path):

@@ -323,6 +323,9 @@ def test_data_assigned_to_p_grad_or_p_between_step_and_zero_grad_counts_like_tor
     under "cuda" autograd then accumulated into the user's tensor for good (the cached view
     was armed again). ``p.data = t`` between step() and zero_grad() (vector_to_parameters)
     was dropped under auto, whose zero_grad re-pointed parameters left viewing the host copy."""
+    if edit == "data-before-zero_grad" and DEVICE == "cuda" and name == "static":
+        pytest.skip("static keeps part of the parameters on the GPU, part on the host: torch's "
+                    "parameters_to_vector refuses parameters on two devices (README, on a GPU)")
     (ref, ref_opt), (model, opt) = _pair(name)
     for step, (x, y) in enumerate(batches(CFG, 3, batch=2, seq=16)):
         for m, o in ((ref, ref_opt), (model, opt)):

@@ -245,7 +245,7 @@ def test_two_ranks_on_cuda_over_gloo_equal_adamw(tmp_path, shard_params):
     copies of gemini/parallel/collectives.py. Compared with the CPU reference (kernels differ: 1e-5)."""
     spec = _spec({"device": "cuda", "config": {"placement": "auto", "shard_params": shard_params,
                                                "gpu_margin_mem_ratio": 0.5}})
-    run_ranks(zw.run_specs, [spec], str(tmp_path), timeout_seconds=300)
+    run_ranks(zw.run_specs, [spec], str(tmp_path), timeout_seconds=300, cuda=True)
     ref, _, _ = zw.train_reference(STEPS)
     for rank in range(2):
         run = torch.load(tmp_path / f"spec0_rank{rank}.pt", weights_only=True)

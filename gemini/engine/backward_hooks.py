@@ -5,6 +5,7 @@ backward pass begins and ends, and each parameter's gradient moved into its chun
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -84,13 +85,24 @@ class BackwardHooks:
                 p.grad = group.grad.flat_view(slot).view(slot.shape).to(p.device, p.dtype, copy=True)
                 self._preloaded.add(p)
 
-    def _grad_arriving(self, grad: torch.Tensor) -> None:
+    # [Note: a p.grad on another device than its gradient]
+    # On a GPU a parameter between its uses lies on the host (its ``.data`` a CPU tensor), so a
+    # tensor put in ``p.grad`` then (``p.grad = torch.full_like(p, ...)``, or the step's gradient
+    # so far that _hooked_grads_accumulated gives the user's hooks) is on the CPU, while the
+    # backward computes the gradient on the GPU, where the parameter was fetched: autograd's
+    # accumulation raised torch's device mismatch. Just before autograd adds onto it, the held
+    # tensor follows the gradient to its device. (The CPU stand-in has one device: nothing moves.)
+    def _grad_arriving(self, param_ref: weakref.ref, grad: torch.Tensor) -> None:
         # A graph over the parameters themselves (a penalty ``sum(p.pow(2))`` backpropagated on its
         # own) reaches no module's output, whose hook announces a pass: announced here, before
         # autograd accumulates, the exposed views are withdrawn first (accumulated into, they were
         # taken for gradients torch code replaced, and the pass was never counted).
         if torch._C._current_graph_task_id() != self._task_seen:
             self._begin_backward_pass()
+        if self._devices_differ and (param := param_ref()) is not None:
+            held = param.grad
+            if held is not None and held.device != grad.device:
+                param.grad = held.to(grad.device)
 
     def _computes_parameter_gradients(self) -> bool:
         """Whether the running graph task will compute a gradient of a trainable parameter (see
@@ -162,7 +174,9 @@ class BackwardHooks:
             dst = grad.flat_view(slot)
             src = param.grad.reshape(-1)
             if group.grad_ready[slot.index] and not preloaded:
-                dst.add_(src)  # accumulation over micro-batches
+                # a gradient computed where the parameter lay (on the host, read outside its
+                # module's call) onto the buffer on the device, or the other way
+                dst.add_(src.to(dst.device, non_blocking=True) if src.device != dst.device else src)
             else:
                 dst.copy_(src)
                 group.grad_ready[slot.index] = True

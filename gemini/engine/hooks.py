@@ -81,6 +81,8 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self.backward_passes = 0
         # Grad-enabled forwards since the last backward ([Note: one accumulator per forward]).
         self._graph_forwards = 0
+        # the host is not the compute device: see [Note: a p.grad on another device than its gradient]
+        self._devices_differ = manager.storage.device.type != "cpu"
         self.renews_accumulators = moves_drop_accumulators(manager.storage.device) and (
             manager.shard_params or not residency.policy.keeps_every_chunk_on_device)
         # The root's pre-hook runs first of all, its post-hook before the root's own chunk
@@ -144,7 +146,7 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         for group in manager.trainable_groups:
             for p in group.params:
                 if p.requires_grad:
-                    self._handles.append(p.register_hook(arriving))
+                    self._handles.append(p.register_hook(functools.partial(arriving, weakref.ref(p))))
                     self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
                     self._grad_hooks.append((p, self._handles[-1].id))  # see [Note: the user's post-accumulate hooks]
 

@@ -184,20 +184,29 @@ class DeviceMemory:
         budget's terms. None without a budget (the card's own limit: torch's error says it)."""
         if not self.budgeted:
             return None
+        held = ""
         if self.device.type == "cuda":
             allocated = torch.cuda.memory_allocated(self.device)
+            # The cap counts the allocator's segments, not the tensors in them: what it held, its
+            # free cached blocks already given back by its retry, is what the request met (a
+            # GPU run at a peer's peak failed with "about 1 bytes missing" when counted by tensors).
+            reserved = max(allocated, torch.cuda.memory_reserved(self.device))
+            if reserved > allocated:
+                held = (f"; the allocator held {reserved} in segments, {reserved - allocated} of them free blocks "
+                        f"too small or split for it (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets it "
+                        f"grow segments instead)")
         elif self.monitor is not None and self.monitor.running:
-            allocated = self.monitor.current_bytes()
+            allocated = reserved = self.monitor.current_bytes()
         else:
-            allocated = chunk_bytes
+            allocated = reserved = chunk_bytes
         found = _TRIED.search(str(error))
         requested = int(float(found[1]) * _UNIT_BYTES[found[2]]) if found else 0
-        missing = max(1, allocated + requested - self.budget_bytes)
+        missing = max(1, reserved + requested - self.budget_bytes)
         return DeviceBudgetError(
             f"{what} ran out of the device budget: an operator asked for {requested} bytes with {allocated} allocated "
-            f"(chunks {chunk_bytes}; the rest is activations, workspaces and buffers) but GeminiConfig.device_memory "
-            f"is {self.budget_bytes}: about {missing} bytes are missing. Nothing was updated. Raise device_memory, "
-            f"or {advice}.", missing_bytes=missing)
+            f"(chunks {chunk_bytes}; the rest is activations, workspaces and buffers{held}) but "
+            f"GeminiConfig.device_memory is {self.budget_bytes}: about {missing} bytes are missing. Nothing was "
+            f"updated. Raise device_memory, or {advice}.", missing_bytes=missing)
 
     def restart_slack(self) -> None:
         """A warm-up begins: :meth:`allocator_slack_bytes` counts from here."""
