@@ -82,8 +82,28 @@ def unseen_by_dispatch_modes(counts_in: Callable[[object], bool] = lambda mode: 
     with _disable_current_modes() as modes, contextlib.ExitStack() as kept:
         for mode in reversed(modes):  # innermost last, as they were
             if counts_in(mode):
-                kept.enter_context(mode)
+                kept.enter_context(_kept(mode))
         yield
+    for mode in modes:
+        if counts_in(mode) and hasattr(mode, "leave_if_idle"):
+            mode.leave_if_idle()  # its last monitor stopped inside: see [Note: a mode kept through a move]
+
+
+# [Note: a mode kept through a move]
+# A move re-enters the modes it keeps on a stack of its own, and the stack before it comes back
+# afterwards. A monitor stopped inside the move (an engine collected by a garbage collection that
+# one of the move's allocations set off, whose finalizer discards its monitor) popped the kept mode
+# from the move's stack: leaving the move then popped an empty stack, and restoring the stack before
+# it put the mode back with no monitor (every later operator of the thread went through it). So a
+# kept mode is not left while kept; it leaves, if idle, once the stack is restored.
+@contextlib.contextmanager
+def _kept(mode) -> Iterator[None]:
+    mode.kept_depth = getattr(mode, "kept_depth", 0) + 1
+    try:
+        with mode:
+            yield
+    finally:
+        mode.kept_depth -= 1
 
 
 @dataclass

@@ -22,7 +22,8 @@
 #                    a CUDA tensor over its pinned memory and keep its autograd accumulator
 #   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
 #   peers_accum      the same (after peers) with 4 micro-batches a step (gpu_peers_accum4.md)
-#   stepdiag         scripts/gpu_step_diag.py for torch, gemini ratio 1 and ratio 0 on the 355M GPT: the
+#   peers_torchao    torch, gemini ratio 0, torchao, and gemini ratio 1 at torchao's peak (gpu_peers_torchao.md)
+#   stepdiag         scripts/gpu_step_diag.py for torch, gemini ratio 1 and ratio 0 (or those in $STEPDIAG) on the 355M GPT: the
 #                    allocations live at each one's peak, by the code that made them, and the step's
 #                    phases (does the backward return ahead of the GPU?) (gpu_stepdiag_*.log)
 #   dynamic          bench_dynamic_shapes.py: auto under dynamic padding, covering plans against tracing
@@ -92,14 +93,21 @@ for s in "$@"; do
                 --time-limit 64 ;;
         nvme)
             mkdir -p /tmp/nvme
-            limit=$(search_limit 185) || { echo "== nvme: skipped, too little time left"; continue; }
+            limit=$(search_limit "${NVME_SECONDS:-185}") || { echo "== nvme: skipped, too little time left"; continue; }
             stage nvme $((limit + 15)) "$PY" benchmarks/bench_gpu_capacity.py --device cuda --nvme-dir /tmp/nvme \
-                --cpu-memory 16GiB --start-layers 56 --time-limit "$limit" ;;
+                --cpu-memory 16GiB --start-layers "${START_LAYERS:-56}" --time-limit "$limit" ;;
         peers)
             "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
                 >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"
-            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 250 "$PY" benchmarks/bench_peers.py --device cuda \
-                --model gpt-350m --steps 5 --warmup 2 --timeout 75 ;;
+            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers 400 "$PY" benchmarks/bench_peers.py --device cuda \
+                --model gpt-350m --steps 5 --warmup 2 --timeout 150 ;;  # DeepSpeed compiles its CPU Adam: > 75 s
+        peers_torchao)  # torch, gemini ratio 0 and torchao, then gemini ratio 1 at torchao's peak (about 110 s)
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+                >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"
+            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers_torchao 180 "$PY" benchmarks/bench_peers.py --device cuda \
+                --model gpt-350m --steps 5 --warmup 2 --timeout 90 \
+                --contenders "torch AdamW(fused),gemini auto (ratio 0),torchao CPUOffloadOptimizer"
+            for f in json md; do [ -f "$R/gpu_peers.$f" ] && mv "$R/gpu_peers.$f" "$R/gpu_peers_torchao.$f"; done; pack ;;
         peers_accum)  # after peers (its wheels installed): gradient accumulation, 4 micro-batches a step
             PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers_accum 200 "$PY" benchmarks/bench_peers.py --device cuda \
                 --model gpt-350m --steps 4 --warmup 2 --timeout 60 --micro-batches 4 --at-peak-of none \
@@ -108,7 +116,7 @@ for s in "$@"; do
             stage diag 60 "$PY" scripts/gpu_diag.py
             stage alias 40 "$PY" scripts/gpu_alias_diag.py ;;
         stepdiag)
-            for c in torch gemini-ratio1 gemini-ratio0; do
+            for c in ${STEPDIAG:-torch gemini-ratio1 gemini-ratio0}; do
                 stage "stepdiag_$c" 60 "$PY" scripts/gpu_step_diag.py --contender "$c"
             done ;;
         rerun)

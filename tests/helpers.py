@@ -227,3 +227,36 @@ def placement_configs(model_data_bytes: int) -> dict[str, dict]:
                        static_optimizer_offload_fraction=0.5),
         "auto-evicting": dict(placement="auto", chunk_size=8192, device_memory=int(model_data_bytes / 2.5)),
     }
+
+
+class FakeCudaAllocator:
+    """CUDA's caching allocator stood in for, as gemini's monitors read it (one nested read of
+    its counters, [Note: reading the allocator's counters] in tracer/memory_monitor.py): ``use``
+    sets what is allocated and reserved, peaks follow, ``torch.cuda.reset_peak_memory_stats``
+    resets them. ``torch.cuda.memory_stats`` (the flattening read, 100 us a call) raises, and
+    ``reads`` counts the nested ones."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.allocated = self.reserved = self.allocated_peak = self.reserved_peak = 0
+        self.reads = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", self._nested)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
+
+        def flattening(device=None):
+            raise AssertionError("torch.cuda.memory_stats (or memory_allocated and its kin) read per reading")
+        monkeypatch.setattr(torch.cuda, "memory_stats", flattening)
+
+    def use(self, allocated: int, reserved: int | None = None) -> None:
+        self.allocated, self.reserved = allocated, max(allocated, self.reserved if reserved is None else reserved)
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+
+    def _nested(self, device=None) -> dict:
+        self.reads += 1
+        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.allocated_peak}},
+                "reserved_bytes": {"all": {"current": self.reserved, "peak": self.reserved_peak}}}
+
+    def _reset(self, device=None) -> None:
+        self.allocated_peak, self.reserved_peak = self.allocated, self.reserved

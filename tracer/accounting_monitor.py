@@ -43,7 +43,23 @@ class _AccountingMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.monitors: list[TensorAccountingMonitor] = []
-        self.in_inference_mode = torch.is_inference_mode_enabled()  # entered inside it (see _stop)
+        self.in_inference_mode = torch.is_inference_mode_enabled()  # entered inside it (see leave_if_idle)
+        self.kept_depth = 0  # moves that keep it now ([Note: a mode kept through a move] in chunks/storage.py)
+
+    def leave_if_idle(self) -> None:
+        """Leave the stack once no monitor runs here, where the thread can now (the last stop, a move's end)."""
+        # Inside a backward the stack is the graph task's copy: popping the mode there left it on
+        # the caller's stack with no monitor and none to reuse it. torch.inference_mode()'s guard
+        # restores, when it ends, the dispatch keys it found: a mode entered outside it and popped
+        # inside (optimizer.step() under inference_mode) left the mode's key set with no mode, and
+        # every later operator of the thread failed ("Hit Python dispatch key but no arguments had
+        # PyInterpreter"). In either case, and while a move keeps it, it stays, empty, until a
+        # monitor stops where it can go.
+        if (not self.monitors and getattr(_THREAD, "mode", None) is self and _get_current_dispatch_mode() is self
+                and not self.kept_depth and torch._C._current_graph_task_id() == -1
+                and torch.is_inference_mode_enabled() == self.in_inference_mode):
+            self.__exit__(None, None, None)
+            _THREAD.mode = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -100,6 +116,10 @@ class TensorAccountingMonitor(MemoryMonitor):
     # - Inside a kernel: scratch buffers an operator allocates and frees internally (the
     #   CPU flash-attention kernel's per-thread buffers, for instance) never surface as
     #   tensors, so a peak inside such an op is missed; the allocator-based monitor sees it.
+    #   On CUDA a reduction split over thread blocks (a Linear's bias gradient, the sum of a
+    #   (tokens, out) gradient over its rows once a thread would sum 256 values or more)
+    #   stages its partial sums in fp32 from the allocator: 4 MiB for a sum of 1024 x 512 on
+    #   an H200 (the second and third GPU runs, the same 4,177,936 bytes short each time).
     # - Allocator rounding and fragmentation: storage bytes are what tensors need, not what
     #   a caching allocator reserves (CUDA rounds blocks to 512 bytes and caches freed ones).
     # - In-place resizes: UntypedStorage.resize_ bypasses the dispatcher; call refresh().
@@ -204,16 +224,7 @@ class TensorAccountingMonitor(MemoryMonitor):
                 f"have exited; the innermost mode is {_get_current_dispatch_mode()!r}"
             )
         mode.monitors.remove(self)
-        # Inside a backward the stack is the graph task's copy: popping the mode there left it on
-        # the caller's stack with no monitor and none to reuse it. torch.inference_mode()'s guard
-        # restores, when it ends, the dispatch keys it found: a mode entered outside it and popped
-        # inside (optimizer.step() under inference_mode) left the mode's key set with no mode, and
-        # every later operator of the thread failed ("Hit Python dispatch key but no arguments had
-        # PyInterpreter"). In either case it stays, empty, until a monitor stops where it can go.
-        inference_mode_changed = torch.is_inference_mode_enabled() != mode.in_inference_mode
-        if last and on_top and torch._C._current_graph_task_id() == -1 and not inference_mode_changed:
-            mode.__exit__(None, None, None)
-            _THREAD.mode = None
+        mode.leave_if_idle()
         self._mode = None
 
     def _current_bytes(self) -> int:

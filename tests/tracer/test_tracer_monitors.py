@@ -305,21 +305,13 @@ def test_cuda_monitors_keep_their_own_peak_across_each_others_resets(monkeypatch
     """[Note: one device peak, several monitors]: torch's peak is one per device; one monitor's
     reset (a new window) no longer clears what another's window saw. The allocator is stood in."""
     import tracer.memory_monitor as mm
+    from helpers import FakeCudaAllocator
 
-    class Allocator:
-        current = peak = 0
+    allocator = FakeCudaAllocator(monkeypatch)
 
     def alloc(n):
-        Allocator.current += n
-        Allocator.peak = max(Allocator.peak, Allocator.current)
+        allocator.use(allocator.allocated + n)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: Allocator.current)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: Allocator.peak)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: Allocator.peak)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
-                        lambda device=None: setattr(Allocator, "peak", Allocator.current))
     generator, discriminator = mm.CudaAllocatorMonitor("cuda"), mm.CudaAllocatorMonitor("cuda")
     generator.start()
     alloc(1000)
@@ -333,3 +325,28 @@ def test_cuda_monitors_keep_their_own_peak_across_each_others_resets(monkeypatch
     generator.stop()
     discriminator.reset_peak()
     assert discriminator.peak_bytes() == 300 and generator.peak_bytes() == 1000
+
+
+def test_a_monitor_discarded_inside_a_move_that_keeps_its_mode_leaves_no_mode_behind():
+    """[Note: a mode kept through a move] (chunks/storage.py): an engine collected during another's
+    chunk move (its finalizer discards its monitor) popped the mode the move had re-entered; the
+    move's end then failed ("trying to pop from empty mode stack", a GAN's second engine at
+    initialize in the full suite) and the stack restored after it held the mode, monitorless, for
+    every later operator of the thread."""
+    from chunks.storage import unseen_by_dispatch_modes
+
+    gc.collect()
+    dying = TensorAccountingMonitor("cpu")
+    dying.start()
+    with unseen_by_dispatch_modes(TensorAccountingMonitor.counts_in):
+        torch.empty(10)
+        dying.discard()  # as DeviceMemory's finalizer does
+        torch.empty(10)
+    assert _get_current_dispatch_mode() is None
+    after = TensorAccountingMonitor("cpu")  # a later engine's monitor starts and stops cleanly
+    after.start()
+    a = torch.empty(100)
+    assert after.current_bytes() == 100 * F32
+    after.stop()
+    assert _get_current_dispatch_mode() is None
+    del a
