@@ -267,6 +267,7 @@ def train_phase(args) -> dict:
         out["chunk_size"] = rt.manager.chunk_size
         out["chunk_groups"] = len(rt.manager.groups)
         out["nvme_groups"] = len(rt.nvme.groups)
+        out["pipeline_depth"] = rt.nvme.layout.depth  # what cpu_memory allowed of --depth
         print(f"initialize: {out['initialize_seconds']:.1f} s, read {read_bytes['n'] / 1e9:.2f} GB of weights, wrote "
               f"{out['initialize_nvme_write_bytes'] / 1e9:.2f} GB to NVMe; RSS "
               f"{out['rss_after_initialize_bytes'] / 2**30:.2f} GiB", flush=True)
@@ -427,13 +428,15 @@ def render(json_path: Path) -> None:
         f"{16 * n_params / gb:.0f} GB. Built under `init_empty_weights()` in {run['build_seconds']:.1f} s, then "
         f"`gemini.initialize(..., weights=folder)` with placement cpu, bf16, cpu_memory {args['cpu_memory']}, all "
         f"{run['nvme_groups']} chunk groups' masters and Adam states on NVMe (chunks of {run['chunk_size']} "
-        f"elements, pipeline depth {args['depth']}); {args['steps']} steps of batch 1 x {args['tokens']} tokens; "
+        f"elements, pipeline depth {run.get('pipeline_depth', args['depth'])}); {args['steps']} steps of batch 1 x "
+        f"{args['tokens']} tokens; "
         f"`gemini.save_pretrained(model, folder, dtype=torch.bfloat16)`.",
         "",
         f"Disk under `{args['dir']}` ({disk['bytes'] / 2**30:.0f} GiB sequential, 64 MiB a call, the best of "
         f"buffered and O_DIRECT): write {w / gb:.2f} GB/s (fsync included), read {r / gb:.2f} GB/s ({speeds} GB/s). "
-        "Buffered reads of a file evicted from the guest's page cache run faster than O_DIRECT ones: the VM's host "
-        "probably caches the disk too, so the read speed is optimistic, and reads are a small part of the bytes here.",
+        + ("Buffered reads of a file evicted from the guest's page cache run faster than O_DIRECT ones: the VM's host "
+           "probably caches the disk too, so the read speed is optimistic, and reads are a small part of the bytes here."
+           if disk.get("buffered_read_seconds", 0) < disk.get("direct_read_seconds", 0) else ""),
         "",
         "| phase | seconds | read GB | written GB | disk time at measured speeds s | seconds / disk time | peak RSS GiB |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
-from bench_step import RESULTS, machine_info, pyplot, save_figure  # noqa: E402
+from bench_step import RESULTS, command_line, machine_info, pyplot, save_figure  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from tracer import EvictionRule  # noqa: E402
 
@@ -146,7 +146,11 @@ def main() -> int:
     p.add_argument("--chunk-size", type=int, default=None, help="elements per chunk (default: searched)")
     p.add_argument("--fractions", default="1.2,1.0,0.8,0.6,0.45,0.3,0.2,0.1")
     p.add_argument("--ratios", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--out", default=None, help="results' name under benchmarks/results (default budget_<device>, "
+                   "the committed run's: name another for other options)")
     args = p.parse_args()
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: at least 1 (the median of the steps after the warm-up)")
     cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.embd,
                     activation_checkpointing=not args.no_checkpointing)
     model_data = 16 * cfg.num_params()
@@ -175,20 +179,20 @@ def main() -> int:
     ratio_budget = int(0.8 * model_data)
     ratios = [run(cfg, args, placement="auto", budget=ratio_budget, ratio=float(r)) for r in args.ratios.split(",")]
 
-    result = {"machine": machine_info(args.device), "model": {"params": cfg.num_params(), **cfg.__dict__},
+    result = {"machine": machine_info(args.device), "command": command_line("bench_budget.py"), "model": {"params": cfg.num_params(), **cfg.__dict__},
               "model_data_bytes": model_data, "no_pressure": unpressed, "budget_sweep": sweep,
               "fits_everything": {"cuda": cuda_row, "auto_ratio_1": auto_row,
                                   "ratio_auto_to_cuda": auto_row["median_step_s"] / cuda_row["median_step_s"]},
               "margin_ratio_sweep": {"budget_bytes": ratio_budget, "rows": ratios}}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"budget_{args.device}"
+    stem = args.out or f"budget_{args.device}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     m = result["machine"]
     md = [f"# Step time against the device budget (placement auto, device {args.device})", "",
           f"{m['date']} on {m['cpu']} ({m['cores']} cores, torch {m['torch']}). GPT {cfg.num_params() / 1e6:.2f}M "
           f"parameters, model data {model_data / 2**20:.1f} MiB, batch {args.batch}x{args.seq}, "
           f"chunk size {args.chunk_size or 'searched'}, activation checkpointing {'off' if args.no_checkpointing else 'on'}; median of {args.steps} steps after warm-up.", "",
-          f"Command: `python benchmarks/bench_budget.py{' --device cuda' if args.device == 'cuda' else ''}`", "",
+          f"Command: `{result['command']}`", "",
           "## Budget sweep", "",
           f"No budget pressure (budget 4x model data): {unpressed['median_step_s']:.3f} s a step, "
           f"h2d {unpressed['h2d_bytes'] / 2**20:.1f} MiB, d2h {unpressed['d2h_bytes'] / 2**20:.1f} MiB a step. "

@@ -47,7 +47,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
-from bench_step import RESULTS, machine_info, pyplot, save_figure  # noqa: E402
+from bench_step import RESULTS, command_line, machine_info, pyplot, save_figure  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig  # noqa: E402
 from gemini.engine.memory import DeviceBudgetError  # noqa: E402
 from tracer import EvictionRule  # noqa: E402
@@ -358,11 +358,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="the 24-layer GPT only, coarser search")
-    p.add_argument("--precision", type=float, default=0.005, help="binary search stops at this share of the budget")
+    p.add_argument("--precision", type=float, default=None,
+                   help="binary search stops at this share of the budget (default 0.005; 0.02 with --quick)")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # model:config:chunk, run by run_row
     p.add_argument("--reuse-log", default=None, help="take the rows an interrupted run printed to this log")
     args = p.parse_args()
-    rel = 0.02 if args.quick and args.row is None else args.precision
+    rel = args.precision if args.precision is not None else 0.02 if args.quick else 0.005
     workloads = [gpt_workload("gpt-24", 24, 4)]
     if not args.quick:
         workloads.append(llama_workload())
@@ -400,9 +401,7 @@ def main() -> int:
         print(json.dumps(medium), flush=True)
 
     result = {"machine": machine_info(args.device), "steps": STEPS, "rows": rows, "medium_gpt_at_40_percent": medium,
-              "command": "python benchmarks/bench_capacity.py" + (" --device cuda" if args.device == "cuda" else "")
-              + (" --quick" if args.quick else "")
-              + (f" --precision {args.precision:g}" if args.precision != p.get_default("precision") else "")}
+              "command": command_line("bench_capacity.py"), "precision": rel}
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"capacity_{args.device}" + ("_quick" if args.quick else "")
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))

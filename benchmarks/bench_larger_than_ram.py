@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     ram_bytes = psutil.virtual_memory().total
-    cfg = GPTConfig(vocab_size=8192, block_size=max(64, args.seq), n_layer=args.layers, n_head=args.embd // 128,
+    cfg = GPTConfig(vocab_size=8192, block_size=max(64, args.seq), n_layer=args.layers, n_head=max(1, args.embd // 128),
                     n_embd=args.embd)
 
     with RssSampler() as rss:
@@ -153,6 +153,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out_prefix}.json").write_text(json.dumps(result, indent=2))
     m = result["machine"]
+    depth = f"{layout.depth}" + (f" (asked {args.depth}: cpu_memory holds no more)" if layout.depth != args.depth else "")
     lines = [
         "# A GPT larger than RAM: optimizer states on NVMe",
         "",
@@ -163,7 +164,7 @@ def main() -> None:
         f"**{state_bytes / 1e9:.1f} GB** (16 bytes per parameter) against **{format_size(ram_bytes)}** of RAM. "
         f"Placement cpu (the CPU is the device), cpu_memory {args.cpu_memory}, chunks of "
         f"{opt._rt.manager.chunk_size} elements, "
-        f"pipeline depth {args.depth}: {len(layout.nvme_groups)} of {len(opt._rt.manager.trainable_groups)} chunk "
+        f"pipeline depth {depth}: {len(layout.nvme_groups)} of {len(opt._rt.manager.trainable_groups)} chunk "
         f"groups' masters and Adam states on NVMe ({layout.nvme_bytes / 1e9:.1f} GB). "
         f"initialize took {init_seconds:.0f} s (it writes those states once).",
         "",

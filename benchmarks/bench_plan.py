@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemini  # noqa: E402
-from bench_step import RESULTS, machine_info  # noqa: E402
+from bench_step import RESULTS, command_line, machine_info  # noqa: E402
 from gemini.tools.gpt import GPT, GPTConfig  # noqa: E402
 from gemini.engine.memory import DeviceBudgetError  # noqa: E402
 
@@ -220,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         tiers_exact=sum(bool(c["tiers_exact"]) for c in trained),
         plan_ms_median=sorted(c["plan_ms"] for c in cells)[len(cells) // 2],
     )
-    results = dict(machine=machine_info(args.device), command=" ".join(["python", "benchmarks/bench_plan.py", *sys.argv[1:]]),
+    results = dict(machine=machine_info(args.device), command=command_line("bench_plan.py"),
                    steps=STEPS, tolerance=TOLERANCE, summary=summary, cells=cells)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"plan_{args.device}"
+    out = RESULTS / (f"plan_{args.device}" + ("_quick" if args.quick else ""))  # the full run's results stay
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     out.with_suffix(".md").write_text(_markdown(results))
     print(_markdown(results).splitlines()[-1])

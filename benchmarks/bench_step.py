@@ -35,6 +35,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -67,6 +68,11 @@ def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
+
+
+def command_line(script: str) -> str:
+    """The command that ran ``benchmarks/<script>``, its arguments quoted for a shell."""
+    return " ".join(["python", f"benchmarks/{script}", *map(shlex.quote, sys.argv[1:])])
 
 
 def machine_info(device: str) -> dict:
