@@ -330,3 +330,39 @@ def test_safetensors_of_the_compiled_handle_have_the_bare_keys(tmp_path):
     for function in (gemini.save_pretrained, load_pretrained_into):
         with pytest.raises(TypeError, match="GPT for model: pass the model gemini.initialize returned"):
             function(make_gpt(), tmp_path)
+
+
+@pytest.mark.standin  # the budget in the stand-in's bytes
+def test_a_budget_error_inside_a_compiled_call_leaves_torch_usable():
+    """The warm-up of two micro-batches ends at the second forward's root pre-hook, inside the
+    compiled model's call; its budget error stopped the accounting monitor there, popping its
+    dispatch mode, and torch.compile's wrapper then restored the dispatch keys it had found: the
+    Python key with no mode, so every later operator without tensor arguments failed (torch.zeros,
+    a retry's initialize, the process group's barrier). The mode now stays, empty, until a monitor
+    stops outside the compiled call."""
+    torch._dynamo.reset()
+    model, opt = gemini.initialize(make_gpt(TINY, 0), gemini.GeminiConfig(
+        device=DEVICE, placement="auto", device_memory=250_000, chunk_size=4000), lr=1e-2)
+    run = torch.compile(model, backend="aot_eager")
+    x, y = batches(TINY, 1)[0]
+    with pytest.raises(gemini.DeviceBudgetError, match="bytes are missing"):
+        for half in (slice(0, 1), slice(1, 2)):
+            opt.backward(GPT.loss(run(x[half]), y[half]) / 2)
+    assert torch.zeros(2).sum().item() == 0  # failed: "Hit Python dispatch key but no arguments had PyInterpreter"
+    opt.close()
+    ref, retry = clone_pair()  # a retry with room: trains like AdamW
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0, fused=True)
+    gmodel, gopt = gemini.initialize(retry, gemini.GeminiConfig(device=DEVICE, placement="auto",
+                                                                device_memory=roomy_budget("64MiB")), lr=1e-2)
+    compiled = torch.compile(gmodel, backend="aot_eager")
+    for x, y in batches(TINY, 2):
+        GPT.loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        gopt.backward(GPT.loss(compiled(x), y))
+        gopt.step()
+        gopt.zero_grad()
+        assert_params_close(gmodel.state_dict(), ref.state_dict())
+    gopt.close()
+    torch._dynamo.reset()
