@@ -192,7 +192,7 @@ STATE_CUDA_ATOL = 5e-8
 # CPU both sides round alike. On a GPU, where gemini's Adam runs on the host (placement cpu, the
 # host's groups under auto) against the reference's fused CUDA kernel, the two updates differ in
 # the last bit, the next noise differs entirely, and these tensors drift apart by up to the
-# learning rate (the second GPU run, 2026-11-27: 9.7e-3 at lr 1e-2 after 5 steps, in no other
+# learning rate (the fourth suite run on a GPU, 2026-11-27: 9.7e-3 at lr 1e-2 after 5 steps, in no other
 # tensor). On CUDA they are compared to NOISE_CUDA_ATOL; their values move no loss.
 NOISE_GRADIENT = re.compile(r"(attn\.qkv\.bias|in_proj_bias)$")
 NOISE_CUDA_ATOL = 5e-2

@@ -135,7 +135,7 @@ class TensorAccountingMonitor(MemoryMonitor):
     #   On CUDA a reduction split over thread blocks (a Linear's bias gradient, the sum of a
     #   (tokens, out) gradient over its rows once a thread would sum 256 values or more)
     #   stages its partial sums in fp32 from the allocator: 4 MiB for a sum of 1024 x 512 on
-    #   an H200 (the second and third GPU runs, the same 4,177,936 bytes short each time).
+    #   an H200 (runs 3 and 4 of the suite on a GPU, 4,177,936 bytes short both times).
     # - Allocator rounding and fragmentation: storage bytes are what tensors need, not what
     #   a caching allocator reserves (CUDA rounds blocks to 512 bytes and caches freed ones).
     # - In-place resizes: UntypedStorage.resize_ bypasses the dispatcher; call refresh().
