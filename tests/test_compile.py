@@ -23,6 +23,7 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import gemini
 from gemini.pretrained import load_pretrained_into
@@ -365,4 +366,5 @@ def test_a_budget_error_inside_a_compiled_call_leaves_torch_usable():
         gopt.zero_grad()
         assert_params_close(gmodel.state_dict(), ref.state_dict())
     gopt.close()
+    assert _get_current_dispatch_mode() is None  # the mode the error kept left with the retry's window
     torch._dynamo.reset()

@@ -37,9 +37,11 @@ _THREAD = threading.local()  # .mode: this thread's shared mode while a monitor 
 _EXCLUDED: dict[int, weakref.ref] = {}  # id(storage) -> a weak reference to it, for every monitor
 
 
-def _inside_compiled_call() -> bool:
-    """Whether a torch.compile'd callable's wrapper is running on this thread's stack (it restores
-    the dispatch keys it found when its call ends: see _AccountingMode.leave_if_idle)."""
+def _raising_in_compiled_call() -> bool:
+    """Whether an exception is being handled inside a torch.compile'd callable's call on this
+    thread (whose wrapper restores the dispatch keys it found: see _AccountingMode.leave_if_idle)."""
+    if sys.exc_info()[0] is None:
+        return False
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -66,14 +68,14 @@ class _AccountingMode(TorchDispatchMode):
         # restores, when it ends, the dispatch keys it found: a mode entered outside it and popped
         # inside (optimizer.step() under inference_mode) left the mode's key set with no mode, and
         # every later operator of the thread failed ("Hit Python dispatch key but no arguments had
-        # PyInterpreter"). torch.compile's wrapper does the same when its call ends (a budget
-        # error at the warm-up's end, raised in the root's pre-hook inside a compiled model's
-        # call, left every later operator failing so, a retry and the process group's barrier
-        # included). In these cases, and while a move keeps it, it stays, empty, until a monitor
-        # stops where it can go.
+        # PyInterpreter"). torch.compile's wrapper does the same when its call ends by an error
+        # (a budget error at the warm-up's end, raised in the root's pre-hook inside a compiled
+        # model's call, left every later operator failing so, a retry and the process group's
+        # barrier included; a call that returns is left as before). In these cases, and while a
+        # move keeps it, it stays, empty, until a monitor stops where it can go.
         if (not self.monitors and getattr(_THREAD, "mode", None) is self and _get_current_dispatch_mode() is self
                 and not self.kept_depth and torch._C._current_graph_task_id() == -1
-                and torch.is_inference_mode_enabled() == self.in_inference_mode and not _inside_compiled_call()):
+                and torch.is_inference_mode_enabled() == self.in_inference_mode and not _raising_in_compiled_call()):
             self.__exit__(None, None, None)
             _THREAD.mode = None
 
