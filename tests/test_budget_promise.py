@@ -488,8 +488,8 @@ def test_a_cuda_budget_error_counts_the_allocators_segments_not_its_tensors(monk
 def test_a_move_of_model_data_reads_the_allocators_counters_a_few_times(monkeypatch):
     """Each move onto or off the device cuts the step's peak twice ([Note: the step's non-model
     peak]); each cut read torch.cuda.memory_allocated's kin three times, each flattening every
-    counter of the allocator: about 2,200 reads a step (355M GPT, auto), a tenth of a second the
-    backward could not hide on the GPU. Now one nested read per reading, two per cut ([Note:
+    counter of the allocator: about 2,200 reads a step (355M GPT, auto), an estimated tenth of a
+    second of host time on a GPU. Now one nested read per reading, two per cut ([Note:
     reading the allocator's counters]); the figures are the same."""
     from gemini.engine import memory
 

@@ -184,9 +184,10 @@ class CudaAllocatorMonitor(MemoryMonitor):
     # (some 120 entries) into sorted dotted keys, about 100 us a call, and a step under auto
     # reads them at each move of model data onto or off the device (two cuts of the step's
     # peak a move, [Note: the step's non-model peak] in gemini/engine/memory.py): some 2,200
-    # calls a step on a 355M GPT, a tenth of a second of host time the backward could not hide
-    # (the third lent GPU session). One nested read (torch.cuda.memory_stats_as_nested_dict, what they
-    # read before flattening) serves each reading here.
+    # calls a step on a 355M GPT by a count on the stand-in, about a tenth of a second of host
+    # time (an estimate, not yet timed on a GPU). One nested read
+    # (torch.cuda.memory_stats_as_nested_dict, what they read before flattening) serves each
+    # reading here.
     def _counters(self, stat: str, stats: dict | None = None) -> dict[str, int]:
         """``stat``'s (allocated_bytes, reserved_bytes) counters for all pools (current, peak),
         from ``stats`` read already or a read now."""

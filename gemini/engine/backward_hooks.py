@@ -175,8 +175,9 @@ class BackwardHooks:
             src = param.grad.reshape(-1)
             if group.grad_ready[slot.index] and not preloaded:
                 # a gradient computed where the parameter lay (on the host, read outside its
-                # module's call) onto the buffer on the device, or the other way
-                dst.add_(src.to(dst.device, non_blocking=True) if src.device != dst.device else src)
+                # module's call) onto the buffer on the device, or the other way; blocking: a
+                # non-blocking copy to the host is not there yet when add_ reads it
+                dst.add_(src.to(dst.device) if src.device != dst.device else src)
             else:
                 dst.copy_(src)
                 group.grad_ready[slot.index] = True
