@@ -1,6 +1,7 @@
 """Run a function on several ranks (gloo on 127.0.0.1), bounded in time; a failing rank fails.
 
-Each rank runs ``fn(rank, world, *args)`` in a spawned process after joining a gloo process
+Each rank runs ``fn(rank, world, *args)`` in a process of its own (forked from a server that
+imported torch, or spawned beside a GPU: [Note: ranks forked from a server]) after joining a gloo process
 group on a free port of 127.0.0.1. The call raises if any rank raises (with its traceback),
 exits non-zero, or the whole run outlives ``timeout_seconds`` (every rank is then killed).
 """
@@ -37,7 +38,9 @@ def free_port() -> int:
 # work. Every failure before that point still fails: an exception in ``fn`` propagates
 # (torch's spawn wrapper records it and exits 1), and faulthandler prints each thread's
 # Python stack if a rank dies of a signal while working.
-def _entry(rank: int, world: int, port: int, fn, args) -> None:
+def _entry(rank: int, world: int, port: int, env: dict[str, str], fn, args) -> None:
+    os.environ.clear()  # the caller's environment, not the fork server's: [Note: ranks forked from a server]
+    os.environ.update(env)
     faulthandler.enable(all_threads=True)
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on 127.0.0.1
@@ -76,6 +79,26 @@ def _spawn_env(cuda: bool) -> dict[str, str]:
     return {} if cuda else {"CUDA_VISIBLE_DEVICES": "", "GEMINI_TEST_DEVICE": "cpu"}
 
 
+# [Note: ranks forked from a server]
+# A spawned rank is a fresh interpreter that imports torch and gemini: ~3 s a call on the
+# 2-core CI machine (6 s beside another test process), over some 60 calls in the suite. Where no
+# GPU is present the ranks are forked instead from multiprocessing's fork server, which imported
+# them once (0.07 s a call after the first; transformers' Trainer too where installed: 2.7 s a
+# rank of the HF tests). The server is a fresh interpreter that has run no
+# parallel region (which a fork does not survive) and no test's code; it keeps the environment it
+# started with, so each rank first takes its caller's (a test's monkeypatched variables, and the
+# overlay above). Beside a GPU the ranks are spawned as before: hiding the GPU relies on
+# CUDA_VISIBLE_DEVICES being set before torch first asks CUDA anything, which a spawn guarantees.
+_PRELOAD = ["torch", "torch.distributed", "gemini", "transformers.trainer"]  # the last where installed
+
+
+def _start_method() -> str:
+    if torch.cuda.is_available():
+        return "spawn"
+    mp.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts, at the first call
+    return "forkserver"
+
+
 def run_ranks(fn, *args, world: int = 2, timeout_seconds: float = 240.0, cuda: bool = False) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise if any rank fails or it hangs.
     The ranks see the GPUs only with ``cuda`` (see [Note: ranks on the CPU beside a GPU])."""
@@ -89,10 +112,10 @@ def run_ranks(fn, *args, world: int = 2, timeout_seconds: float = 240.0, cuda: b
 
 def _run_ranks_once(fn, args, world: int, timeout_seconds: float, env: dict[str, str]) -> None:
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the spawned interpreters inherit it; this process's CUDA is as it was
+    os.environ.update(env)  # a spawned interpreter inherits it; this process's CUDA is as it was
     try:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(world, free_port(), dict(os.environ), fn, args), nprocs=world,
+                                 join=False, start_method=_start_method())
     finally:
         for k, v in saved.items():
             if v is None:

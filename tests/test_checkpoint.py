@@ -58,6 +58,8 @@ def test_save_reload_continue_equals_uninterrupted(placement, precision, tmp_pat
     _run(resumed, resumed_opt, data[4:])
     assert_params_close(resumed.state_dict(), full_model.state_dict(), rtol=0, atol=0)
     assert resumed_opt.loss_scale == full_opt.loss_scale
+    # The resumed run's reports go on numbering the run's steps (skipped fp16 ones included).
+    assert resumed_opt.report.step == full_opt.report.step == len(data) - 1
     sd_a, sd_b = resumed_opt.state_dict(), full_opt.state_dict()
     assert sd_a["state"].keys() == sd_b["state"].keys()
     for k in sd_b["state"]:
@@ -105,6 +107,12 @@ def test_state_dicts_match_plain_pytorch():
     x, _ = data[0]
     with torch.no_grad():
         torch.testing.assert_close(plain(x), gmodel(x))
+    # Going on from torch's state, the reports number the steps from the updates it counted.
+    resumed, resumed_opt = gemini.initialize(plain, gemini.GeminiConfig(device=DEVICE, placement="cpu",
+                                                                        chunk_size=3000), lr=1e-2, weight_decay=0.1)
+    resumed_opt.load_state_dict(ref_opt.state_dict())
+    _run(resumed, resumed_opt, data[:1])
+    assert resumed_opt.report.step == len(data)
 
 
 @pytest.mark.parametrize("placement", ["cpu", "cuda"])

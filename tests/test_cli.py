@@ -122,19 +122,6 @@ def test_train_auto_on_cpu_without_a_budget_plans_against_the_machine(capsys):
     assert "step   2/2 | loss" in out
 
 
-def test_tune_margin_prints_the_table_and_a_recommendation(capsys):
-    argv = ["tune-margin", "--device", "cpu", *SMALL_GPT, "--batch", "2", "--device-memory", "6MiB",
-            "--ratios", "0,1", "--steps", "2", "--rounds", "1"]
-    rc = main(argv)
-    out, err = capsys.readouterr()
-    assert rc == 0, out
-    assert "[trial 1/2] ratio 0 round 1: " in err and "[trial 2/2] ratio 1 round 1: " in err
-    table = out[out.index("  ratio  OS chunks"):].splitlines()
-    assert "needed" in table[0] and "measured peak" in table[0]
-    assert sum(row.startswith("*") for row in table[1:3]) == 1
-    assert "recommended: gpu_margin_mem_ratio=" in out and "host memory peak: " in out
-
-
 def test_plan_prints_where_each_kind_goes_and_whether_it_fits(tmp_path, capsys):
     argv = ["plan", *SMALL_GPT, "--placement", "cpu", "--chunk-size", "40000", "--cpu-memory", "4MiB",
             "--nvme-dir", str(tmp_path), "--nvme-pipeline-depth", "1"]

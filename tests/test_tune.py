@@ -135,13 +135,18 @@ def test_headroom_is_judged_on_needed_memory_not_on_the_cached_peak():
 
 
 def test_the_readme_command_exits_0_with_a_recommendation(capsys):
-    # The README's example with a smaller model (the README's takes minutes): every trial in its
-    # own process, a line per trial on stderr.
+    # The README's example with a smaller model (the README's takes minutes) and two ratios:
+    # every trial in its own process, a line per trial on stderr, the second round in the other
+    # order, the table and the recommendation on stdout.
     argv = ["tune-margin", "--device", "cpu", "--layers", "2", "--embd", "128", "--heads", "4", "--vocab", "256",
-            "--seq", "16", "--device-memory", "4MiB", "--ratios", "0,0.5,1", "--steps", "3", "--rounds", "2"]
+            "--seq", "16", "--device-memory", "4MiB", "--ratios", "0,1", "--steps", "2", "--rounds", "2"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
-    assert "[trial 1/6] ratio 0 round 1: " in err and "[trial 6/6] ratio 0 round 2: " in err
+    assert "[trial 1/4] ratio 0 round 1: " in err and "[trial 2/4] ratio 1 round 1: " in err
+    assert "[trial 3/4] ratio 1 round 2: " in err and "[trial 4/4] ratio 0 round 2: " in err
+    table = out[out.index("  ratio  OS chunks"):].splitlines()
+    assert "needed" in table[0] and "measured peak" in table[0]
+    assert sum(row.startswith("*") for row in table[1:3]) == 1
     assert "recommended: gpu_margin_mem_ratio=" in out
     assert "host memory peak: this process " in out and "largest trial process " in out
 

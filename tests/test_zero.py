@@ -183,8 +183,7 @@ def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
     ref, _, _ = zw.train_reference(4)
     two = tmp_path / "two"
     two.mkdir()
-    run_ranks(zw.checkpoint_round_trip, str(two), "save", cfg)
-    run_ranks(zw.checkpoint_round_trip, str(two), "load_sharded", cfg)
+    run_ranks(zw.checkpoint_round_trip, str(two), "save,load_sharded", cfg)
     zw.checkpoint_round_trip(0, 1, str(two), "load_consolidated", cfg)  # in this process: one rank
     zw.checkpoint_round_trip(0, 1, str(two), "load_sharded", cfg)  # two ranks' shards, made whole
     whole = torch.load(two / "consolidated.pt", weights_only=True)
@@ -198,8 +197,7 @@ def test_checkpoints_move_between_world_sizes(tmp_path, shard_params):
     one = tmp_path / "one"
     one.mkdir()
     zw.checkpoint_round_trip(0, 1, str(one), "save", cfg)
-    run_ranks(zw.checkpoint_round_trip, str(one), "load_consolidated", cfg)
-    run_ranks(zw.checkpoint_round_trip, str(one), "load_sharded", cfg)  # one rank's shard into two
+    run_ranks(zw.checkpoint_round_trip, str(one), "load_consolidated,load_sharded", cfg)  # one rank's shard into two
     for folder, phase, world in [(two, "save", 2), (two, "load_sharded", 2), (two, "load_consolidated", 1),
                                  (two, "load_sharded", 1), (one, "load_consolidated", 2), (one, "load_sharded", 2),
                                  (one, "save", 1)]:

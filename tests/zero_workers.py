@@ -132,10 +132,17 @@ def run_specs(rank: int, world: int, specs: list[dict], out_dir: str) -> None:
         opt.close()
 
 
-def checkpoint_round_trip(rank: int, world: int, out_dir: str, phase: str, cfg: dict) -> None:
-    """Checkpoint tests. ``save``: train 2 steps, save consolidated (rank 0) and sharded (each
-    rank) checkpoints, train 2 more. ``load_consolidated`` / ``load_sharded``: resume from them
-    and train the last 2 steps. Saves the last 2 steps' states."""
+def checkpoint_round_trip(rank: int, world: int, out_dir: str, phases: str, cfg: dict) -> None:
+    """Checkpoint tests, the comma-separated ``phases`` in turn, each with a model and optimizer
+    of its own (one process for several saves the ranks' start-up). ``save``: train 2 steps, save
+    consolidated (rank 0) and sharded (each rank) checkpoints, train 2 more.
+    ``load_consolidated`` / ``load_sharded``: resume from them and train the last 2 steps. Each
+    saves its last 2 steps' states."""
+    for phase in phases.split(","):
+        _checkpoint_phase(rank, world, out_dir, phase, cfg)
+
+
+def _checkpoint_phase(rank: int, world: int, out_dir: str, phase: str, cfg: dict) -> None:
     data = make_data(4)
     model, opt = gemini.initialize(make_net(seed=7 if phase != "save" else 0), config({"config": cfg}, out_dir),
                                    lr=1e-2, weight_decay=0.01)

@@ -285,7 +285,8 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
     # The formats are in gemini/optim/state_dict.py; here only what this optimizer adds to them.
     def _hyper_state(self) -> formats.HyperState:
         return formats.hyper_state(self.param_groups, precision=self._rt.config.precision,
-                                   adamw_mode=self.adamw_mode, scaler=self.scaler)
+                                   adamw_mode=self.adamw_mode, scaler=self.scaler,
+                                   steps_reported=self.reports_made)
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """What both loads check before changing anything (all or nothing)."""
@@ -301,6 +302,7 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
     def _load_hyper_state(self, state_dict: dict[str, Any]) -> None:
         formats.load_hyper_state(self.param_groups, self.scaler, state_dict["param_groups"],
                                  state_dict.get("gemini", {}))
+        self.reports_made = formats.steps_reported(state_dict)
         for hp in self.param_groups:  # as torch.optim.AdamW's __setstate__ after a load
             hp.update({**TORCH_FLAGS, **hp, "decoupled_weight_decay": self.adamw_mode})
 

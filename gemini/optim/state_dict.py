@@ -37,6 +37,7 @@ __all__ = [
     "load_sharded_state_dict",
     "param_state",
     "same_layout",
+    "steps_reported",
     "sharded_state_dict",
 ]
 
@@ -46,11 +47,11 @@ HyperState = tuple[list[dict[str, Any]], dict[str, Any]]  # (param groups less "
 
 # --------------------------------------------------------------------------- hyper-state
 def hyper_state(param_groups: ParamGroups, *, precision: str, adamw_mode: bool,
-                scaler: DynamicLossScaler | None) -> HyperState:
+                scaler: DynamicLossScaler | None, steps_reported: int) -> HyperState:
     """What both formats save besides the states: each param group's values, and the run's
-    precision, AdamW mode and loss scaler."""
+    precision, AdamW mode, loss scaler and count of steps taken (skipped ones included)."""
     groups = [{k: v for k, v in hp.items() if k != "params"} for hp in param_groups]
-    extra = {"precision": precision, "adamw_mode": adamw_mode}
+    extra = {"precision": precision, "adamw_mode": adamw_mode, "steps_reported": steps_reported}
     if scaler is not None:
         extra["loss_scaler"] = scaler.state_dict()
     return groups, extra
@@ -67,6 +68,16 @@ def load_hyper_state(param_groups: ParamGroups, scaler: DynamicLossScaler | None
         hp["params"] = params
     if scaler is not None and "loss_scaler" in extra:
         scaler.load_state_dict(extra["loss_scaler"])
+
+
+def steps_reported(state_dict: dict[str, Any]) -> int:
+    """How many steps the run that saved ``state_dict`` had taken, so that a resumed run's
+    reports go on numbering from there, as DeepSpeed's global step does. A state saved by
+    torch's AdamW counts its updates: the largest per-parameter ``step``."""
+    extra = state_dict.get("gemini", {})
+    if "steps_reported" in extra:
+        return int(extra["steps_reported"])
+    return max((int(entry["step"]) for entry in state_dict.get("state", {}).values() if "step" in entry), default=0)
 
 
 # ---------------------------------------------------------------------------- full format
