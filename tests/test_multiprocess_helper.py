@@ -1,5 +1,6 @@
 """The two-rank harness itself (tests/multiprocess.py): a port taken before rank 0 listens is
-tried again on another, and the ranks see no GPU unless asked."""
+tried again on another, the ranks see no GPU unless asked, and each call's ranks the caller's
+environment of the moment."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def test_a_rank_that_fails_otherwise_is_not_tried_again(tmp_path):
 
 def _raise(rank: int, world: int) -> None:
     raise RuntimeError("boom")
+
+
+def _write_environment(rank: int, world: int, out_dir: str) -> None:
+    with open(os.path.join(out_dir, f"env{rank}.txt"), "w") as f:
+        f.write(f"{os.environ.get('GEMINI_PROBE_SET')!r} {os.environ.get('GEMINI_PROBE_GONE')!r}")
+
+
+def test_the_ranks_take_the_callers_environment_of_each_call(tmp_path, monkeypatch):
+    """Forked from a server started at an earlier call ([Note: ranks forked from a server]),
+    the ranks still see the variables the caller has now, set or removed since."""
+    monkeypatch.setenv("GEMINI_PROBE_GONE", "at the first call")
+    run_ranks(_write_environment, str(tmp_path), timeout_seconds=120)
+    assert (tmp_path / "env1.txt").read_text() == "None 'at the first call'"
+    monkeypatch.delenv("GEMINI_PROBE_GONE")
+    monkeypatch.setenv("GEMINI_PROBE_SET", "since")
+    run_ranks(_write_environment, str(tmp_path), timeout_seconds=120)
+    for rank in (0, 1):
+        assert (tmp_path / f"env{rank}.txt").read_text() == "'since' None"
