@@ -31,7 +31,8 @@ class PendingIo:
 # A chunk has two names in the NVMe store, (kind, index, 0) and (kind, index, 1). Outside a
 # step every write replaces the file under the current name (the store swaps the file in
 # only once the write is complete, so a failed write keeps the old one). A step that must
-# be all or nothing (see [Note: a step is all or nothing] in gemini/step.py) first calls
+# be all or nothing (see [Note: a step is all or nothing] in
+# gemini/engine/transaction.py) first calls
 # ``hold_file()``: its write then goes to the other name, and the held file keeps the bytes
 # from before the step until ``release_held_file()`` (the step is complete: the held file
 # is deleted) or ``restore_held_file()`` (it failed: the chunk goes back to the held file,

@@ -498,7 +498,7 @@ def test_a_tied_weight_leaves_the_device_between_its_uses_in_backward(checkpoint
 def test_every_budget_the_warmup_accepts_trains_to_the_end(ratio):
     """The steady state charges each allocation the non-model bytes that can still be live
     with it: a gradient chunk allocated inside a period is charged the period's peak from that
-    moment on, not the peak the period had before it (see [Note: the tail of a period]).
+    moment on, not the peak the period had before it (see [Note: segments of a period] in tracer/runtime.py).
     Charged the whole period's peak, steady-state steps ran out of room at budgets whose
     warm-up had made the very same allocations, with the margin full of optimizer states."""
     data = batches(CFG, 3, batch=2, seq=16)

@@ -217,7 +217,7 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
     if device.type == "cuda":
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         events[0].record()
-    if tier is Tier.HOST:  # the copies its views were cut before ([Note: host groups updated as ...])
+    if tier is Tier.HOST:  # the copies its views were cut before ([Note: host groups updated as their gradients land])
         for g in batch.members:
             for chunk in g.step_chunks:
                 chunk.wait_host()
