@@ -20,7 +20,9 @@ __all__ = ["DynamicLossScaler", "ScaledBackwards", "loss_scaler_for", "update_sc
 class DynamicLossScaler:
     """Multiplies the loss so fp16 gradients neither underflow nor overflow.
 
-    Every overflow skips its step. [Note: hysteresis] The scale backs off only after
+    Every overflow skips its step.
+
+    [Note: hysteresis] The scale backs off only after
     ``hysteresis`` overflows since the last growth (Megatron-LM's and DeepSpeed's rule), so one
     stray spike does not halve the scale; a growth restores the full allowance. After
     ``growth_interval`` consecutive good steps the scale grows, capped at ``max_scale``; it
