@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemini
-from helpers import DEVICE, assert_params_close
+from gemini.tools.gpt import GPT
+from helpers import DEVICE, TINY, assert_params_close, batches, clone_pair
 
 STEPS = 3
 
@@ -169,3 +170,42 @@ def test_p_grad_and_torch_clipping_where_a_group_got_gradients_in_part(name, par
     _run(name, iteration)
     want, got = norms.values()  # torch's loop runs first
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.standin  # budgets in bytes the CPU stand-in counts exactly (on CUDA the allocator's cap)
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_hooks_over_micro_batches_stay_under_an_auto_budget(ratio):
+    """With the user's post-accumulate hooks, each later micro-batch copied the step's gradient
+    so far out of the chunks into every ``p.grad`` as its backward began: a whole gradient the
+    warm-up (the first micro-batch) never saw, so the second went over the budget the plan
+    held to (with ratio 1 at every budget, the margin filling what the plan left). Now each copy
+    is made as its parameter's gradient arrives and goes into the chunk after the hooks ([Note:
+    the user's post-accumulate hooks]): every step under the budget, the hooks and parameters
+    as torch's."""
+    base, ref = clone_pair()
+    ref.to(DEVICE)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    probe_model, probe = gemini.initialize(copy.deepcopy(base), gemini.GeminiConfig(device=DEVICE, placement="cuda",
+                                                                                    chunk_size=8192))
+    data = batches(TINY, 2 * STEPS, batch=2, seq=16)
+    GPT.loss(probe_model(data[0][0]), data[0][1]).backward()
+    probe.step()
+    budget = probe.report.device_peak_bytes * 55 // 100  # about half of what placement cuda holds
+    probe.close()
+    model, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=8192,
+                                                             device_memory=budget, gpu_margin_mem_ratio=ratio),
+                                   lr=1e-2, weight_decay=0.01)
+    seen = {"torch": [], "gemini": []}
+    for who, m in (("torch", ref), ("gemini", model)):
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, who=who: seen[who].append(p.grad.norm().item()))
+    for step in range(STEPS):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            for x, y in data[2 * step: 2 * step + 2]:
+                (GPT.loss(m(x), y) / 2).backward()
+            o.step()
+            o.zero_grad()
+        assert opt.report.device_peak_bytes <= budget, (step, opt.report.device_peak_bytes, budget)
+        assert_params_close(model.state_dict(), ref.state_dict(), step=step)
+    opt.close()
+    torch.testing.assert_close(seen["gemini"], seen["torch"], rtol=1e-5, atol=1e-6)

@@ -65,25 +65,37 @@ class BackwardHooks:
     # Their hooks see the gradient accumulated since zero_grad, as torch's do: where an earlier
     # pass of the step left one in the chunk (micro-batches) and ``p.grad`` is not the chunk's
     # view (the engine moves chunks, and took the gradient out of p.grad), a copy of it goes into
-    # ``p.grad`` before the pass for autograd to add onto, and the chunk's slot takes the sum, not
-    # another addition. Not under ZeRO, whose slots hold the reduced gradient of the ranks.
+    # ``p.grad`` for autograd to add onto, and the chunk's slot takes the sum, not another
+    # addition. Not under ZeRO, whose slots hold the reduced gradient of the ranks. The copy is
+    # made as the parameter's gradient arrives (``_grad_arriving``), on the gradient's device,
+    # and goes into the chunk right after the hooks: copied for every parameter as the pass
+    # began, the copies held a whole gradient beside the chunks, which no trace had seen (the
+    # warm-up traces the first micro-batch), so under auto with a budget the second micro-batch
+    # went over it, at every budget with gpu_margin_mem_ratio=1.
     def _grad_hooks_last(self) -> None:
         for p, key in self._grad_hooks:
             hooks = p._post_accumulate_grad_hooks
             if key in hooks and next(reversed(hooks)) != key:
                 hooks[key] = hooks.pop(key)  # not move_to_end: the C++ side walks the plain dict's order
 
-    @torch.no_grad()
     def _hooked_grads_accumulated(self) -> None:
+        """The parameters whose ``p.grad`` gets the step's gradient so far as this pass's arrives."""
         if self.residency.reducer is not None:
             return
         for p, _ in self._grad_hooks:
             if len(p._post_accumulate_grad_hooks) < 2 or p.grad is not None:
                 continue  # no hook of the user's, or p.grad is the chunk's view (accumulated into)
             group, slot = self.manager.locate(p)
-            if group.grad_ready[slot.index] and group.grad.state is not ChunkState.RELEASED:
-                p.grad = group.grad.flat_view(slot).view(slot.shape).to(p.device, p.dtype, copy=True)
-                self._preloaded.add(p)
+            if group.grad_ready[slot.index]:
+                self._to_preload.add(p)
+
+    @torch.no_grad()
+    def _preload(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        self._to_preload.discard(param)  # once a pass: a second accumulator's gradient adds in _on_grad
+        group, slot = self.manager.locate(param)
+        if param.grad is None and group.grad_ready[slot.index] and group.grad.state is not ChunkState.RELEASED:
+            param.grad = group.grad.flat_view(slot).view(slot.shape).to(grad.device, param.dtype, copy=True)
+            self._preloaded.add(param)
 
     # [Note: a p.grad on another device than its gradient]
     # On a GPU a parameter between its uses lies on the host (its ``.data`` a CPU tensor), so a
@@ -99,7 +111,10 @@ class BackwardHooks:
         # taken for gradients torch code replaced, and the pass was never counted).
         if torch._C._current_graph_task_id() != self._task_seen:
             self._begin_backward_pass()
-        if self._devices_differ and (param := param_ref()) is not None:
+        param = param_ref()
+        if param is not None and param in self._to_preload:
+            self._preload(param, grad)
+        elif self._devices_differ and param is not None:
             held = param.grad
             if held is not None and held.device != grad.device:
                 param.grad = held.to(grad.device)
@@ -209,6 +224,7 @@ class BackwardHooks:
                 return
             self._iteration_pass = False
             self._preloaded.clear()
+            self._to_preload.clear()
             self._graph_forwards = 0
             self.backward_passes += 1
             for group in self.residency.groups_fetched_for_backward():
