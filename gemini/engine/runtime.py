@@ -17,6 +17,7 @@ import torch
 
 from chunks import ChunkGroup, ChunkManager, ChunkStorage
 from gemini.engine.activations import ActivationOffload
+from gemini.engine.evaluation_room import EvaluationRoom
 from gemini.parallel.collectives import Collectives
 from gemini.config import GeminiConfig
 from gemini.engine.grad_views import GradViews, why_no_grad_views
@@ -33,7 +34,7 @@ from gemini.engine.system_memory import SystemMemory
 from gemini.engine.warmup import Warmup, peak_error
 from gemini.parallel.zero import agree_on_budget, agree_on_trace, gather_params
 from gemini.engine.iteration_state import IterationState
-from tracer import Boundary, TracedInputs
+from tracer import Boundary, InputSignature, TracedInputs, input_signature
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class GeminiRuntime(IterationMeasurement):
     forwards_raised: int = 0  # training forwards that raised: see [Note: ranks out of step] in gemini/parallel/zero.py
     _evaluation_window: bool = False  # this forward opened the window without grad (see on_root_forward_end)
     _root_grad: bool = True  # the running root forward's grad mode (True outside one)
+    evaluation_room: EvaluationRoom = field(default_factory=EvaluationRoom)  # what evaluations borrow of auto's margin
+    _evaluation_inputs: InputSignature | None = None  # this evaluation forward's, while the margin may be lent
     state: IterationState = IterationState.FIXED  # UNTRACED under auto (set in __post_init__)
 
     def __post_init__(self) -> None:
@@ -113,6 +116,7 @@ class GeminiRuntime(IterationMeasurement):
         self.grad_views.hide()
         self._root_grad = torch.is_grad_enabled()
         self._evaluation_window = not self._root_grad and not self.window_open
+        self._lend_margin(args, kwargs)  # before the window opens: the lent bytes are no part of its peak
         self.begin_window()
         if self.state is IterationState.ADOPTING:
             self._apply_plan()
@@ -148,9 +152,44 @@ class GeminiRuntime(IterationMeasurement):
             if self.config.device_memory is not None and self.memory.measuring:
                 error = peak_error(self.memory.peak_bytes() or 0, self.memory.budget_bytes, what="this evaluation "
                                    "forward (without gradients)", advice="use a smaller evaluation batch or sequence")
+            if self._evaluation_inputs is not None:  # see [Note: an evaluation beside the margin]
+                overran = error is not None or isinstance(sys.exc_info()[1], (DeviceBudgetError, torch.OutOfMemoryError))
+                if self.placement.lent or overran:
+                    self.evaluation_room.measured(self._evaluation_inputs, None if overran and not self.placement.lent
+                                                  else self.memory.peak_bytes() or 0)
             self.end_window()
+        self._evaluation_inputs = None
         self._evaluation_window, self._root_grad = False, True
         return error
+
+    def _lend_margin(self, args: tuple, kwargs: dict) -> None:
+        """An evaluation forward between steps may borrow the room of auto's margin; the next
+        training forward gives it back ([Note: an evaluation beside the margin] in
+        gemini/engine/evaluation_room.py)."""
+        placement = self.placement
+        if not placement.has_margin or (self.config.device_memory is None and self.device.type != "cuda"):
+            return
+        if self._root_grad:
+            self.return_margin()
+        elif self._evaluation_window and self.state is IterationState.PLANNED and self.nvme is None and self.zero is None:
+            self._evaluation_inputs = input_signature(args, kwargs)
+            margin_bytes = sum(placement.group_device_bytes(self.manager.groups[i]) for i in placement.os_on_device)
+            if margin_bytes and self.evaluation_room.borrows(self._evaluation_inputs, traced=self.traced_inputs.signature,
+                                                             margin_bytes=margin_bytes,
+                                                             budget_bytes=self.memory.budget_bytes):
+                logger.info("auto placement: an evaluation forward on new inputs borrows the margin's %d bytes",
+                            margin_bytes)
+                self._move_margin(lend=True)
+
+    def return_margin(self) -> None:
+        """The margin's groups back on the device after an evaluation borrowed their room."""
+        if self.placement.has_margin and self.placement.lent:
+            self._move_margin(lend=False)
+
+    def _move_margin(self, *, lend: bool) -> None:
+        self.placement.lend_margin(lend)
+        self.residency.apply_choice()
+        self.hooks.follow_modules(self.placement.follows_modules)
 
     def on_backward_begin(self) -> None:
         """A backward pass begins: the views are withdrawn, or armed ([Note: autograd accumulates into the chunks])."""
@@ -284,6 +323,7 @@ class GeminiRuntime(IterationMeasurement):
         """The optimizer's step begins, before it changes any value: under auto the first step
         ends the warm-up (may raise DeviceBudgetError), then the iteration's peak is checked."""
         self.residency.release_held()  # see [Note: parameters a create_graph pass saved]
+        self.return_margin()  # a step after an evaluation, with no forward between
         if self.tracing:
             if self.hooks.backward_passes == self._backward_passes_at_trace:
                 # A forward whose backward was skipped (a NaN guard): torch's step is a no-op, and the

@@ -79,6 +79,7 @@ class AutoPlacement(PlacementPolicy):
         # copies' storage when a forward of it began (see [Note: parameters read outside their modules]).
         self._read_outside: set[int] = set()
         self._host_uses: dict[int, int] | None = None
+        self.lent: set[int] = set()  # the margin's groups, on the host while an evaluation borrows their room
 
     @classmethod
     def from_config(cls, config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
@@ -88,7 +89,7 @@ class AutoPlacement(PlacementPolicy):
 
     @property
     def follows_modules(self) -> bool:
-        return not self._settled  # see [Note: auto settled on the device]
+        return not self._settled or bool(self.lent)  # see [Note: auto settled on the device]
 
     def initial_tier(self, kind: ChunkKind) -> Tier:
         return Tier.HOST
@@ -129,7 +130,8 @@ class AutoPlacement(PlacementPolicy):
         trainable = self.manager.trainable_groups
         room = margin_room_bytes(margin, self.margin_ratio, param_dtype=self.manager.param_dtype,
                                  largest_capacity=max((g.param.capacity for g in trainable), default=0))
-        self.os_on_device = set(margin_choice([(g.index, self.group_device_bytes(g)) for g in trainable], room))
+        self.lent, self.os_on_device = set(), set(margin_choice([(g.index, self.group_device_bytes(g))
+                                                                for g in trainable], room))
         # If every chunk that can be on the device fits there at once next to the largest
         # non-model peak, nothing will ever be evicted: periods need not be followed, and
         # the iteration runs without per-module boundary hooks (as fast as "cuda").
@@ -150,13 +152,21 @@ class AutoPlacement(PlacementPolicy):
         logger.info("auto placement: margin %d bytes x ratio %s -> %d of %d optimizer-state chunk groups on the "
                     "device", plan.margin_bytes, self.margin_ratio, len(self.os_on_device), len(trainable))
 
+    def lend_margin(self, lend: bool) -> None:
+        """The margin's groups to the host while an evaluation forward borrows their room, or back
+        ([Note: an evaluation beside the margin] in gemini/engine/evaluation_room.py)."""
+        if lend:
+            self.lent, self.os_on_device = self.os_on_device, set()
+        else:
+            self.os_on_device, self.lent = self.os_on_device | self.lent, set()
+
     def abandon_plan(self) -> None:
         """Back to warm-up behaviour: optimizer states to the host, nothing kept resident."""
         self.plan = None
         self._settled = False
         self._resident = set()
         self.activation_bytes = 0
-        self.os_on_device = set()
+        self.os_on_device, self.lent = set(), set()
 
     def _non_model_now(self) -> int:
         plan = self.plan
@@ -265,8 +275,7 @@ class AutoPlacement(PlacementPolicy):
     # needed 8.36 MB, 0.42 MB over budget - reserve. Cost: one budget check per mark (a sum
     # of a few integers), in iterations whose periods are followed.
     def needed_now(self) -> set[int] | None:
-        # The rest of the period may need what the cached groups hold (an activation peak the
-        # warm-up reached after dropping them): evict for the new segment now.
+        # The rest of the period may need the cached groups' room (the warm-up had dropped them).
         if self.plan is not None and not self._diverged and 0 <= self.period < len(self.plan.access):
             return set(self.plan.access[self.period])
         return None
@@ -297,18 +306,12 @@ class AutoPlacement(PlacementPolicy):
     # weight used outside its module) came later, charged in a later segment. The policy kept
     # every group of the period (plan.access[period]) at each of its decisions, more than the
     # plan charged there: a budget the warm-up accepted raised DeviceBudgetError in the next
-    # iteration, and not monotonically in the budget (what is resident by then depends on
-    # the evictions before). Plan and policy can agree either way: the plan could charge each
-    # decision the whole period's groups, or the policy keep only the groups in use. The
-    # first raises the planned peak at every budget: budgets the warm-up itself ran refused,
-    # and a smaller margin, so fewer optimizer states on the device (whose traffic is paid
-    # every step), to hold groups not in use yet. The second costs nothing where the budget
-    # has room: the period's groups are ``wanted``, evicted only when every other group is
-    # not enough (which the old policy answered with DeviceBudgetError), those the period is
-    # done with first, then those it has yet to use, the last used first; one evicted is
-    # fetched again at its use, as in the warm-up. So a decision keeps the groups in use
-    # (the warm-up held them too) and the margin's, and evicts exactly what the old policy
-    # did wherever that made room.
+    # iteration. Charging each decision the whole period's groups would refuse budgets the
+    # warm-up itself ran and shrink the margin; instead the period's groups are ``wanted``,
+    # evicted only when every other group is not enough, those the period is done with first,
+    # then those it has yet to use, the last used first; one evicted is fetched again at its
+    # use, as in the warm-up. So a decision keeps the groups in use (the warm-up held them
+    # too) and the margin's, and evicts exactly what the old policy did wherever that made room.
     def _missing_bytes(self, nbytes: int, non_model: int) -> int:
         """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the
         buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve
@@ -319,10 +322,9 @@ class AutoPlacement(PlacementPolicy):
                              self._prefetch_room_bytes())
 
     def _prefetch_room_bytes(self) -> int:
-        """ZeRO-3: the room the next gather ahead needs beyond what the device holds now. A group
-        gathered ahead and not used yet is in the ledger already and holds (part of) the reserve:
-        counted twice, a later iteration needed a group more than the plan charged, and its
-        backward raised DeviceBudgetError under a budget the warm-up had accepted."""
+        """ZeRO-3: the room the next gather ahead needs beyond what the device holds now (a group
+        gathered ahead and not used yet is in the ledger already: counted twice, a later
+        iteration raised DeviceBudgetError under a budget the warm-up had accepted)."""
         if not self.prefetch_reserve_bytes:
             return 0
         ahead = sum(self.manager.groups[i].param.nbytes for i in self.prefetched)
