@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from offload.aligned import ALIGNMENT_BYTES, aligned_empty, round_up
+from offload.aligned import ALIGNMENT_BYTES, aligned_empty, outside_inference_mode, round_up
 from offload.sizes import format_size, parse_size
 
 __all__ = ["PinnedHostPool", "PoolStats", "size_class_bytes", "HOST_ALIGNMENT_BYTES"]
@@ -139,6 +139,12 @@ class PinnedHostPool:
             raise ValueError(f"numel={numel!r} must be a non-negative int")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype={dtype!r} must be a torch.dtype")
+        # The tensor handed out outlives the call: a view taken under inference mode would be an
+        # inference tensor, which training could not write (see [Note: buffers made under inference mode]).
+        with outside_inference_mode():
+            return self._acquire(numel, dtype)
+
+    def _acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if numel == 0:  # no block: every empty tensor's data_ptr is 0, so none could be told apart
             return torch.empty(0, dtype=dtype)
         element_bytes = dtype.itemsize

@@ -127,6 +127,27 @@ def test_a_validation_pass_between_steps_charges_nothing_to_the_next_iteration()
 
 
 @STANDIN
+def test_a_step_with_no_forward_after_a_refused_evaluation_checks_nothing():
+    """An evaluation over the budget raises as it ends; a ``step()`` after it with no training
+    forward (torch's AdamW: a no-op without gradients) raised the evaluation's peak as its own
+    ("this iteration needed ..."), and a step's report gave it as the step's peak."""
+    budget = int(_model_data_bytes() / 2.5)
+    base, _ = clone_pair(CFG)
+    gcfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=CHUNK, device_memory=budget)
+    gmodel, opt = gemini.initialize(base, gcfg, lr=1e-2, weight_decay=0.1)
+    x, y = batches(CFG, 1, batch=2, seq=16)[0]
+    opt.backward(GPT.loss(gmodel(x), y))
+    opt.step()
+    opt.zero_grad()
+    after = {k: v.clone() for k, v in gmodel.state_dict().items()}
+    with pytest.raises(DeviceBudgetError, match="evaluation forward"), torch.no_grad():
+        gmodel(batches(CFG, 1, batch=64, seq=32)[0][0])
+    opt.step()
+    assert_params_close(gmodel.state_dict(), after, rtol=0, atol=0)
+    assert opt.report.device_peak_bytes <= budget
+
+
+@STANDIN
 def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
     base, _ = clone_pair(CFG)
     gcfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=CHUNK, device_memory="200KiB")

@@ -34,7 +34,7 @@ def _margin_on_device(opt) -> bool:
 def _train_and_evaluate(budget: int, *, eval_batch: int, eval_seq: int = 32, steps: int = 3, mode=torch.no_grad):
     """Each step of gemini and of torch's AdamW, then an evaluation forward of both on a batch of
     ``eval_batch`` x ``eval_seq``: parameters, outputs and every peak checked; returns the
-    optimizer and the margin's moves (True: lent, False: given back)."""
+    model, the optimizer and the margin's moves (True: lent, False: given back)."""
     base, ref = clone_pair(TINY)
     data = batches(TINY, steps, batch=2, seq=16)
     evaluations = batches(TINY, steps, batch=eval_batch, seq=eval_seq, seed=2)
@@ -55,7 +55,7 @@ def _train_and_evaluate(budget: int, *, eval_batch: int, eval_seq: int = 32, ste
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert opt._rt.memory.peak_bytes() <= budget, f"evaluation after step {step}"
         del got, want
-    return opt, moves
+    return model, opt, moves
 
 
 @pytest.mark.standin
@@ -63,9 +63,26 @@ def _train_and_evaluate(budget: int, *, eval_batch: int, eval_seq: int = 32, ste
 def test_a_larger_evaluation_batch_borrows_the_margin_and_training_equals_adamw(mode):
     """Refused before ("this evaluation forward ... needed 1711456 bytes"): the margin's groups go
     to the host for each evaluation and come back for each training forward."""
-    opt, moves = _train_and_evaluate(LENDS_EACH_TIME, eval_batch=24, mode=mode)
+    _, opt, moves = _train_and_evaluate(LENDS_EACH_TIME, eval_batch=24, mode=mode)
     assert moves == [True, False, True, False, True]
     assert opt._rt.placement.lent  # the last evaluation's: back at the next training forward or step
+
+
+@pytest.mark.standin
+def test_after_an_inference_mode_evaluation_that_borrowed_the_chunks_can_be_written():
+    """The margin's groups moved to the host under inference_mode were inference tensors:
+    ``zero_grad(set_to_none=False)`` and ``load_state_dict`` then raised "Inplace update to
+    inference tensor outside InferenceMode"."""
+    model, opt, moves = _train_and_evaluate(LENDS_EACH_TIME, eval_batch=24, steps=1, mode=torch.inference_mode)
+    assert moves == [True] and opt._rt.placement.lent
+    opt.zero_grad(set_to_none=False)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    opt.load_state_dict(opt.state_dict())
+    x, y = batches(TINY, 1, batch=2, seq=16, seed=3)[0]
+    opt.backward(_loss(model, x, y))
+    opt.step()
+    assert not opt._rt.placement.lent and _margin_on_device(opt)
 
 
 @pytest.mark.standin
@@ -73,15 +90,30 @@ def test_an_evaluation_measured_to_fit_beside_the_margin_borrows_once():
     """Every chunk fits the device during training (no module hooks: [Note: auto settled on the
     device]); the first evaluation on new inputs borrows (with the hooks back for it), its peak
     says the next ones fit beside the margin, so they run with everything on the device."""
-    opt, moves = _train_and_evaluate(FITS_BESIDE, eval_batch=24)
+    _, opt, moves = _train_and_evaluate(FITS_BESIDE, eval_batch=24)
     assert moves == [True, False]
     assert not opt._rt.placement.follows_modules and not opt._rt.hooks._module_handles
 
 
 @pytest.mark.standin
 def test_an_evaluation_on_inputs_the_trace_covers_moves_nothing():
-    _, moves = _train_and_evaluate(LENDS_EACH_TIME, eval_batch=2, eval_seq=16)
+    *_, moves = _train_and_evaluate(LENDS_EACH_TIME, eval_batch=2, eval_seq=16)
     assert moves == []
+
+
+@pytest.mark.standin
+def test_an_evaluation_before_the_step_that_overran_is_named_by_the_step():
+    """Inside an iteration (here between backward and step) nothing is lent: the step refuses,
+    and says the peak was the evaluation's and what to do."""
+    model, opt, _ = _train_and_evaluate(LENDS_EACH_TIME, eval_batch=2, eval_seq=16, steps=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = batches(TINY, 1, batch=2, seq=16, seed=3)[0]
+    opt.backward(_loss(model, x, y))
+    with torch.no_grad():
+        model(batches(TINY, 1, batch=24, seq=32, seed=2)[0][0])
+    with pytest.raises(gemini.DeviceBudgetError, match=r"its peak in a forward without gradients run before its step"):
+        opt.step()
+    assert_params_close(model.state_dict(), before, rtol=0, atol=0)
 
 
 def test_what_an_evaluation_borrows_is_learnt_per_input_signature():

@@ -71,7 +71,7 @@ class IterationMeasurement:
         backward stays under ``device_memory``, checked before the step changes anything (a
         tensor the caller keeps alive counts too); the warm-up's step also with its safety
         reserve where the trace ends (here: what ran after that, a second round of R1)."""
-        peak_bytes = self.memory.peak_bytes()
+        peak_bytes = self.step_peak_bytes()
         first = peak_bytes is not None and not self._first_step_checked  # None: no forward ran, nothing to check
         self._first_step_checked |= peak_bytes is not None
         checked = peak_bytes is not None and self.config.device_memory is not None and self.memory.measuring
@@ -80,12 +80,21 @@ class IterationMeasurement:
                             what="the first iteration" if first else "this iteration", reducer=self.residency.reducer)
             if not checked:
                 return
-            check_peak(peak_bytes, self.memory.budget_bytes,
-                       what="the first iteration" if first else "this iteration", advice=self.placement.budget_advice,
+            what = "the first iteration" if first else "this iteration"
+            if self.evaluation_peak_bytes >= peak_bytes:  # the peak was an evaluation's, before this step
+                what += (" (its peak in a forward without gradients run before its step(): evaluate after step(), "
+                         "where under auto such a forward may borrow the margin's room)")
+            check_peak(peak_bytes, self.memory.budget_bytes, what=what, advice=self.placement.budget_advice,
                        chunk_peak_bytes=self.storage.ledger.peak_bytes(Tier.DEVICE), later=not first)
         except Exception:  # a rank's budget refused
             self.on_budget_error()
             raise
+
+    def step_peak_bytes(self) -> int | None:
+        """The measured peak of the iteration this step ends; None where nothing was measured
+        since the last step but evaluation forwards, each checked when it ended ([Note: an
+        evaluation forward's window]): a step with no forward of its own has no peak to check."""
+        return None if self.evaluation_only else self.memory.peak_bytes()
 
     def start_new_step(self) -> None:
         """Reset the per-step peaks and transfer counters."""
@@ -93,7 +102,7 @@ class IterationMeasurement:
         self.storage.ledger.start_step()
         self.traced_inputs.start_step()
         self.memory.reset_peak()
-        self.warmup_peak_bytes = 0
+        self.warmup_peak_bytes = self.evaluation_peak_bytes = 0
         self.system.reset_peak()
         if self.device.type == "cuda":
             reset_cuda_peak(self.device)  # see [Note: one device peak, several monitors]

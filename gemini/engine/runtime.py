@@ -77,6 +77,9 @@ class GeminiRuntime(IterationMeasurement):
     grads_cleared_at_pass: int = 0  # the hooks' backward-pass count at the last zero_grad
     forwards_raised: int = 0  # training forwards that raised: see [Note: ranks out of step] in gemini/parallel/zero.py
     _evaluation_window: bool = False  # this forward opened the window without grad (see on_root_forward_end)
+    evaluation_only: bool = False  # the last window opened was an evaluation's (see step_peak_bytes)
+    evaluation_peak_bytes: int = 0  # the window's peak where an evaluation forward inside it raised it
+    _peak_before_forward: int = 0
     _root_grad: bool = True  # the running root forward's grad mode (True outside one)
     evaluation_room: EvaluationRoom = field(default_factory=EvaluationRoom)  # what evaluations borrow of auto's margin
     _evaluation_inputs: InputSignature | None = None  # this evaluation forward's, while the margin may be lent
@@ -117,7 +120,10 @@ class GeminiRuntime(IterationMeasurement):
         self._root_grad = torch.is_grad_enabled()
         self._evaluation_window = not self._root_grad and not self.window_open
         self._lend_margin(args, kwargs)  # before the window opens: the lent bytes are no part of its peak
+        if not self.window_open:
+            self.evaluation_only = self._evaluation_window
         self.begin_window()
+        self._peak_before_forward = self.memory.peak_bytes() or 0
         if self.state is IterationState.ADOPTING:
             self._apply_plan()
         state = self.state
@@ -146,7 +152,8 @@ class GeminiRuntime(IterationMeasurement):
         # pass, each forward of generate()) is no part of the next training iteration: the window it
         # opened closes with it (left open, what the loop allocated after it was charged to the next
         # iteration), its peak checked against the budget as a step's is (on CUDA the allocator's cap
-        # does it; on the CPU stand-in an evaluation batch twice the budget passed unnoticed).
+        # does it; on the CPU stand-in an evaluation batch twice the budget passed unnoticed). A step
+        # with no forward after it has no peak of its own to check (``step_peak_bytes``).
         error = None
         if self._evaluation_window and not self.tracing:
             if self.config.device_memory is not None and self.memory.measuring:
@@ -158,6 +165,9 @@ class GeminiRuntime(IterationMeasurement):
                     self.evaluation_room.measured(self._evaluation_inputs, None if overran and not self.placement.lent
                                                   else self.memory.peak_bytes() or 0)
             self.end_window()
+        elif not self._root_grad and self.window_open and not self.tracing:  # one inside an iteration
+            if (peak := self.memory.peak_bytes() or 0) > self._peak_before_forward:
+                self.evaluation_peak_bytes = peak  # see check_step_peak
         self._evaluation_inputs = None
         self._evaluation_window, self._root_grad = False, True
         return error

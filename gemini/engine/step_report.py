@@ -93,7 +93,7 @@ def model_bytes_by_tier(ledger: MemoryLedger) -> dict[str, dict[str, int]]:
 
 def device_peak_bytes(rt: GeminiRuntime) -> int:
     """The compute device's measured peak over the current step."""
-    measured = rt.memory.peak_bytes()
+    measured = rt.step_peak_bytes()
     if measured is not None:
         return max(measured, rt.warmup_peak_bytes)
     # Not measured (the CPU stand-in without a budget): the chunk ledger's peak.
@@ -106,4 +106,4 @@ def device_non_model_peak_bytes(rt: GeminiRuntime) -> int | None:
     for every other step."""
     if rt.unreported_plan is not None:
         return rt.unreported_plan.max_non_model_bytes
-    return rt.memory.non_model_peak_bytes()
+    return None if rt.evaluation_only else rt.memory.non_model_peak_bytes()

@@ -35,6 +35,20 @@ def test_acquire_gives_exact_aligned_views_and_reuses_after_release():
     assert pool.stats().buffers_in_use == 2
 
 
+@pytest.mark.parametrize("numel", [0, 1000])
+def test_a_tensor_acquired_under_inference_mode_can_be_written_after_it(numel):
+    """A view taken under inference mode is an inference tensor, which no in-place update may
+    touch outside it: chunks moved to the host during an evaluation under inference_mode could not
+    be zeroed by ``zero_grad(set_to_none=False)`` nor loaded by ``load_state_dict`` afterwards."""
+    pool = PinnedHostPool()
+    recycled = pool.acquire(1000, torch.float32)
+    pool.release(recycled)  # the next one comes from a buffer made outside inference mode
+    with torch.inference_mode():
+        tensor = pool.acquire(numel, torch.float32)
+    assert not tensor.is_inference()
+    tensor.zero_()
+
+
 def test_release_of_foreign_or_released_tensor_raises():
     pool = PinnedHostPool()
     a = pool.acquire(100)
