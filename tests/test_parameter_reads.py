@@ -34,7 +34,7 @@ STEPS = 3
 # Elements per chunk, per model: a module's parameters in chunk groups apart from its
 # descendants' (MultiheadAttention's out_proj.weight in one of its own).
 CHUNK = {"weight_norm": 200, "spectral_norm": 200, "prune": 200, "multihead_attention": 64, "encoder_layer": 64,
-         "tied_projection": 136, "hook_reads_earlier": 64}
+         "tied_projection": 136, "hook_reads_earlier": 64, "root_owns_and_reads": 64}
 PLACEMENTS = {
     "cpu": dict(placement="cpu"),
     "static": dict(placement="static", static_param_device_fraction=0.0),
@@ -167,9 +167,10 @@ def test_descendants_read_by_an_ancestor_are_fetched_by_it(name, placement):
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("name", ["tied_projection", "hook_reads_earlier"])
+@pytest.mark.parametrize("name", ["tied_projection", "hook_reads_earlier", "root_owns_and_reads"])
 def test_reads_after_the_owners_call_are_fetched_by_the_reading_ancestor(name, placement):
-    """A root's ``F.linear(h, self.embed.weight)`` after embed's call, a parent's layer scale
+    """A root's ``F.linear(h, self.embed.weight)`` after embed's call (also by a root owning
+    parameters), a parent's layer scale
     read after calling the child, a user's pre-hook reading an earlier layer's bias: the owner's
     hooks had released the group, so the read saw the host copy (CUDA: torch's device mismatch;
     ZeRO-3: an empty shard). Evaluation forwards without grad too."""
@@ -283,7 +284,7 @@ def test_descendants_read_by_an_ancestor_zero3_train_like_torch(tmp_path):
 def test_reads_after_the_owners_call_zero3_train_like_torch(tmp_path):
     """Under ZeRO-3 a parameter read after its module's call was an empty shard (the group
     released); the reading module gathers it now."""
-    _assert_zero3_zoo_like_torch(["tied_projection", "hook_reads_earlier"], 64, tmp_path)
+    _assert_zero3_zoo_like_torch(["tied_projection", "hook_reads_earlier", "root_owns_and_reads"], 64, tmp_path)
 
 
 def _assert_zero3_zoo_like_torch(names, chunk_size: int, tmp_path, *, compared=lambda state: state) -> None:

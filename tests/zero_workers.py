@@ -321,6 +321,21 @@ class _TiedProjection(nn.Module):
         return self.head(F.linear(h, self.embed.weight.t()))  # (B, 8) @ (8, 16)
 
 
+class _RootOwnsAndReads(_TiedProjection):
+    """As _TiedProjection, with parameters of the root's own (a nanoGPT-like root owns its
+    position embedding) and an ``nn.ParameterList`` entry it reads (the list is never called):
+    the root's own hooks ran, in the forward that found the reads, over the groups just found
+    ("chunk group 1 released more often than accessed")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+        self.mix = nn.ParameterList([nn.Parameter(torch.randn(4, 4) * 0.2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x) @ self.mix[0]) * self.gain
+
+
 class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -379,6 +394,7 @@ ZOO = {
     "encoder_layer": lambda: _Tokens(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
                                                                 batch_first=True)),
     "tied_projection": _TiedProjection,
+    "root_owns_and_reads": _RootOwnsAndReads,
     "hook_reads_earlier": _hook_reads_earlier,
     "checkpoint_save_matmuls": lambda: _SelectivelyCheckpointed(_save_matmuls),
     "checkpoint_save_all_but_mutating": lambda: _SelectivelyCheckpointed(_save_all_but_mutating),

@@ -272,22 +272,29 @@ class DescendantReadHooks:
         found = reads.end(output)
         self._late_reads += reads.late_reads
         for module, groups in found.items():
+            logger.info("gemini: %s reads parameters of its descendants without calling them: its calls fetch "
+                        "them too", type(module).__name__)
+            self.residency.count_uses(groups)
             own = self._groups_of.get(module)
+            if module is self._root:
+                # The root's own post-hook of this forward runs after this one, on the list its hooks
+                # hold, which must not gain the groups this search just released: new hooks on a new
+                # list serve the next forwards (torch calls the hooks it listed as the call began).
+                self._groups_of[module] = own = [*(own or ()), *groups]
+                self._hooked.add(module)
+                for h in self._root_own_handles:
+                    h.remove()
+                self._root_own_handles.clear()
+                self._install(module, own, into=self._root_own_handles)
+                self._root_pre_handle.remove()  # after the root's pre-hook, which goes first again
+                self._root_pre_handle = module.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True)
+                self._handles.append(self._root_pre_handle)
+                continue
             if own is None:
                 own = self._groups_of[module] = []
                 self._hooked.add(module)
-                if module is self._root:  # after the root's pre-hook, which goes first again
-                    self._install(module, own, into=self._handles)
-                    self._root_pre_handle.remove()
-                    self._root_pre_handle = module.register_forward_pre_hook(self._root_pre, with_kwargs=True,
-                                                                             prepend=True)
-                    self._handles.append(self._root_pre_handle)
-                else:
-                    self._owners.append((module, own))
-                    if self._module_handles:
-                        self._install(module, own, into=self._module_handles)
-                        self._periods_first()
-            logger.info("gemini: %s reads parameters of its descendants without calling them: its calls fetch "
-                        "them too", type(module).__name__)
+                self._owners.append((module, own))
+                if self._module_handles:
+                    self._install(module, own, into=self._module_handles)
+                    self._periods_first()
             own.extend(groups)
-            self.residency.count_uses(groups)

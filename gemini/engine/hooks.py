@@ -133,8 +133,9 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self._stance = None  # the compiler's stance the search forward replaced (torch.compiler.set_stance)
         # The root's own hooks stay for good: the plan that lets the others go is adopted inside
         # the root's pre-hook (gradient accumulation), while torch iterates over the root's hooks.
+        self._root_own_handles: list = []
         if residency.follows_modules and self._owners and self._owners[0][0] is module:
-            self._install(*self._owners.pop(0), into=self._handles)
+            self._install(*self._owners.pop(0), into=self._root_own_handles)
         self.follow_modules(residency.follows_modules)
         self._root, self._root_pre = module, root_pre
         self._root_pre_handle = module.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True)
@@ -211,9 +212,10 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
     def remove(self) -> None:
         self.follow_modules(False)
         self.follow_periods(False)
-        for h in self._handles:
+        for h in (*self._handles, *self._root_own_handles):
             h.remove()
         self._handles.clear()
+        self._root_own_handles.clear()
 
     @contextlib.contextmanager
     def _phase(self, name: str):
