@@ -148,6 +148,58 @@ def test_a_step_with_no_forward_after_a_refused_evaluation_checks_nothing():
 
 
 @STANDIN
+def test_a_warmup_forward_out_of_memory_gives_the_trace_up():
+    """An out-of-memory error in the warm-up's forward (a batch too large: on CUDA the budget's
+    allocator cap raises it; emulated here) left the trace going, so the retry on a smaller batch
+    was traced as the iteration's second forward, after the periods the failed one had recorded:
+    its plan had more periods than the iteration (59 against 46 on the tiny GPT)."""
+
+    def out_of_memory_above_4(module, args):
+        if len(args[0]) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (emulated)")
+
+    def make():
+        model = clone_pair(CFG)[0]
+        model.blocks[1].register_forward_pre_hook(out_of_memory_above_4)
+        return model
+
+    gcfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=CHUNK, device_memory=2 * _model_data_bytes())
+    data = batches(CFG, 2, batch=2, seq=16)
+    _, want, _ = train_reference(make(), data, lr=1e-2, weight_decay=0.1)
+    plans = []
+    for retried in (True, False):
+        gmodel, opt = gemini.initialize(make(), gcfg, lr=1e-2, weight_decay=0.1)
+        if retried:
+            with pytest.raises(DeviceBudgetError, match="ran out of the device budget"):
+                gmodel(batches(CFG, 1, batch=8, seq=16)[0][0])
+        for step, (x, y) in enumerate(data):
+            opt.backward(GPT.loss(gmodel(x), y))
+            opt.step()
+            opt.zero_grad()
+            assert_params_close(gmodel.state_dict(), want[step], step=step)
+        plans.append(opt._rt.plan)
+    assert plans[0].keys == plans[1].keys
+
+
+@STANDIN
+def test_a_hook_budget_error_in_the_warmup_forward_lets_every_post_hook_run(recwarn):
+    """A budget error raised by a module's hook in the warm-up's forward closed the window but
+    left the trace going: the post-hooks still running after it (always_call) had their moves cut
+    by a stopped monitor and raised midway (torch silences such an error with a warning)."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Tanh(), orthogonal(torch.nn.Linear(128, 128)),
+                              torch.nn.Tanh(), torch.nn.Linear(128, 4))
+    gcfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=2048, device_memory=120_000)
+    gmodel, opt = gemini.initialize(net, gcfg, lr=1e-2)
+    with pytest.raises(DeviceBudgetError, match="cannot hold this period"):
+        torch.nn.functional.mse_loss(gmodel(torch.randn(8, 16)), torch.randn(8, 4)).backward()
+    assert [str(w.message) for w in recwarn if "silenced" in str(w.message)] == []
+    assert opt._rt.state is IterationState.UNTRACED  # the next training forward traces anew
+
+
+@STANDIN
 def test_budget_too_small_is_a_clear_error_and_nothing_is_lost():
     base, _ = clone_pair(CFG)
     gcfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=CHUNK, device_memory="200KiB")

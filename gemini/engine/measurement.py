@@ -43,7 +43,17 @@ class IterationMeasurement:
     def on_budget_error(self) -> None:  # a hook's DeviceBudgetError (also under loss.backward(), past budget_errors)
         if not self._evaluation_window:  # an evaluation's peak says nothing of training's plans
             self.traced_inputs.overran(planned=self.state is IterationState.PLANNED)  # traced again next time
+        self._give_up_trace()
         self.end_window()
+
+    def _give_up_trace(self) -> None:
+        """The warm-up's forward or backward ran out of the budget: its trace is given up, and the
+        next training forward traces anew. Left tracing, a retry's forward (a smaller batch) was
+        traced as the iteration's second, after the periods the failed one had recorded (a plan
+        of 59 periods where the iteration has 46); and with the window closed, the post-hooks
+        still running after a hook's error had their moves cut by a stopped monitor and raised."""
+        if self.tracing:
+            self._abandon_trace()
 
     def take_timeline(self) -> WarmupTimeline | None:  # of a warm-up ended since the last call (the step's report)
         plan, self.unreported_plan = self.unreported_plan, None
@@ -62,6 +72,7 @@ class IterationMeasurement:
             budget = None if isinstance(e, DeviceBudgetError) else self.memory.budget_error(
                 e, what=what, chunk_bytes=self.storage.ledger.bytes_on(Tier.DEVICE),
                 advice=self.placement.budget_advice)
+            self._give_up_trace()
             if budget is None:  # a period the plan cannot hold, or no budget
                 raise
             raise budget from e
