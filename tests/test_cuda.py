@@ -250,7 +250,7 @@ def test_the_compute_device_has_its_index():
 
 
 @pytest.mark.parametrize("placement", ["cpu", "auto"])
-@pytest.mark.parametrize("name", ["tied_projection", "hook_reads_earlier", "multihead_attention"])
+@pytest.mark.parametrize("name", ["tied_projection", "hook_reads_earlier", "multihead_attention", "root_owns_and_reads"])
 def test_parameters_read_outside_their_modules_call_train_on_cuda(name, placement):
     """A root's tied projection ``F.linear(h, embed.weight)`` after embed's call, a layer scale
     read after the child's call, a user's hook reading an earlier layer's bias, out_proj read by

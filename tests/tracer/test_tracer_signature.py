@@ -137,3 +137,22 @@ def test_a_kept_plan_whose_own_inputs_overran_is_forgotten():
     inputs.overran()  # covered inputs overran b's plan: they are traced when they come again
     assert _traces(inputs, _ids(2, 8), "b")
     assert inputs.choose((_ids(4, 8), "b"), {}, planned=True) == PlanChoice()  # the plan itself stays
+
+
+def test_inputs_traced_again_and_again_are_warned_about_once(caplog):
+    """A step counter passed as an int: every iteration traced, silently ([Note: traces that keep
+    coming]); one warning names where the inputs differ, after as many retraces as kept plans."""
+    inputs = TracedInputs()
+    inputs.trace((_ids(4, 64), 0), {})
+    with caplog.at_level("WARNING", logger="tracer.signature"):
+        for step in range(1, 20):
+            choice = inputs.choose((_ids(4, 64), step), {}, planned=True)
+            assert choice.trace
+            inputs.trace((_ids(4, 64), step), {})
+            inputs.keep(f"plan {step}")
+            if step < 8:
+                assert not caplog.records
+    assert len(caplog.records) == 1
+    assert "8 iterations traced again" in caplog.text and "leaf 1: 7 -> 8" in caplog.text
+    assert _sig(_ids(4, 64)).differences(_sig(_ids(4, 64), mask=_ids(4, 64))) == "the structure of the arguments"
+    assert _sig(_ids(4, 64), 3).differences(_sig(_ids(2, 64), 3)) == "leaf 0: torch.int64[4, 64]@cpu -> torch.int64[2, 64]@cpu"
