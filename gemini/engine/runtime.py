@@ -123,7 +123,8 @@ class GeminiRuntime(IterationMeasurement):
         if not self.window_open:
             self.evaluation_only = self._evaluation_window
         self.begin_window()
-        self._peak_before_forward = self.memory.peak_bytes() or 0
+        if not self._root_grad and not self._evaluation_window:  # an evaluation inside an iteration (check_step_peak)
+            self._peak_before_forward = self.memory.peak_bytes() or 0
         if self.state is IterationState.ADOPTING:
             self._apply_plan()
         state = self.state
