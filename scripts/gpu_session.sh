@@ -95,7 +95,7 @@ for s in "$@"; do
             mkdir -p /tmp/nvme
             limit=$(search_limit "${NVME_SECONDS:-185}") || { echo "== nvme: skipped, too little time left"; continue; }
             stage nvme $((limit + 15)) "$PY" benchmarks/bench_gpu_capacity.py --device cuda --nvme-dir /tmp/nvme \
-                --cpu-memory 16GiB --start-layers "${START_LAYERS:-56}" --time-limit "$limit" ;;
+                --cpu-memory 16GiB --start-layers "${START_LAYERS:-56}" --steps "${NVME_STEPS:-3}" --time-limit "$limit" ;;
         peers)
             "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
                 >"$R/gpu_peers_install.log" 2>&1 || echo "peer wheels: install failed (see gpu_peers_install.log)"

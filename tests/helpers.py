@@ -243,6 +243,7 @@ class FakeCudaAllocator:
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", self._nested)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
+        monkeypatch.setattr(torch.cuda, "empty_cache", self._empty_cache)
 
         def flattening(device=None):
             raise AssertionError("torch.cuda.memory_stats (or memory_allocated and its kin) read per reading")
@@ -260,3 +261,6 @@ class FakeCudaAllocator:
 
     def _reset(self, device=None) -> None:
         self.allocated_peak, self.reserved_peak = self.allocated, self.reserved
+
+    def _empty_cache(self) -> None:  # every cached block given back
+        self.reserved = self.allocated

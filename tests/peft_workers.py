@@ -15,7 +15,7 @@ def save_and_load_adapter(rank: int, world: int, out_dir: str, shard_params: boo
     config = gemini.GeminiConfig(device="cpu", placement="cpu", chunk_size=4096, shard_params=shard_params)
     model, opt = gemini.initialize(tp._lora(), config, lr=tp.LR)
     for ids in tp._batches(3):
-        part = ids[rank * 2 // world : (rank + 1) * 2 // world]
+        part = ids[rank * 2 // world : (rank + 1) * 2 // world].cpu()  # on the CPU beside a GPU too
         model(input_ids=part, labels=part).loss.backward()
         opt.step()
         opt.zero_grad()

@@ -466,6 +466,30 @@ def test_the_allocators_slack_is_its_reserved_peak_less_the_warmups_peak(monkeyp
     assert budget.allocator_slack_bytes(30 * MiB) == 10 * MiB
 
 
+def test_the_allocators_slack_counts_from_the_warm_up_not_from_before_it(monkeypatch):
+    """An evaluation of a larger batch before initialize (in the same process) left the allocator's
+    reserved peak and its cache high; the warm-up's first period cut folded that peak in, and on an
+    H200 the reserve came to 264 MB beside a 148 MB warm-up, refusing a budget the run fits
+    (tests/test_evaluation_margin.py's CUDA test). The warm-up counts from its own start, the cache
+    before it given back."""
+    from gemini.engine import memory
+
+    MiB = 2**20
+    use = FakeCudaAllocator(monkeypatch).use
+    monkeypatch.setattr(memory, "_device_total_bytes", lambda device: 80 * 2**30)
+    budget = memory.DeviceMemory(torch.device("cuda", 0), None, measure=True)
+    use(10 * MiB, 12 * MiB)  # the model's chunks
+    use(410 * MiB, 420 * MiB)  # an evaluation of a large batch
+    use(10 * MiB)  # its activations freed, their blocks cached
+    budget.restart_slack()
+    budget.monitor.start()
+    use(80 * MiB, 90 * MiB)  # the warm-up forward's peak: 10 MiB of rounding
+    budget.monitor.reset_peak()  # a period's cut
+    use(20 * MiB)
+    budget.monitor.reset_peak()
+    assert budget.allocator_slack_bytes(80 * MiB) == 10 * MiB
+
+
 def test_a_cuda_budget_error_counts_the_allocators_segments_not_its_tensors(monkeypatch):
     """On CUDA the budget caps the caching allocator, which counts its segments: an operator can
     fail with the tensors well under the budget when the segments' free blocks are too split to

@@ -282,8 +282,26 @@ def test_a_warm_up_step_over_the_budget_is_refused_at_that_step(budget, message)
     opt.close()
 
 
+class _SquaredSum(torch.autograd.Function):
+    """``p.pow(2).sum()`` whose backward checks that the saved parameter is the tensor its forward
+    read: on a GPU, a parameter pointed at another copy between the two (see [Note: a pass begun
+    inside its graph] in gemini/engine/grad_views.py) changed device under autograd."""
+
+    @staticmethod
+    def forward(ctx, p):
+        ctx.save_for_backward(p)
+        ctx.read = (p.device, p.data_ptr())
+        return p.pow(2).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, = ctx.saved_tensors
+        assert (p.device, p.data_ptr()) == ctx.read, f"the penalty read {ctx.read}, its backward {p.data_ptr()}"
+        return 2 * grad * p
+
+
 def _l2(model):
-    return 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+    return 1e-3 * sum(_SquaredSum.apply(p) for p in model.parameters())
 
 
 def penalty_after(model, batch):

@@ -40,7 +40,7 @@ class BackwardHooks:
     # accumulators] in backward_uses.py). A task nested in one that accumulates nothing (reentrant
     # checkpointing runs a segment's backward inside the outer task) that does accumulate makes
     # the outer pass the iteration's backward: its end callback is queued already.
-    def _begin_backward_pass(self) -> None:
+    def _begin_backward_pass(self, *, at_gradient: bool = False) -> None:
         task = torch._C._current_graph_task_id()
         if task == self._task_seen:
             return
@@ -51,7 +51,7 @@ class BackwardHooks:
         if not self._iteration_pass and self._computes_parameter_gradients():
             self._iteration_pass = True
             self._grad_hooks_last()
-            self._on_backward_begin()
+            self._on_backward_begin(keep_data=at_gradient)
             self._hooked_grads_accumulated()
 
     # [Note: the user's post-accumulate hooks]
@@ -108,9 +108,11 @@ class BackwardHooks:
         # A graph over the parameters themselves (a penalty ``sum(p.pow(2))`` backpropagated on its
         # own) reaches no module's output, whose hook announces a pass: announced here, before
         # autograd accumulates, the exposed views are withdrawn first (accumulated into, they were
-        # taken for gradients torch code replaced, and the pass was never counted).
+        # taken for gradients torch code replaced, and the pass was never counted). The
+        # parameters' data stays as the graph read it: see [Note: a pass begun inside its graph]
+        # in grad_views.py.
         if torch._C._current_graph_task_id() != self._task_seen:
-            self._begin_backward_pass()
+            self._begin_backward_pass(at_gradient=True)
         param = param_ref()
         if param is not None and param in self._to_preload:
             self._preload(param, grad)

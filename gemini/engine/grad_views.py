@@ -257,8 +257,10 @@ class GradViews:
         self._settled = True
         self._settled_whole = len(self._out) == out
 
-    def hide(self, *, keep_untouched: bool = False) -> None:
-        """Take the views back, keeping what was done to them (see the module note)."""
+    def hide(self, *, keep_untouched: bool = False, keep_data: bool = False) -> None:
+        """Take the views back, keeping what was done to them (see the module note); ``keep_data``:
+        the parameters pointed at another copy stay so until the next hide (see [Note: a pass
+        begun inside its graph])."""
         refused = []
         kept = {}
         for p, out in self._out.items():
@@ -283,15 +285,28 @@ class GradViews:
         self._out.clear()
         self._out.update(kept)
         self._armed.clear()
+        if not keep_data:
+            self._end_redirects()
+        if refused:
+            raise RuntimeError("gemini: tensors were assigned to p.grad where gemini's gradient cannot be replaced "
+                               "(it was kept): " + "; ".join(refused))
+
+    # [Note: a pass begun inside its graph]
+    # A graph over the parameters alone (a penalty ``sum(p.pow(2))`` backpropagated on its own)
+    # begins its pass at the first parameter's gradient hook, after the graph was built. Where
+    # the views were out, some parameters pointed at their gradients' copy (on a GPU, the host)
+    # when the penalty read them, and the graph saved them so. Pointed back to the device copy
+    # as the pass began, the saved parameters of the nodes still to run changed device under
+    # autograd (torch's device mismatch on a GPU: a host gradient times a CUDA parameter). Such a
+    # pass leaves them as they are; the next hide (the end of the pass, the next forward) ends it.
+    def _end_redirects(self) -> None:
+        """The parameters pointed at another copy than their chunk's primary one point back."""
         if self._redirected:  # a tensor assigned to p.data meanwhile goes into the chunk, not dropped
             self.manager.adopt_assigned()
         for chunk in self._redirected:
             chunk.keep_edits(Tier.HOST)  # written through the parameters while they viewed the host copy
             self.manager.repoint(chunk)
         self._redirected.clear()
-        if refused:
-            raise RuntimeError("gemini: tensors were assigned to p.grad where gemini's gradient cannot be replaced "
-                               "(it was kept): " + "; ".join(refused))
 
     def clear(self, params: Iterable[nn.Parameter], *, set_to_none: bool) -> None:
         """``zero_grad``: forget every gradient (``params``' ``.grad`` too), or with ``set_to_none=False``

@@ -209,8 +209,12 @@ class DeviceMemory:
             f"updated. Raise device_memory, or {advice}.", missing_bytes=missing)
 
     def restart_slack(self) -> None:
-        """A warm-up begins: :meth:`allocator_slack_bytes` counts from here."""
+        """A warm-up begins: :meth:`allocator_slack_bytes` counts from here, over the segments
+        this iteration uses. The cache others left (a larger batch's evaluation before initialize)
+        is given back first: its free segments count as reserved, and would be taken for slack
+        (the allocator gives them back before failing anyway)."""
         if isinstance(self.monitor, CudaAllocatorMonitor):
+            torch.cuda.empty_cache()
             self.monitor.restart_reserved_peak()
 
     def allocator_slack_bytes(self, peak_bytes: int) -> int:

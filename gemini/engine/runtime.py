@@ -202,10 +202,11 @@ class GeminiRuntime(IterationMeasurement):
         self.residency.apply_choice()
         self.hooks.follow_modules(self.placement.follows_modules)
 
-    def on_backward_begin(self) -> None:
-        """A backward pass begins: the views are withdrawn, or armed ([Note: autograd accumulates into the chunks])."""
+    def on_backward_begin(self, *, keep_data: bool = False) -> None:
+        """A backward pass begins: the views are withdrawn, or armed ([Note: autograd accumulates into the chunks]);
+        ``keep_data``: it began at a parameter's gradient, inside a graph that read ``p.data`` as it is now."""
         if self.placement.follows_modules or torch.is_grad_enabled():
-            self.grad_views.hide()
+            self.grad_views.hide(keep_data=keep_data)
         else:
             self.grad_views.arm(self.residency.grad_buffer)
 

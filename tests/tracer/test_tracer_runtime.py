@@ -465,8 +465,12 @@ def test_cuda_tracer_agrees_with_the_accounting_monitor():
     runs found the accounting 4,177,936 bytes short in one backward period at batch 16: the bias
     gradient's sum over 1024 rows ran CUDA's reduction split over thread blocks, whose fp32
     staging (4 MiB) comes from the allocator inside the kernel, unseen by a dispatch mode (see
-    [Note: what the accounting monitor sees]). At batch 15 (960 rows) no sum splits: what is left
-    to compare is what tensors hold."""
+    [Note: what the accounting monitor sees]). At batch 15 (960 rows) no such sum splits, but the
+    next H200 run (session 28) found the accounting 967,680 bytes short in one period again
+    (blocks.1.attn.proj's backward: 16,501,768 against 17,469,448, twice to the byte), and a probe
+    found 258,048 short at batch 4 and 675,856 at batch 16, each in a Linear's backward: scratch a
+    kernel takes from the allocator, not a tensor. So up to 1 MiB may be missing; over that, the
+    accounting misses tensors."""
     torch.manual_seed(0)
     model = TinyGPT().cuda()
     idx, tgt = _batch(15, device="cuda")
@@ -486,7 +490,7 @@ def test_cuda_tracer_agrees_with_the_accounting_monitor():
     assert [p.key for p in alloc] == [p.key for p in requested] == [p.key for p in acc]
     for a, r, b in zip(alloc, requested, acc):
         if r.non_model_peak_bytes > 1 << 20:
-            assert b.non_model_peak_bytes == pytest.approx(r.non_model_peak_bytes, rel=0.05), (a, r, b)
+            assert b.non_model_peak_bytes == pytest.approx(r.non_model_peak_bytes, rel=0.05, abs=1 << 20), (a, r, b)
             assert a.non_model_peak_bytes >= r.non_model_peak_bytes * 0.95, (a, r, b)
 
 
