@@ -5,18 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 __all__ = ["DeviceBudgetError", "NotCopyable"]
 
 
-class DeviceBudgetError(MemoryError):
+class DeviceBudgetError(torch.OutOfMemoryError, MemoryError):
     """The device memory budget cannot hold what the step needs.
 
     Raised before any parameter or optimizer state is changed; ``missing_bytes`` says by how
     much the budget falls short.
+
+    [Note: the budget's error is an out-of-memory error]
+    On a GPU the budget caps the allocator, and its out-of-memory errors come out as this one
+    (naming the missing bytes in the budget's terms). So it is torch's out-of-memory error too
+    (``torch.OutOfMemoryError``, a ``RuntimeError``), and its message begins with the words
+    torch's does ("out of memory."): code that catches torch's to skip a batch, and the tools
+    that halve the batch on it (accelerate's ``find_executable_batch_size``, Trainer's
+    ``auto_find_batch_size``, which read the message), take this one too; as a MemoryError it
+    failed them all (Trainer raised instead of halving). Still a ``MemoryError``, as before.
     """
 
     def __init__(self, message: str, *, missing_bytes: int) -> None:
-        super().__init__(message)
+        super().__init__(f"device budget out of memory. {message}")
         self.missing_bytes = missing_bytes
 
 

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import socket
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,6 +24,8 @@ from gemini.engine.memory import DeviceBudgetError, DeviceMemory
 from gemini.module import GeminiModel
 from gemini.engine.nvme_tier import NvmeTier
 from gemini.optim.hybrid_adam import HybridAdam
+from gemini.optim.group_specs import check_hyperparams, split_param_groups
+from gemini.optim.param_groups import check_weight_decay_mode
 from gemini.pretrained import PreparedValues, prepare_values, tie_meta_weights
 from gemini.policies import check_supported, device_groups, make_placement, placement_type
 from gemini.report import ReportWriter, rank_report_path
@@ -36,9 +36,6 @@ from gemini.parallel.zero import GradReducer, ParamGatherer, resolve_group
 logger = logging.getLogger(__name__)
 
 __all__ = ["initialize", "resolve_chunk_size", "split_param_groups"]
-
-_GROUP_KEYS = {"params", "lr", "betas", "eps", "weight_decay"}
-
 
 def initialize(
     model: nn.Module,
@@ -78,7 +75,7 @@ def initialize(
     config = config.checked()
     config.warn_unused_scaler()
     config.check_device_available()
-    _check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    check_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     check_supported(config)  # combinations of fields that mean nothing fail loudly
     writer = _open_report(config)
     tie_meta_weights(model)
@@ -133,6 +130,8 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     zero = resolve_group(config.process_group)  # None: one rank, nothing sharded
     world, rank = (zero.world, zero.rank) if zero is not None else (1, 0)
     torch_groups, named_groups, frozen = split_param_groups(model, param_groups)
+    check_weight_decay_mode(torch_groups, adamw_mode=adamw_mode, where="param_groups",
+                            advice=f"set it to {adamw_mode} or delete it, or pass adamw_mode={not adamw_mode}")
     source_dtypes = _source_dtypes(model, config.param_dtype)
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
     chunk_size = resolve_chunk_size(config, numels, world=world)
@@ -234,22 +233,6 @@ def _attach_zero(zero, manager: ChunkManager, residency: Residency, *, quiet) ->
                 else 2, zero.rank, zero.world, zero.world, " and parameters" if manager.shard_params else "")
 
 
-def _check_hyperparams(*, lr, betas, eps, weight_decay) -> None:
-    value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.is_floating_point() else lr
-    if not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):  # a tensor lr as torch.optim takes it
-        raise ValueError(f"lr={lr!r} is invalid: expected a finite number >= 0, or a one-element float tensor")
-    if (
-        not isinstance(betas, (tuple, list))
-        or len(betas) != 2
-        or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
-    ):
-        raise ValueError(f"betas={betas!r} is invalid: expected two numbers in [0, 1)")
-    if not isinstance(eps, (int, float)) or not (0.0 <= eps < math.inf):
-        raise ValueError(f"eps={eps!r} is invalid: expected a finite number >= 0")
-    if not isinstance(weight_decay, (int, float)) or not (0.0 <= weight_decay < math.inf):
-        raise ValueError(f"weight_decay={weight_decay!r} is invalid: expected a finite number >= 0")
-
-
 def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout) -> NvmeTier | None:
     """The NVMe tier when a host budget or an NVMe folder is set; its store opens here."""
     if config.cpu_memory is None and config.nvme_dir is None:
@@ -282,92 +265,6 @@ def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkMan
             missing_bytes=missing,
         )
 
-
-
-def split_param_groups(model: nn.Module, param_groups):
-    """(torch-style groups, named trainable params per group in model order, frozen params)."""
-    named = list(model.named_parameters())  # tied parameters appear once, under their first name
-    order = {p: i for i, (_, p) in enumerate(named)}
-    name_of = {p: n for n, p in named}
-    for n, p in named:
-        if not p.is_floating_point():
-            raise TypeError(f"parameter {n} has dtype {p.dtype}: gemini packs parameters into floating-point "
-                            f"chunks{'' if p.requires_grad else '; register a frozen integer tensor as a buffer'}")
-    _warn_mixed_dtypes(named)
-    _refuse_sparse_gradients(model)
-    if param_groups is None:
-        specs: list[dict[str, Any]] = [{"params": [p for _, p in named]}]
-    else:
-        specs = _validate_group_specs(param_groups, order, name_of)
-        # The trainable parameters no group lists get one of their own; frozen ones none: as a torch
-        # optimizer built from the trainable parameters only (a LoRA recipe), whose checkpoints
-        # then load here and this optimizer's into it. They are in chunks all the same.
-        listed = {p for spec in specs for p in spec["params"]}
-        rest = [p for _, p in named if p not in listed and p.requires_grad]
-        if rest:
-            specs.append({"params": rest})
-    torch_groups, named_groups = [], []
-    for spec in specs:
-        torch_groups.append(spec)
-        trainable = sorted((p for p in spec["params"] if p.requires_grad), key=order.__getitem__)
-        named_groups.append([(name_of[p], p) for p in trainable])
-    frozen = [(n, p) for n, p in named if not p.requires_grad]
-    return torch_groups, named_groups, frozen
-
-
-def _refuse_sparse_gradients(model: nn.Module) -> None:
-    """A sparse gradient has no slot in a dense gradient chunk; torch's Adam refuses it too."""
-    for name, m in model.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            raise ValueError(f"module {name or 'model'} ({type(m).__name__}) has sparse=True: its weight would get "
-                             f"sparse gradients, which gemini's chunks (and torch's Adam) do not support; build it "
-                             f"with sparse=False (the default), or freeze its weight")
-
-
-def _validate_group_specs(param_groups, order, name_of) -> list[dict[str, Any]]:
-    if not isinstance(param_groups, (list, tuple)) or not param_groups:
-        raise ValueError(f"param_groups={param_groups!r} is invalid: expected a non-empty list of dicts")
-    seen: set = set()
-    specs = []
-    for i, spec in enumerate(param_groups):
-        if not isinstance(spec, dict) or "params" not in spec:
-            raise ValueError(f"param_groups[{i}] is invalid: expected a dict with a 'params' entry")
-        unknown = set(spec) - _GROUP_KEYS
-        if unknown:
-            raise ValueError(f"param_groups[{i}] has unknown keys {sorted(unknown)}: accepted {sorted(_GROUP_KEYS)}")
-        params = spec["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params) if isinstance(params, Iterable) else None
-        if params is None:
-            raise ValueError(f"param_groups[{i}]['params'] must be an iterable of parameters")
-        for p in params:
-            if p not in order:
-                raise ValueError(f"param_groups[{i}] holds a parameter of shape {tuple(p.shape)} that is not in the model")
-            if p in seen:
-                raise ValueError(f"parameter {name_of[p]} appears in more than one of param_groups")
-            seen.add(p)
-        hyper = {k: v for k, v in spec.items() if k != "params"}
-        _check_hyperparams(
-            lr=hyper.get("lr", 0.0), betas=hyper.get("betas", (0.9, 0.999)),
-            eps=hyper.get("eps", 0.0), weight_decay=hyper.get("weight_decay", 0.0),
-        )
-        specs.append({"params": params, **hyper})
-    return specs
-
-
-def _warn_mixed_dtypes(named: list[tuple[str, nn.Parameter]]) -> None:
-    """Chunks hold one dtype (GeminiConfig.precision's): a model whose parameters have several
-    (an fp16 part in an fp32 model) gets them all in that one, and a forward that relied on the
-    others may then fail with torch's dtype mismatch; say where it comes from."""
-    first: dict[torch.dtype, tuple[str, int]] = {}
-    for n, p in named:
-        name, count = first.get(p.dtype, (n, 0))
-        first[p.dtype] = (name, count + 1)
-    if len(first) > 1:
-        logger.warning(
-            "the model's parameters have several dtypes (%s); gemini keeps every parameter in the dtype "
-            "GeminiConfig.precision sets, so all of them change to it (convert the model to one dtype first "
-            "to choose yourself)",
-            ", ".join(f"{dtype}: {count} like {name!r}" for dtype, (name, count) in first.items()))
 
 
 def _source_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> set[torch.dtype]:

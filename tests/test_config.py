@@ -128,7 +128,12 @@ def test_positional_arguments_are_refused():
         (dict(betas=(0.9, 1.0)), "betas="),
         (dict(eps=-1e-8), "eps="),
         (dict(weight_decay=-0.1), "weight_decay="),
-        (dict(param_groups=[{"params": [], "momentum": 0.9}]), "unknown keys"),
+        (dict(param_groups=[{"params": [], "weight_decy": 0.1}]), "did you mean 'weight_decay'"),
+        (dict(param_groups=[{"params": [], "beta": (0.9, 0.99)}]), "did you mean 'betas'"),
+        (dict(param_groups=[{"params": [], "epsilon": 1e-6}]), "did you mean 'eps'"),
+        (dict(param_groups=[{"params": [], "amsgrad": True}]), r"param_groups\[0\]\['amsgrad'\] = True is not supported"),
+        (dict(param_groups=[{"params": [], "decoupled_weight_decay": False, "weight_decay": 0.1}]),
+         r"param_groups\[0\]\['decoupled_weight_decay'\] = False"),
         (dict(param_groups=[{"lr": 1.0}]), "'params'"),
     ],
 )

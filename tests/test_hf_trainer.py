@@ -14,6 +14,7 @@ pytest.importorskip("accelerate")
 
 import gemini  # noqa: E402
 import hf_trainer_workers  # noqa: E402
+from gemini.errors import DeviceBudgetError  # noqa: E402
 from gemini.hf import OPTIMIZER_SHARDS_NAME, GeminiTrainer  # noqa: E402
 from helpers import DEVICE  # noqa: E402
 from multiprocess import run_ranks  # noqa: E402
@@ -98,6 +99,30 @@ def test_gemini_trainer_saves_the_same_model_as_plain_trainer(tmp_path, placemen
         assert got["learning_rate"] == pytest.approx(want["learning_rate"], rel=1e-9)
         assert got["gemini_device_peak_mib"] > 0 and "gemini_host_model_mib" in got
     assert max(h["grad_norm"] for h in logs) > 0.5  # clipping was active
+
+
+@pytest.mark.standin  # the budget in the stand-in's bytes: batch 8 does not fit, 4 does
+def test_auto_find_batch_size_halves_the_batch_on_the_budgets_error(tmp_path):
+    """Trainer's auto_find_batch_size halves the batch on an out-of-memory error, which it knows
+    by its type and message (accelerate's should_reduce_batch_size); gemini's DeviceBudgetError,
+    a MemoryError alone, was raised out of train() instead (see [Note: the budget's error is an
+    out-of-memory error] in gemini/errors.py). The run then trains as one begun at the half."""
+    base = _llama()
+    cfg = gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=4096, device_memory="0.5MiB")
+    kw = dict(gradient_accumulation_steps=1, max_steps=4)
+    runs = {}
+    for batch, find in ((4, False), (8, True)):
+        trainer = GeminiTrainer(model=copy.deepcopy(base), train_dataset=_Tokens(48), gemini_config=cfg,
+                                args=_args(tmp_path / str(batch), per_device_train_batch_size=batch,
+                                           auto_find_batch_size=find, **kw))
+        trainer.train()
+        trainer.save_model(tmp_path / str(batch))
+        runs[batch] = trainer
+    assert runs[8]._train_batch_size == 4
+    _assert_models_close(_load(tmp_path / "8"), _load(tmp_path / "4"), rel=1e-6)
+    with pytest.raises(DeviceBudgetError):  # the same batch without it: the budget's error, as before
+        GeminiTrainer(model=copy.deepcopy(base), train_dataset=_Tokens(48), gemini_config=cfg,
+                      args=_args(tmp_path / "8-plain", per_device_train_batch_size=8, **kw)).train()
 
 
 def test_resume_from_checkpoint_restores_the_optimizer_exactly(tmp_path):

@@ -75,7 +75,7 @@ def _leaf_signature(leaf: Any) -> Any:
 
 def _describe(leaf: Any) -> str:
     if isinstance(leaf, TensorSignature):
-        return f"{leaf.dtype}{list(leaf.shape)}@{leaf.device}"
+        return f"{leaf.dtype}{list(leaf.shape)}@{leaf.device}" + (" needing its gradient" if leaf.requires_grad else "")
     return repr(leaf[1]) if len(leaf) == 2 else f"a {leaf[0]}"  # see _leaf_signature
 
 
@@ -133,6 +133,7 @@ class TracedInputs:
         self._capacity = capacity
         self._used: list[tuple[InputSignature | None, InputSignature | None]] = []  # this step's (signature, covered)
         self._retraces = 0  # iterations traced again for inputs no kept plan covered
+        self._overrun_own: list[InputSignature] = []  # inputs whose own plan overran: traced again for that
 
     def trace(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """The warm-up traces these inputs."""
@@ -167,8 +168,9 @@ class TracedInputs:
         kept = ([k for k in reversed(self._kept) if k[0] == signature]
                 or [k for k in reversed(self._kept) if k[0].covers(signature) and signature not in self._overran])
         if not kept:
-            self._retraces += 1
-            if self._retraces == self._capacity and self.signature is not None:  # see [Note: traces that keep coming]
+            if signature not in self._overrun_own:  # an overrun's retrace is no input that keeps changing
+                self._retraces += 1
+            if self._retraces == self._capacity and signature not in self._overrun_own and self.signature is not None:  # see [Note: traces that keep coming]
                 logger.warning(
                     "auto placement: %d iterations traced again for inputs no kept plan covers (the last differs from "
                     "the plan in force at %s): each such iteration moves chunks as placement 'cpu' does. Plain "
@@ -196,10 +198,13 @@ class TracedInputs:
         for signature, covered in used:
             if covered is None:
                 self._forget(signature)
+                if signature is not None:
+                    _remember(self._overrun_own, signature)
+                    _remember(self._overran, signature)  # nor run on a larger kept plan: traced
                 if signature == self.signature:
                     self.signature = None
-            elif covered not in self._overran:
-                self._overran.append(covered)
+            else:
+                _remember(self._overran, covered)
 
     def _charge(self) -> None:  # this forward runs on (signature, covered): once each until a step lands
         if (self.signature, self.covered) not in self._used:
@@ -207,6 +212,17 @@ class TracedInputs:
 
     def _forget(self, signature: InputSignature | None) -> None:
         self._kept = [k for k in self._kept if k[0] != signature]
+
+
+_REMEMBERED = 8 * KEPT_PLANS  # inputs remembered as overrun: a bound, since a plain int among them counts by value
+
+
+def _remember(signatures: list[InputSignature], signature: InputSignature) -> None:
+    """``signature`` in ``signatures``, the most recent last, the oldest forgotten past the bound."""
+    if signature in signatures:
+        signatures.remove(signature)
+    signatures.append(signature)
+    del signatures[:-_REMEMBERED]
 
 
 # [Note: plans kept per input signature]
@@ -220,7 +236,10 @@ class TracedInputs:
 # where it covers them: no move at all). A kept plan is dropped when its own inputs overrun the
 # budget on it, as the plan in force was; a step refused over the budget charges every plan its
 # forwards ran on since the last landed step, since micro-batches of one step may run on
-# different plans and the step's peak does not say whose it was.
+# different plans and the step's peak does not say whose it was. Inputs whose own plan overran
+# are traced when they come again, not run on another kept plan that covers them: a GAN's
+# discriminator, refused on its own plan, ran its retry on the generator's phase's (whose input,
+# needing its gradient, covers the detached one) and was refused again by the same bytes.
 
 
 # [Note: traces that keep coming]
@@ -229,4 +248,7 @@ class TracedInputs:
 # counts by value, as a sequence length passed as an int must) moved 450 KB in and 356 KB out
 # every step on a tiny model under auto with gpu_margin_mem_ratio=1, where ``model(x)`` moved
 # nothing after its warm-up. When as many iterations as there are kept plans have been traced
-# again, one warning names where the last inputs differ from the plan's and what helps.
+# again, one warning names where the last inputs differ from the plan's and what helps. Inputs
+# traced again because their own plan overran the budget (two engines sharing a device) are no
+# such change and do not count: counted, a GAN whose engines overran took the warning, naming
+# a difference (the generator's output needing its gradient in G's phase) that was none.

@@ -139,6 +139,21 @@ def test_a_kept_plan_whose_own_inputs_overran_is_forgotten():
     assert inputs.choose((_ids(4, 8), "b"), {}, planned=True) == PlanChoice()  # the plan itself stays
 
 
+def test_inputs_whose_own_plan_overran_are_traced_not_run_on_a_larger_plan():
+    """What else uses the device changed (another engine holds more): a larger trace's plan is
+    as stale as the inputs' own, and a GAN's discriminator retried on the generator's phase's plan
+    was refused again by the same bytes."""
+    inputs = TracedInputs()
+    for seq in (64, 32):
+        inputs.trace((_ids(4, seq),), {})
+        inputs.keep(f"plan {seq}")
+        inputs.start_step()
+    assert inputs.choose((_ids(4, 32),), {}, planned=True) == PlanChoice()  # its own plan, in force
+    inputs.overran()
+    assert _traces(inputs, _ids(4, 32))  # not the 64's plan, which covers it
+    assert inputs.choose((_ids(4, 64),), {}, planned=True) == PlanChoice(plan="plan 64")
+
+
 def test_inputs_traced_again_and_again_are_warned_about_once(caplog):
     """A step counter passed as an int: every iteration traced, silently ([Note: traces that keep
     coming]); one warning names where the inputs differ, after as many retraces as kept plans."""
@@ -156,3 +171,36 @@ def test_inputs_traced_again_and_again_are_warned_about_once(caplog):
     assert "8 iterations traced again" in caplog.text and "leaf 1: 7 -> 8" in caplog.text
     assert _sig(_ids(4, 64)).differences(_sig(_ids(4, 64), mask=_ids(4, 64))) == "the structure of the arguments"
     assert _sig(_ids(4, 64), 3).differences(_sig(_ids(2, 64), 3)) == "leaf 0: torch.int64[4, 64]@cpu -> torch.int64[2, 64]@cpu"
+    assert (_sig(torch.zeros(2, 3)).differences(_sig(torch.zeros(2, 3, requires_grad=True)))
+            == "leaf 0: torch.float32[2, 3]@cpu -> torch.float32[2, 3]@cpu needing its gradient")
+
+
+def test_inputs_traced_again_after_their_plans_overran_are_no_warning(caplog):
+    """Two engines on one device: an engine's own plan overran (the other holds more now) and its
+    inputs are traced again, again and again; the inputs did not change, so no warning says they do."""
+    inputs = TracedInputs()
+    fake = torch.zeros(16, 32, requires_grad=True)
+    with caplog.at_level("WARNING", logger="tracer.signature"):
+        for _ in range(12):
+            # The discriminator's phase overruns on its plan; the generator's (its input needing
+            # its gradient) runs on its own.
+            for x, overruns in ((fake.detach(), True), (fake, False)):
+                if inputs.choose((x,), {}, planned=True).trace:
+                    inputs.trace((x,), {})
+                    inputs.keep(f"plan {x.requires_grad}")
+                if overruns:
+                    inputs.overran()
+                inputs.start_step()
+    assert not caplog.records
+
+
+def test_inputs_remembered_as_overrun_are_bounded():
+    """A plain int among the inputs counts by value: each refused step would add one signature
+    to those remembered as overrun, for good."""
+    inputs = TracedInputs()
+    for step in range(1000):
+        inputs.trace((_ids(2, 8), step), {})
+        inputs.keep("plan")
+        inputs.choose((_ids(2, 8), step), {}, planned=True)
+        inputs.overran()
+    assert len(inputs._overran) <= 8 * 8 and len(inputs._overrun_own) <= 8 * 8
