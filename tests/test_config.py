@@ -172,12 +172,12 @@ def test_parameters_of_several_dtypes_are_warned_about(caplog):
     """Chunks hold one dtype: an fp16 part of an fp32 model becomes fp32, which its forward may
     not expect; the warning names a parameter of each dtype."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).half())
-    with caplog.at_level("WARNING", logger="gemini.initialize"):
+    with caplog.at_level("WARNING", logger="gemini.optim.group_specs"):
         wrapped, _ = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
     assert "torch.float32: 2 like '0.weight', torch.float16: 2 like '1.weight'" in caplog.text
     assert wrapped.module[1].weight.dtype == torch.float32
     caplog.clear()
-    with caplog.at_level("WARNING", logger="gemini.initialize"):
+    with caplog.at_level("WARNING", logger="gemini.optim.group_specs"):
         gemini.initialize(torch.nn.Linear(4, 4).double(), gemini.GeminiConfig(device="cpu", placement="cpu"))
     assert "several dtypes" not in caplog.text  # one dtype: the precision's, as asked
 

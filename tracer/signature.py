@@ -168,9 +168,9 @@ class TracedInputs:
         kept = ([k for k in reversed(self._kept) if k[0] == signature]
                 or [k for k in reversed(self._kept) if k[0].covers(signature) and signature not in self._overran])
         if not kept:
-            if signature not in self._overrun_own:  # an overrun's retrace is no input that keeps changing
-                self._retraces += 1
-            if self._retraces == self._capacity and signature not in self._overrun_own and self.signature is not None:  # see [Note: traces that keep coming]
+            changed = signature not in self._overrun_own  # an overrun's retrace is no input that keeps changing
+            self._retraces += changed
+            if changed and self._retraces == self._capacity and self.signature is not None:  # [Note: traces that keep coming]
                 logger.warning(
                     "auto placement: %d iterations traced again for inputs no kept plan covers (the last differs from "
                     "the plan in force at %s): each such iteration moves chunks as placement 'cpu' does. Plain "
@@ -237,9 +237,9 @@ def _remember(signatures: list[InputSignature], signature: InputSignature) -> No
 # budget on it, as the plan in force was; a step refused over the budget charges every plan its
 # forwards ran on since the last landed step, since micro-batches of one step may run on
 # different plans and the step's peak does not say whose it was. Inputs whose own plan overran
-# are traced when they come again, not run on another kept plan that covers them: a GAN's
-# discriminator, refused on its own plan, ran its retry on the generator's phase's (whose input,
-# needing its gradient, covers the detached one) and was refused again by the same bytes.
+# are traced when they come again, not run on another kept plan that covers them: what else uses
+# the device changed, and a larger trace's plan, measured before that change as theirs was, is
+# no better a guess than theirs (a retry on it is refused by about the same bytes).
 
 
 # [Note: traces that keep coming]
@@ -250,5 +250,6 @@ def _remember(signatures: list[InputSignature], signature: InputSignature) -> No
 # nothing after its warm-up. When as many iterations as there are kept plans have been traced
 # again, one warning names where the last inputs differ from the plan's and what helps. Inputs
 # traced again because their own plan overran the budget (two engines sharing a device) are no
-# such change and do not count: counted, a GAN whose engines overran took the warning, naming
-# a difference (the generator's output needing its gradient in G's phase) that was none.
+# such change and do not count: counted, a GAN whose engines overran took the warning, blaming
+# the discriminator's inputs taking turns (the generator's output needing its gradient in G's
+# phase, which the line did not even show), where its retraces came from the overruns.

@@ -140,9 +140,8 @@ def test_a_kept_plan_whose_own_inputs_overran_is_forgotten():
 
 
 def test_inputs_whose_own_plan_overran_are_traced_not_run_on_a_larger_plan():
-    """What else uses the device changed (another engine holds more): a larger trace's plan is
-    as stale as the inputs' own, and a GAN's discriminator retried on the generator's phase's plan
-    was refused again by the same bytes."""
+    """What else uses the device changed (another engine holds more): a larger trace's plan,
+    measured before that change, is as stale as the inputs' own; they are traced again."""
     inputs = TracedInputs()
     for seq in (64, 32):
         inputs.trace((_ids(4, seq),), {})
