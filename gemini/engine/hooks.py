@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves
 
 from chunks import ChunkGroup, ChunkManager
 from gemini.engine.backward_uses import (BackwardUse, hook_all_grads_of, hook_first_grad_of, hook_nodes_of,
@@ -95,9 +97,13 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self._periods = PeriodHooks(module, functools.partial(self._announce, on_boundary), root_forward_hook=False)
         self._unentered: list[nn.Module] = []  # calls whose boundary raised, innermost last
 
+        moves_chunks = manager.shard_params or not residency.policy.keeps_every_chunk_on_device
+
         @torch._disable_dynamo
         def root_pre_eager(m, args, kwargs, compiling: bool) -> None:
             refuse_function_transforms()  # see [Note: torch.func's gradient transforms]
+            if moves_chunks:
+                refuse_tracing(args, kwargs)
             if torch.is_grad_enabled() and self._graph_forwards and self.renews_accumulators:
                 renew_accumulators(self.manager.trainable_groups)  # see [Note: one accumulator per forward]
             self._graph_forwards += torch.is_grad_enabled()
@@ -288,3 +294,27 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
                 raise error
             finally:  # the frame, in the error's traceback, holds no error: no cycle keeps the forward's tensors
                 error = None
+
+
+# [Note: tracing a model whose chunks move]
+# torch.jit.trace records the operators a call runs, torch.export runs it on fake tensors: where
+# gemini's hooks move chunks around the modules' calls, both recorded or ran the moves too.
+# jit.trace failed inside them with torch's errors ("resize_ expects an int, but got Tensor"),
+# and export under auto put fake tensors' symbolic sizes into the memory ledger for good (every
+# later report a SymInt, every later budget check symbolic); on a GPU a second export left
+# parameters no step could renew. Under a placement that moves no chunk (cuda) both work. Where
+# chunks move, the root's first hook refuses, before anything changed.
+def refuse_tracing(args, kwargs) -> None:
+    """Raise ``RuntimeError`` inside torch.jit.trace or torch.export (fake inputs): see [Note:
+    tracing a model whose chunks move]."""
+    if torch.jit.is_tracing():
+        how = "torch.jit.trace"
+    elif torch.compiler.is_exporting() or any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))):
+        how = "torch.export (or a trace on fake tensors)"
+    else:
+        return
+    raise RuntimeError(
+        f"{how} of gemini's model is not supported under a placement that moves chunks between the device and the "
+        f"host (its hooks move them around each module's call); nothing was changed. Export a plain copy: build the "
+        f"model again, load model.state_dict() into it, and trace or export that (under placement 'cuda', which "
+        f"moves no chunk, tracing gemini's model works)")
