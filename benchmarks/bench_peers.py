@@ -139,6 +139,11 @@ def build_gemini(ratio: float, *, one_host_call: bool = False):
     return build
 
 
+# [Note: the NVML sampler's thread]
+# The GPU's used memory (NVML) is sampled by a Python thread in the contender's own process,
+# which takes the GIL at each sample. Gemini's hooks and step are Python between the kernels,
+# torch's and torchao's steps mostly C++, so the sampler may slow gemini more than the others:
+# ``--nvml-interval-ms 0`` runs without it (the table's NVML column then empty) to measure that.
 # [Note: gemini's peak in a benchmark]
 # On CUDA gemini measures each step's non-model peak in intervals between moves of model data,
 # resetting the allocator's peak statistic at each (gemini/engine/memory.py), so after a step
@@ -232,8 +237,9 @@ def run_one(name: str, args) -> dict:
     nvml = None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        if NvmlMonitor.is_available(torch.cuda.current_device()):
-            nvml = NvmlMonitor(torch.cuda.current_device())
+        if args.nvml_interval_ms > 0 and NvmlMonitor.is_available(torch.cuda.current_device()):
+            # a thread of the process under test: see [Note: the NVML sampler's thread]
+            nvml = NvmlMonitor(torch.cuda.current_device(), sample_interval_s=args.nvml_interval_ms / 1e3)
             nvml.start()
     step = BUILDERS[name](model, device, args)
     losses, seconds = [], []
@@ -264,7 +270,7 @@ def run_isolated(name: str, args, *, device_memory: int | str | None = None) -> 
     ``--device-memory``)."""
     cmd = [sys.executable, __file__, "--one", name, "--device", args.device, "--model", args.model,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--port", str(args.port),
-           "--micro-batches", str(args.micro_batches)]
+           "--micro-batches", str(args.micro_batches), "--nvml-interval-ms", str(args.nvml_interval_ms)]
     budget = device_memory if device_memory is not None else args.device_memory
     if budget is not None:
         cmd += ["--device-memory", str(budget)]
@@ -324,6 +330,9 @@ def main() -> int:
                    help="after the others, gemini auto (ratio 1) with device_memory = this contender's measured peak")
     p.add_argument("--device-memory", default=None, help="gemini's device budget (bytes or '8GiB'); default none")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of: " + ", ".join(CONTENDERS))
+    p.add_argument("--nvml-interval-ms", type=float, default=5.0,
+                   help="the whole GPU's used memory sampled this often by a thread of each contender's "
+                        "process (0: not sampled; see [Note: the NVML sampler's thread])")
     p.add_argument("--port", type=int, default=29517, help="DeepSpeed's process group (a world of one)")
     p.add_argument("--timeout", type=int, default=540, help="seconds per contender")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a contender, run by run_isolated

@@ -23,6 +23,7 @@
 #   peers            gemini, DeepSpeed ZeRO-2 offload and torchao side by side (wheels in .whl/)
 #   peers_accum      the same (after peers) with 4 micro-batches a step (gpu_peers_accum4.md)
 #   peers_torchao    torch, gemini ratio 0, torchao, and gemini ratio 1 at torchao's peak (gpu_peers_torchao.md)
+#   peers_nvml_off   gemini ratio 0 and torchao with no NVML sampler in their processes (gpu_peers_nvml_off.md)
 #   stepdiag         scripts/gpu_step_diag.py for torch, gemini ratio 1 and ratio 0 (or those in $STEPDIAG) on the 355M GPT: the
 #                    allocations live at each one's peak, by the code that made them, and the step's
 #                    phases (does the backward return ahead of the GPU?) (gpu_stepdiag_*.log)
@@ -108,6 +109,11 @@ for s in "$@"; do
                 --model gpt-350m --steps 5 --warmup 2 --timeout 90 \
                 --contenders "torch AdamW(fused),gemini auto (ratio 0),torchao CPUOffloadOptimizer"
             for f in json md; do [ -f "$R/gpu_peers.$f" ] && mv "$R/gpu_peers.$f" "$R/gpu_peers_torchao.$f"; done; pack ;;
+        peers_nvml_off)  # after peers_torchao: gemini ratio 0 and torchao again without the NVML sampler's thread
+            PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers_nvml_off 150 "$PY" benchmarks/bench_peers.py --device cuda \
+                --model gpt-350m --steps 7 --warmup 2 --timeout 70 --nvml-interval-ms 0 --at-peak-of none \
+                --contenders "gemini auto (ratio 0),torchao CPUOffloadOptimizer"
+            for f in json md; do [ -f "$R/gpu_peers.$f" ] && mv "$R/gpu_peers.$f" "$R/gpu_peers_nvml_off.$f"; done; pack ;;
         peers_accum)  # after peers (its wheels installed): gradient accumulation, 4 micro-batches a step
             PYTHONPATH="/tmp/site:$PYTHONPATH" stage peers_accum 200 "$PY" benchmarks/bench_peers.py --device cuda \
                 --model gpt-350m --steps 4 --warmup 2 --timeout 60 --micro-batches 4 --at-peak-of none \
@@ -116,8 +122,9 @@ for s in "$@"; do
             stage diag 60 "$PY" scripts/gpu_diag.py
             stage alias 40 "$PY" scripts/gpu_alias_diag.py ;;
         stepdiag)
+            [ -d /tmp/site ] || "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >"$R/gpu_peers_install.log" 2>&1
             for c in ${STEPDIAG:-torch gemini-ratio1 gemini-ratio0}; do
-                stage "stepdiag_$c" 60 "$PY" scripts/gpu_step_diag.py --contender "$c"
+                PYTHONPATH="/tmp/site:$PYTHONPATH" stage "stepdiag_$c" 90 "$PY" scripts/gpu_step_diag.py --contender "$c" ${STEPDIAG_ARGS:-}
             done ;;
         rerun)
             GEMINI_TEST_DEVICE=cuda OMP_NUM_THREADS=1 stage rerun 120 "${PYTEST[@]}" -n 8 --timeout 60 ${RERUN:-tests/test_equivalence.py} ;;

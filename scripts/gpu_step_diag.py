@@ -13,13 +13,20 @@
     python scripts/gpu_step_diag.py --contender gemini-ratio1      # one contender per process
     python scripts/gpu_step_diag.py --contender torch --model gpt-small --device cpu   # smoke test
 
-Contenders: torch (AdamW fused, everything on the device), gemini-ratio0, gemini-ratio1.
+3. With ``--profile``, one more step under torch.profiler: per name of interest (gemini's phases,
+   the fused Adam kernels, the waits), how many, when the first began and the last ended and
+   how long they took in all, against the GPU's busy span, so that gemini's host step can be set
+   beside torchao's per-parameter one on the same timeline.
+
+Contenders: torch (AdamW fused, everything on the device), gemini-ratio0, gemini-ratio1, torchao
+(CPUOffloadOptimizer over AdamW(fused), its wheel installed as for bench_peers.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import sys
 import time
@@ -42,6 +49,14 @@ def build(contender: str, model: GPT, device: str):
         model = model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         return model, lambda loss: loss.backward(), opt.step, lambda: opt.zero_grad(set_to_none=True)
+    if contender == "torchao":
+        try:
+            from torchao.optim import CPUOffloadOptimizer
+        except ImportError:  # releases before torchao.optim existed
+            from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
+        model = model.to(device)
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=True)
+        return model, lambda loss: loss.backward(), opt.step, opt.zero_grad
     ratio = {"gemini-ratio0": 0.0, "gemini-ratio1": 1.0}[contender]
     gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device=device, placement="auto",
                                                                gpu_margin_mem_ratio=ratio), lr=1e-4, weight_decay=0.1)
@@ -88,12 +103,80 @@ def live_at_peak(snapshot: dict, device: int) -> tuple[int, list[tuple[str, int,
     return peak, rows
 
 
+class _GcPauses:
+    """Milliseconds the garbage collector paused this thread since :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.ms, self.full, self._began = 0.0, 0, 0.0
+        gc.callbacks.append(self._seen)
+
+    def reset(self) -> None:
+        self.ms, self.full = 0.0, 0
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        self.ms += (time.perf_counter() - self._began) * 1e3
+        self.full += info["generation"] == 2
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._seen)
+
+
+INTEREST = ("diag::", "gemini::", "aten::_fused_adamw_", "aten::_fused_adam_", "cudaStreamSynchronize",
+            "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "Optimizer.step")
+
+
+def profile_step(model, backward, step, zero_grad, x, y, cuda: bool) -> None:
+    """One step under torch.profiler: a timeline of the names in INTEREST (ms from the step's start)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        with record_function("diag::forward"):
+            loss = GPT.loss(model(x), y)
+        with record_function("diag::backward"):
+            backward(loss)
+        with record_function("diag::step"):
+            step()
+        with record_function("diag::zero_grad"):
+            zero_grad()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    t0 = min(e.time_range.start for e in events)
+    rows: dict[str, list[float]] = {}
+    gpu = [None, None]
+    for e in events:
+        start, end = (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3  # us -> ms
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu = [start if gpu[0] is None else min(gpu[0], start), end if gpu[1] is None else max(gpu[1], end)]
+            continue
+        name = e.name
+        if not any(name.startswith(k) for k in INTEREST):
+            continue
+        r = rows.setdefault(name, [0, start, end, 0.0])
+        r[0] += 1
+        r[1], r[2], r[3] = min(r[1], start), max(r[2], end), r[3] + (end - start)
+    print("  profiled step (ms from its start): name, count, first start, last end, summed duration")
+    if gpu[0] is not None:
+        print(f"    GPU kernels and copies busy from {gpu[0]:.1f} to {gpu[1]:.1f}")
+    for name, (n, a, b, total) in sorted(rows.items(), key=lambda kv: kv[1][1]):
+        print(f"    {name[:60]:60s} {n:6d} {a:9.1f} {b:9.1f} {total:9.1f}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contender", choices=["torch", "gemini-ratio0", "gemini-ratio1"], required=True)
+    p.add_argument("--contender", choices=["torch", "gemini-ratio0", "gemini-ratio1", "torchao"], required=True)
     p.add_argument("--model", default="gpt-350m", choices=list(MODELS))
     p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler (see 3. above)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after the first step: the collector no longer walks what lives by then")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")
@@ -107,7 +190,13 @@ def main() -> int:
     model, backward, step, zero_grad = build(args.contender, GPT(cfg), args.device)
     g = torch.Generator().manual_seed(1)
     phases = collections.defaultdict(list)
+    pauses = _GcPauses()
+    rows = []
     for i in range(args.steps):
+        if i == 1 and args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        pauses.reset()
         x, y = synthetic_batch(cfg, batch, seq, generator=g, device=args.device)
         if cuda:
             torch.cuda.synchronize()
@@ -129,6 +218,7 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
         t4 = time.perf_counter()
+        rows.append((i, (t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t0) * 1e3, pauses.ms, pauses.full))
         if i == 0:
             continue  # auto's warm-up
         phases["forward returns, ms"].append((t1 - t0) * 1e3)
@@ -142,6 +232,14 @@ def main() -> int:
           f"{args.device}, medians of {args.steps - 1} steps after the first:")
     for name, values in phases.items():
         print(f"  {name}: {statistics.median(values):.1f}")
+    print("  step by step: backward returns, step returns, whole step (ms), the garbage collector's pauses "
+          "(ms; collections of the oldest generation)")
+    for i, back, stp, whole, gc_ms, full in rows:
+        print(f"    {i:3d} {back:8.1f} {stp:8.1f} {whole:8.1f} {gc_ms:8.1f} ({full})")
+    pauses.close()
+    if args.profile:
+        x, y = synthetic_batch(cfg, batch, seq, generator=g, device=args.device)
+        profile_step(model, backward, step, zero_grad, x, y, cuda)
     if cuda:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -507,6 +507,25 @@ def test_a_cuda_budget_error_counts_the_allocators_segments_not_its_tensors(monk
     assert err.missing_bytes == 10_200_000_000 + 786 * 2**20 - 10_446_428_672
     assert "the allocator held 10200000000 in segments, 2062970368 of them free blocks" in str(err)
     assert "expandable_segments:True" in str(err)
+    # A request the allocator serves from a new segment larger than itself is owed that segment
+    # ([Note: the allocator's new segment]): a 2 MiB request takes 20 MiB, one of 1 KiB 2 MiB.
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10_446_428_672 - 2**20)
+    for asked, unit, segment in ((2.0, "MiB", 20 * 2**20), (1.0, "KiB", 2 * 2**20)):
+        oom = torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {asked:.2f} {unit}. GPU 0 has")
+        err = memory.budget_error(oom, what="the forward pass", chunk_bytes=0, advice="lower the ratio")
+        assert err.missing_bytes == segment - 2**20
+        assert f"(a new segment of {segment})" in str(err)
+    # An engine still alive with a smaller budget caps the allocator below this one's (a retry
+    # after a budget error, the failed engine not yet collected: the GPU run of 2026-11-27's test
+    # retried three times under its first budget's cap); the error names it.
+    from gemini.engine.memory import _CAPS
+
+    memory.total_bytes = 4 * 10_446_428_672
+    monkeypatch.setitem(_CAPS._held, torch.device("cuda"), {1: 0.25, 2: 0.2})
+    err = memory.budget_error(oom, what="the forward pass", chunk_bytes=0, advice="lower the ratio")
+    assert f"another engine still alive caps the allocator at {int(0.2 * 4 * 10_446_428_672)} bytes" in str(err)
+    monkeypatch.setitem(_CAPS._held, torch.device("cuda"), {1: 0.25})  # this engine's own cap alone
+    assert "another engine" not in str(memory.budget_error(oom, what="x", chunk_bytes=0, advice="y"))
 
 
 def test_a_move_of_model_data_reads_the_allocators_counters_a_few_times(monkeypatch):

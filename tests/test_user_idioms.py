@@ -186,10 +186,7 @@ def test_jit_trace_and_export_are_refused_where_chunks_move_and_change_nothing(n
                 with pytest.raises(RuntimeError, match=f"{how}.* is not supported .*nothing was changed"):
                     trace()
             else:
-                # In the whole suite an earlier test's engine left measuring keeps the stand-in's
-                # accounting mode on, which neither the traced code's int arguments nor export's
-                # symbolic sizes pass through: traced and run outside it.
-                with warnings.catch_warnings(), torch.utils._python_dispatch._disable_current_modes():
+                with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # jit.trace's TracerWarning on the length check
                     out = trace()(x)
                 torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)

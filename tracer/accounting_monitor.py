@@ -214,6 +214,15 @@ class TensorAccountingMonitor(MemoryMonitor):
         self._mode = mode
         self._owner_thread = threading.get_ident()
 
+    # [Note: a mode left by a backward that raised]
+    # A monitor stopped inside a backward (a budget error in a gradient hook) cannot take the
+    # mode off the caller's stack (leave_if_idle): it stays there, empty, until a monitor of the
+    # thread stops outside one (the engine's next forward, zero_grad() or step()). An engine
+    # dropped instead never stops one, and every later operator of the thread ran through the
+    # empty mode: slower, and torch.export failed under it. So the engine's close, also when it
+    # is collected, takes an idle mode off. Collected late: torch keeps the raising graph task's
+    # pending nodes (and the hooks on them, which hold the engine) in the thread's ready queue
+    # until the next backward on that thread.
     def discard(self) -> None:
         """Stop counting, from any thread and in any order: an engine closed or collected with
         its window open. Where the shared mode cannot leave the stack now (not on top, or
@@ -224,6 +233,10 @@ class TensorAccountingMonitor(MemoryMonitor):
                 self.stop()
             finally:
                 self._strict = True
+        else:  # stopped inside a backward that raised: see [Note: a mode left by a backward that raised]
+            mode = getattr(_THREAD, "mode", None)
+            if mode is not None:
+                mode.leave_if_idle()
 
     def _stop(self) -> None:
         mode = self._mode
