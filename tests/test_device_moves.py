@@ -14,6 +14,8 @@ accumulators] in gemini/engine/backward_uses.py).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -138,4 +140,46 @@ def test_two_forwards_before_one_backward_stay_under_the_planned_budget(placemen
                 assert_params_close(model.state_dict(), ref.state_dict(), rtol=CUDA_RTOL, atol=CUDA_ATOL, step=step)
             if placement == "auto":
                 assert opt.report.device_peak_bytes <= budget, f"step {step}"
+    opt.close()
+
+
+@pytest.mark.standin  # a budget sized for the stand-in's exact counting
+def test_a_penalty_over_the_parameters_in_the_loss_trains_every_step_under_auto(moves_like_a_gpu):
+    """An L2 penalty over the parameters in the loss reads them after the forward: in the warm-up
+    from the host copy (the group dropped after its module ran), in later iterations from the
+    device copy where the plan kept the group, so the penalty's temporaries (a copy of every
+    parameter) went to the device, which the warm-up never measured: every second step was
+    refused (1,155,536 bytes against the warm-up's 823,984). The warm-up now finds such groups by
+    their second gradient in one pass ([Note: read twice] in gemini/engine/backward_hooks.py)
+    and later iterations read them on the host as it did: every step trains, under the budget,
+    equal to AdamW. (The head is untied: a tied weight's three gradients, two through the device
+    copy and one through the host's, are summed in another order than torch's.)"""
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    base, ref = clone_pair(cfg)
+    for m in (base, ref):
+        m.lm_head.weight = torch.nn.Parameter(m.wte.weight.detach().clone())
+    data = batches(cfg, 5, batch=4, seq=16)
+
+    def loss_of(model, x, y):
+        return GPT.loss(model(x), y) + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+
+    def engine(budget):
+        return gemini.initialize(copy.deepcopy(base), gemini.GeminiConfig(
+            device="cpu", placement="auto", chunk_size=4096, device_memory=budget, gpu_margin_mem_ratio=0.0),
+            lr=1e-2, weight_decay=0.1)
+
+    probe, probe_opt = engine(2**30)
+    probe_opt.backward(loss_of(probe, *data[0]))
+    probe_opt.step()
+    timeline = probe_opt.report.timeline
+    # room for the parameters' fp32 bytes besides what the warm-up needed: the plan keeps groups
+    budget = timeline.warmup_peak_bytes + timeline.reserve_bytes + 4 * sum(p.numel() for p in base.parameters())
+    probe_opt.close()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    model, opt = engine(budget)
+    for step, (x, y) in enumerate(data):
+        step_both(ref, ref_opt, model, opt, loss_of, x, y)  # a refused step raises DeviceBudgetError
+        assert opt.report.device_peak_bytes <= budget, f"step {step}"
+        assert_params_close(model.state_dict(), ref.state_dict(), step=step)
+    assert opt._rt.placement.track_periods  # the budget made auto evict: the case the plan decides
     opt.close()

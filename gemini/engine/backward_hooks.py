@@ -195,11 +195,26 @@ class BackwardHooks:
                 # module's call) onto the buffer on the device, or the other way; blocking: a
                 # non-blocking copy to the host is not there yet when add_ reads it
                 dst.add_(src.to(dst.device) if src.device != dst.device else src)
+                if param in self._arrived and self._graph_forwards == 1:  # see [Note: read twice]
+                    self.residency.policy.read_outside(group.index)
             else:
                 dst.copy_(src)
                 group.grad_ready[slot.index] = True
             param.grad = None
+            self._arrived.add(param)
             self._count_grad(group)
+
+    # [Note: read twice]
+    # Where moves drop a parameter's gradient accumulator (a GPU's), a parameter read both inside
+    # its module's call (the device copy) and outside it (the host copy, between its uses: a
+    # penalty over the parameters in the loss) gets two gradients in one pass, one per
+    # accumulator, where one forward made the graph. The warm-up read it on the host outside,
+    # which no measurement saw; later iterations, keeping it on the device, computed the
+    # penalty's temporaries there (a whole copy of the parameters: every second step of a
+    # 2-layer GPT refused by the budget, 1,155,536 bytes against the warm-up's 823,984). Such a
+    # group is read outside its modules ([Note: parameters read outside their modules] in
+    # gemini/policies/auto.py): later iterations drop it after each use, as the warm-up did.
+    # Two forwards before one backward also give two gradients a pass; they are not counted.
 
     def _count_grad(self, group: ChunkGroup) -> None:
         """One more of ``group``'s gradients is in; after the last, the group's backward is over."""
@@ -227,6 +242,7 @@ class BackwardHooks:
             self._iteration_pass = False
             self._preloaded.clear()
             self._to_preload.clear()
+            self._arrived.clear()
             self._graph_forwards = 0
             self.backward_passes += 1
             for group in self.residency.groups_fetched_for_backward():

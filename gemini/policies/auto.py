@@ -193,28 +193,30 @@ class AutoPlacement(PlacementPolicy):
             self._host_uses = self._host_storage_uses()
 
     # [Note: parameters read outside their modules]
-    # The hooks fetch a group's parameters around the calls of the modules that own them, but
-    # code outside those calls may read a parameter too (a root that reuses another module's
-    # weight with F.linear); it reads whichever copy the parameter shows then, and autograd may
-    # save a view of that copy for backward. The warm-up drops a group after its last use, so
-    # such a read saw the host copy, which stays put until the step. Later iterations keep
-    # fetched groups on the device until evicted: the read saw the device copy, and an eviction
-    # before backward read it (at an evaluation forward between the forward and its backward,
-    # or at the backward's first boundary) freed that storage in place, so backward failed
-    # ("setStorage: ... storage of size 0"): no call of a module owning the group had begun its
-    # backward to fetch it back. So the warm-up's forward finds such groups, those whose host
-    # copy gained uses of its storage (views kept past the forward) while the forward ran, and
-    # later iterations drop them after each use as the warm-up did: what the plan charged, at
-    # no more traffic than the warm-up's for them. Where nothing is ever evicted (periods not
-    # followed) they stay. The first forward of each kind (the warm-up's among them) finds such
-    # reads and has the reading ancestor's calls fetch the group from then on ([Note: parameters
-    # of a descendant read by its ancestor] in gemini/engine/descendant_reads.py); left for here
-    # are reads that search does not see (a branch the searched forward did not take, a root
-    # called inside a compiled frame), which on CUDA fail as torch's device mismatch.
+    # The hooks fetch a group's parameters around the calls of the modules that own them, but code outside those calls
+    # may read a parameter too (a root that reuses another module's weight with F.linear); it reads whichever copy the
+    # parameter shows then, and autograd may save a view of that copy for backward. The warm-up drops a group after
+    # its last use, so such a read saw the host copy, which stays put until the step. Later iterations keep fetched
+    # groups on the device until evicted: the read saw the device copy, and an eviction before backward read it (at an
+    # evaluation forward between the forward and its backward, or at the backward's first boundary) freed that storage
+    # in place, so backward failed ("setStorage: ... storage of size 0"): no call of a module owning the group had
+    # begun its backward to fetch it back. So the warm-up's forward finds such groups, those whose host copy gained
+    # uses of its storage (views kept past the forward) while the forward ran, and later iterations drop them after
+    # each use as the warm-up did: what the plan charged, at no more traffic than the warm-up's for them. Where
+    # nothing is ever evicted (periods not followed) they stay. The first forward of each kind (the warm-up's among
+    # them) finds such reads and has the reading ancestor's calls fetch the group from then on ([Note: parameters of a
+    # descendant read by its ancestor] in gemini/engine/descendant_reads.py); left for here are reads that search does
+    # not see (a branch the searched forward did not take, a root called inside a compiled frame), which on CUDA fail
+    # as torch's device mismatch. Reads after the forward (a penalty in the loss): [Note: read twice] in
+    # gemini/engine/backward_hooks.py.
     def end_forward(self) -> None:
         if self._host_uses is not None:
             before, self._host_uses = self._host_uses, None
             self._read_outside |= {i for i, n in self._host_storage_uses().items() if n > before.get(i, n)}
+
+    def read_outside(self, group_index: int) -> None:
+        if self._trace is not None:  # the warm-up finds them, as end_forward does
+            self._read_outside.add(group_index)
 
     def _host_storage_uses(self) -> dict[int, int]:
         """Per group whose parameters are on the host only, the uses of its host copy's storage."""
@@ -298,20 +300,18 @@ class AutoPlacement(PlacementPolicy):
 
     # ------------------------------------------------------------------------- eviction
     # [Note: what a decision keeps]
-    # The plan charges each decision of a period (its boundary, each mark) the model data the
-    # warm-up held at that point plus the segment's non-model peak (planned_peak_bytes). The
-    # warm-up fetches a group at its first use and drops it after its last, so at a decision
-    # it held the groups in use and little else: a group the period uses only later (the next
-    # module's in a backward period, a recomputed block's under reentrant checkpointing, a
-    # weight used outside its module) came later, charged in a later segment. The policy kept
-    # every group of the period (plan.access[period]) at each of its decisions, more than the
-    # plan charged there: a budget the warm-up accepted raised DeviceBudgetError in the next
-    # iteration. Charging each decision the whole period's groups would refuse budgets the
-    # warm-up itself ran and shrink the margin; instead the period's groups are ``wanted``,
-    # evicted only when every other group is not enough, those the period is done with first,
-    # then those it has yet to use, the last used first; one evicted is fetched again at its
-    # use, as in the warm-up. So a decision keeps the groups in use (the warm-up held them
-    # too) and the margin's, and evicts exactly what the old policy did wherever that made room.
+    # The plan charges each decision of a period (its boundary, each mark) the model data the warm-up held at that
+    # point plus the segment's non-model peak (planned_peak_bytes). The warm-up fetches a group at its first use and
+    # drops it after its last, so at a decision it held the groups in use and little else: a group the period uses
+    # only later (the next module's in a backward period, a recomputed block's under reentrant checkpointing, a weight
+    # used outside its module) came later, charged in a later segment. The policy kept every group of the period
+    # (plan.access[period]) at each of its decisions, more than the plan charged there: a budget the warm-up accepted
+    # raised DeviceBudgetError in the next iteration. Charging each decision the whole period's groups would refuse
+    # budgets the warm-up itself ran and shrink the margin; instead the period's groups are ``wanted``, evicted only
+    # when every other group is not enough, those the period is done with first, then those it has yet to use, the
+    # last used first; one evicted is fetched again at its use, as in the warm-up. So a decision keeps the groups in
+    # use (the warm-up held them too) and the margin's, and evicts exactly what the old policy did wherever that made
+    # room.
     def _missing_bytes(self, nbytes: int, non_model: int) -> int:
         """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the
         buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve

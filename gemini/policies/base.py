@@ -138,6 +138,10 @@ class PlacementPolicy:
     def accessed(self, groups: list[ChunkGroup]) -> None:
         """A module call's compute (forward or backward) is about to use ``groups``."""
 
+    def read_outside(self, group_index: int) -> None:
+        """A parameter of the group was read outside its modules' calls too (see [Note: read
+        twice] in gemini/engine/backward_hooks.py)."""
+
     def mark(self) -> None:
         """A decision point inside a period: a group's first gradient arrives, or a module's
         backward is done (see [Note: segments of a period] in tracer/runtime.py)."""
