@@ -122,10 +122,10 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
         if sharded:
             optimizer.check_sharded_state_dict(state["optimizer"])
             buffers = _checked_buffers(model, state["buffers"], file)
-        else:
+        else:  # the model first: another model's keys are named there, not counted by the optimizer
+            model._check_load(state["model"])
             if optimizer is not None:
                 optimizer.check_state_dict(state["optimizer"])
-            model._check_load(state["model"])
     with LoadTransaction(model._runtime) as tx:  # both or neither: [Note: a load is all or nothing]
         if sharded:
             optimizer._load_sharded(state["optimizer"], tx)

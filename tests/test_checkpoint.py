@@ -403,6 +403,25 @@ def test_an_optimizer_state_that_does_not_fit_leaves_the_model_as_it_was(tmp_pat
     assert_params_close(model2.state_dict(), before, rtol=0, atol=0)
 
 
+def test_a_checkpoint_of_another_model_names_its_keys_with_the_optimizer_given(tmp_path):
+    """Another model's checkpoint (a layer more) loaded with the optimizer: the error named only
+    the optimizer's parameter counts ("the state has 40 parameters, this optimizer 28"); the
+    model is checked first now, and its error names the keys. Nothing changes."""
+    from gemini.tools.gpt import GPTConfig
+
+    bigger = GPT(GPTConfig(**{**TINY.__dict__, "n_layer": TINY.n_layer + 1}))
+    gmodel, opt = gemini.initialize(bigger, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=3000),
+                                    lr=1e-2)
+    _run(gmodel, opt, batches(TINY, 1))
+    gemini.save_checkpoint(tmp_path / "ckpt.pt", gmodel, opt)
+    model2, opt2 = _fresh()
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"unexpected keys \['blocks\.{TINY.n_layer}\."):
+        gemini.load_checkpoint(tmp_path / "ckpt.pt", model2, opt2)
+    assert_params_close(model2.state_dict(), before, rtol=0, atol=0)
+    assert opt2.state_dict()["state"] == {}
+
+
 def test_a_file_loaded_as_sharded_and_a_folder_as_whole_are_named(tmp_path):
     gmodel, opt = _trained(steps=1)
     gemini.save_checkpoint(tmp_path / "whole.pt", gmodel, opt)

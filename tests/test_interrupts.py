@@ -76,14 +76,20 @@ def test_ctrl_c_during_the_in_memory_update_is_raised_once_the_step_is_complete(
     _assert_adamw(model, opt, ref, ref_opt)
 
 
-def test_ctrl_c_while_nvme_groups_stream_undoes_the_step_at_once(monkeypatch, tmp_path):
-    """Phase 2 can be undone: a SIGINT there raises at once, nothing changed; the retry equals AdamW."""
+def _half_on_nvme(tmp_path):
+    """(model, optimizer, batches, reference, its AdamW trained on them): half the states on NVMe."""
     base, ref = clone_pair()
     data = batches(TINY, 3)
     _, _, ref_opt = train_reference(ref, data, lr=LR, param_groups=_groups)
     cfg = gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=2000, nvme_dir=str(tmp_path),
                               nvme_offload_fraction=0.5)
     model, opt = gemini.initialize(base, cfg, lr=LR, param_groups=_groups(base))
+    return model, opt, data, ref, ref_opt
+
+
+def test_ctrl_c_while_nvme_groups_stream_undoes_the_step_at_once(monkeypatch, tmp_path):
+    """Phase 2 can be undone: a SIGINT there raises at once, nothing changed; the retry equals AdamW."""
+    model, opt, data, ref, ref_opt = _half_on_nvme(tmp_path)
     for i, (x, y) in enumerate(data):
         opt.backward(GPT.loss(model(x), y))
         if i == 1:
@@ -96,6 +102,44 @@ def test_ctrl_c_while_nvme_groups_stream_undoes_the_step_at_once(monkeypatch, tm
             after = _values(model, opt)
             assert all(torch.equal(after[0][k], v) for k, v in before[0].items())
             assert {int(s["step"]) for s in after[1].values()} == {1}
+        opt.step()
+        opt.zero_grad()
+    _assert_adamw(model, opt, ref, ref_opt)
+    opt.close()
+
+
+def test_a_second_ctrl_c_while_the_failed_step_is_undone_waits_for_the_undo(monkeypatch, tmp_path):
+    """Ctrl-C twice: the first while NVMe groups stream fails the step, the second lands in its
+    undo. It was raised there, half-way: the groups not yet restored kept the failed step's
+    values, and the retry trained on them. Now the undo ends first ([Note: Ctrl-C during an
+    undo] in gemini/engine/interrupts.py): the KeyboardInterrupt says so, nothing changed, and
+    the retry equals AdamW."""
+    import gemini.engine.transaction as transaction
+
+    model, opt, data, ref, ref_opt = _half_on_nvme(tmp_path)
+    handler = signal.getsignal(signal.SIGINT)
+    write_back, restored = transaction.StepTransaction._write_back, []
+
+    def second_ctrl_c(self, saved, values):
+        if not restored:
+            signal.raise_signal(signal.SIGINT)
+        restored.append(saved)
+        return write_back(self, saved, values)
+
+    for i, (x, y) in enumerate(data):
+        opt.backward(GPT.loss(model(x), y))
+        if i == 1:
+            before = _values(model, opt)
+            with monkeypatch.context() as patch:
+                _ctrl_c_at_adam_call(patch, 3)  # the third streamed update: two groups to restore
+                patch.setattr(transaction.StepTransaction, "_write_back", second_ctrl_c)
+                with pytest.raises(KeyboardInterrupt, match="the undo was completed first"):
+                    opt.step()
+            after = _values(model, opt)
+            assert all(torch.equal(after[0][k], v) for k, v in before[0].items())
+            assert all(torch.equal(after[1][i][k], v[k]) for i, v in before[1].items() for k in v)
+            assert len(restored) > 1  # the Ctrl-C came with copies still to restore
+            assert signal.getsignal(signal.SIGINT) is handler
         opt.step()
         opt.zero_grad()
     _assert_adamw(model, opt, ref, ref_opt)

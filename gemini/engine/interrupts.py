@@ -17,6 +17,13 @@ saying that the step was completed). So Ctrl-C during a step either finds it in 
 once, the step undone: parameters and states as before it) or in phase 3 and after (raised
 as ``step()`` returns, the step complete: as if it came just after). Never half a step.
 
+[Note: Ctrl-C during an undo]
+Undoing a failed step or load (``StepTransaction.rollback``) writes the copies aside back, reads
+those kept in files and puts the held files back. A second Ctrl-C (the first one failed the
+step) raised in the middle of it left the groups it had not reached yet with the failed step's
+values, and said nothing: the retry then trained on them (50% off the uninterrupted run after a
+step). So the undo holds SIGINT too, and delivers it once everything is back.
+
 Cost: reading and setting the SIGINT handler twice per step (about a microsecond each), and
 only in steps with groups updated in memory. Off the main thread nothing is installed: Python
 delivers signals to the main thread only, so a step on another thread is never interrupted.
@@ -35,7 +42,11 @@ class HeldInterrupt:
     """Records SIGINT between :meth:`hold` and :meth:`release`, then delivers it (see [Note:
     Ctrl-C during the in-memory update])."""
 
-    def __init__(self) -> None:
+    _COMPLETED = ("received during optimizer.step() once its update had begun: the step was completed first "
+                  "(do not repeat it)")
+
+    def __init__(self, *, said: str = _COMPLETED) -> None:
+        self._said = said  # the KeyboardInterrupt's message, under the default handler
         self._previous = None  # the handler in force before hold(), while holding
         self._received: tuple[int, FrameType | None] | None = None
 
@@ -54,17 +65,17 @@ class HeldInterrupt:
     def _record(self, signum: int, frame: FrameType | None) -> None:
         self._received = (signum, frame)
 
-    def release(self) -> None:
+    def release(self, *, deliver: bool = True) -> None:
         """Put the previous handler back; if a SIGINT came meanwhile, call it now (the default
-        handler raises KeyboardInterrupt here)."""
+        handler raises KeyboardInterrupt here), unless not ``deliver`` (an error is on its way
+        out already)."""
         previous, self._previous = self._previous, None
         if previous is None:
             return
         signal.signal(signal.SIGINT, previous)
         received, self._received = self._received, None
-        if received is None:
+        if received is None or not deliver:
             return
         if previous is signal.default_int_handler:
-            raise KeyboardInterrupt("received during optimizer.step() once its update had begun: the step was "
-                                    "completed first (do not repeat it)")
+            raise KeyboardInterrupt(self._said)
         previous(*received)

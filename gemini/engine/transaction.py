@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from chunks import Chunk, ChunkGroup, ChunkStorage, Tier
+from gemini.engine.interrupts import HeldInterrupt
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +140,20 @@ class StepTransaction:
         """The step failed: every recorded value and file back as it was before the step.
 
         Raises only if a copy aside in a file cannot be read back (a second fault): then the
-        parameters of that chunk are not restored, and the error says so."""
+        parameters of that chunk are not restored, and the error says so. A Ctrl-C meanwhile
+        waits until everything is back ([Note: Ctrl-C during an undo] in gemini/engine/interrupts.py)."""
         self._check_open()
+        interrupt = HeldInterrupt(said="received while a failed optimizer step or load was being undone: the undo "
+                                       "was completed first (everything is as before it)")
+        interrupt.hold()
+        try:
+            self._restore()
+        except BaseException:
+            interrupt.release(deliver=False)
+            raise
+        interrupt.release()
+
+    def _restore(self) -> None:
         with contextlib.suppress(Exception):  # its copy stays in memory either way
             self._finish_write()
         for saved in reversed(self._saved):

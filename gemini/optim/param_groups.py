@@ -25,9 +25,12 @@ __all__ = ["TORCH_FLAGS", "UNSUPPORTED_FLAGS", "GroupLayout", "check_flags", "ch
 # False): truthy, each would change the result (capturable and differentiable the graph or device
 # placement it is computed under). False or None, as torch writes them by default, are harmless.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
-# The flag keys torch.optim.AdamW's param groups carry, as what gemini's update does (foreach and
-# fused choose torch's kernel, not the math): HybridAdam's groups carry them too.
-TORCH_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+# The flag keys torch.optim.AdamW's param groups carry, as what gemini's update does: HybridAdam's
+# groups carry them too. ``fused`` chooses torch's kernel, and gemini's update is the fused one's
+# bits (gemini/optim/adam.py): with ``fused=None`` a torch AdamW(fused=True) loading the state took
+# None over its own True and went on with the foreach kernel, 1e-4 off the uninterrupted run after
+# two steps (torch's load_state_dict keeps the saved group's flags).
+TORCH_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=True)
 
 _FIXED = ("the parameters of each param group are fixed at gemini.initialize (their chunks are laid out by "
           "group); only hyperparameters (lr, betas, eps, weight_decay) may change afterwards")
