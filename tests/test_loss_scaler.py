@@ -55,3 +55,32 @@ def test_state_round_trip():
         s.update(over)
         t.update(over)
         assert s.scale == t.scale and s.state_dict() == t.state_dict()
+
+
+def test_steps_without_gradients_leave_the_engines_scale_alone():
+    """``step()`` before any backward, after an evaluation, or after a NaN guard skipped the
+    backward is a no-op (docs/api.md): under fp16 each counted as a good step, so a NaN guard's
+    skipped steps grew the scale (4096 to 8192 after two)."""
+    import torch
+
+    import gemini
+    from gemini.tools.gpt import GPT
+    from helpers import DEVICE, TINY, batches, make_gpt
+
+    model, opt = gemini.initialize(make_gpt(), gemini.GeminiConfig(
+        device=DEVICE, placement="cpu", precision="fp16", initial_scale=4096.0, growth_interval=2), lr=1e-2)
+    (x, y), = batches(TINY, 1)
+    opt.step()
+    opt.step()  # before any forward
+    with torch.no_grad():
+        model(x)  # an evaluation
+    opt.step()
+    GPT.loss(model(x), y)  # a backward a NaN guard skipped
+    opt.step()
+    opt.zero_grad()
+    assert opt.loss_scale == 4096.0 and opt.scaler.state_dict()["good_steps"] == 0
+    for _ in range(2):  # two good steps grow it, as before
+        opt.backward(GPT.loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    assert opt.loss_scale == 8192.0

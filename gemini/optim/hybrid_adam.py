@@ -213,7 +213,9 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         if rt.config.clip_grad_norm > 0 or self.scaler is not None:
             with trace_range("gemini::grad_norm"):
                 norm = grad_norm(groups, tiers, rt.param_order, zero=zero) / scale
-        overflow = update_scale(self.scaler, norm, tx)
+        # A step without gradients (before any backward, after a NaN guard skipped one) is a
+        # no-op: it counted as a good step, and growth_interval of them grew the scale.
+        overflow = update_scale(self.scaler, norm, tx) if groups else False
         clock = AdamClock()
         norm_value = None if norm is None else norm.item()
         if overflow:
