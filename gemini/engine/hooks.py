@@ -72,7 +72,8 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self._handles: list = []
         self._grad_hooks: list[tuple[nn.Parameter, int]] = []  # (parameter, the key of _on_grad among its post-accumulate hooks)
         self._preloaded: set[nn.Parameter] = set()  # p.grad holds the step's gradient so far (see _hooked_grads_accumulated)
-        self._arrived: set[nn.Parameter] = set()  # gradients moved into a chunk in this pass (see [Note: read twice])
+        # gradients moved into a chunk in this pass: whether one came from outside (see [Note: read twice])
+        self._arrived: dict[nn.Parameter, bool] = {}
         self._to_preload: set[nn.Parameter] = set()  # ... once its gradient of this pass arrives
         self._open_uses: dict[nn.Module, list[BackwardUse | None]] = {}
         # The autograd graph task whose end-of-backward callback is queued (None: none is), and
