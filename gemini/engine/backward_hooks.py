@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 
-from chunks import ChunkGroup, ChunkState
+from chunks import ChunkGroup, ChunkState, Tier
 from gemini.engine.backward_uses import BackwardUse, task_computes_gradient_of
 from offload.profiling import trace_range
 
@@ -185,7 +185,7 @@ class BackwardHooks:
                     f"which hold values only: higher-order gradients through parameters are not supported. "
                     f"Input-gradient penalties are (WGAN-GP, R1): compute them with torch.autograd.grad(outputs, "
                     f"inputs=<the inputs>, create_graph=True) and backward the loss with the penalty added.")
-            outside = not self.residency.fetched_for_backward(group)  # see [Note: read twice]
+            outside = not group.param.is_on(Tier.DEVICE)  # read on the host: see [Note: read twice]
             if group.grads_this_backward == 0:
                 self.residency.mark()  # the group's first gradient of this backward
             grad = self.residency.grad_buffer(group)
@@ -196,7 +196,8 @@ class BackwardHooks:
                 # module's call) onto the buffer on the device, or the other way; blocking: a
                 # non-blocking copy to the host is not there yet when add_ reads it
                 dst.add_(src.to(dst.device) if src.device != dst.device else src)
-                if self._arrived.get(param, outside) and self._graph_forwards == 1:  # see [Note: read twice]
+                earlier = self._arrived.get(param)  # None: none of this pass yet ([Note: read twice])
+                if earlier is not None and (earlier or outside) and self._graph_forwards == 1:
                     self.residency.policy.read_outside(group.index)
             else:
                 dst.copy_(src)
@@ -218,9 +219,9 @@ class BackwardHooks:
     # Two forwards before one backward also give two gradients a pass, and so does a module called
     # twice whose group was fetched again between the calls (each fetch a new accumulator): those
     # are no reads outside, and dropping such a group after each use fetched it once more a pass
-    # (12 fetches a step where 8 do, tests/test_budget_promise.py). So only a pass whose gradient
-    # of the parameter arrived while no backward call of its modules held its group (the penalty's
-    # branch, which autograd runs before the modules' backward) counts.
+    # (12 fetches a step where 8 do, tests/test_budget_promise.py). So only a pass in which one
+    # of the parameter's gradients arrived while its group was on the host only (the penalty's
+    # branch, which autograd runs before the modules' backward fetch the group) counts.
 
     def _count_grad(self, group: ChunkGroup) -> None:
         """One more of ``group``'s gradients is in; after the last, the group's backward is over."""

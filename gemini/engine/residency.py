@@ -321,10 +321,6 @@ class Residency(StepMoves):
                 self._maybe_drop_params(self.manager.groups[i])
         self._release_pending &= keep
 
-    def fetched_for_backward(self, group: ChunkGroup) -> bool:
-        """Whether a begun backward call of a module owning ``group`` holds it now."""
-        return group.index in self._fetched_for_backward
-
     def groups_fetched_for_backward(self) -> list[ChunkGroup]:
         return [self.manager.groups[i] for i in sorted(self._fetched_for_backward)]
 
