@@ -1,40 +1,34 @@
 """Checkpoint files: consolidated (one file, any world size) or sharded (one file per rank).
 
-- Consolidated: ``model.state_dict()`` (the wrapped module's keys, full fp32 values: a plain
-  ``nn.Module`` loads it) and ``optimizer.state_dict()`` (``torch.optim.AdamW``'s format), both
-  gathered from every rank's shards and written by rank 0. It loads into any number of ranks:
-  each rank takes its own range of every tensor.
-- Sharded: each rank writes its own ranges (``optimizer.sharded_state_dict()``), the module's
-  buffers and a manifest of where each parameter lies, with no communication. It loads as it is
-  into the same world size, chunk layout and precision; into others, or with :func:`consolidate_checkpoint`
-  (``python -m gemini consolidate``), its files are made whole first ([Note: a sharded checkpoint
-  made whole] in gemini/consolidate.py).
+- Consolidated: ``model.state_dict()`` (the wrapped module's keys, full fp32 values: a plain ``nn.Module`` loads it)
+  and ``optimizer.state_dict()`` (``torch.optim.AdamW``'s format), gathered from every rank's shards and written by
+  rank 0. It loads into any number of ranks: each rank takes its own range of every tensor.
+- Sharded: each rank writes its own ranges (``optimizer.sharded_state_dict()``), the module's buffers and a manifest
+  of where each parameter lies, with no communication. It loads as it is into the same world size, chunk layout and
+  precision; into others, or with :func:`consolidate_checkpoint` (``python -m gemini consolidate``), its files are
+  made whole first ([Note: a sharded checkpoint made whole] in gemini/consolidate.py).
 
 Under ZeRO both functions are collectives: every rank of the group calls them.
 
 Safety:
 
-- A checkpoint holds only tensors and plain Python data (dicts, lists, tuples, str, numbers,
-  bool, None), and ``load_checkpoint`` reads it with ``torch.load(weights_only=True)``: loading a
-  file never runs code from it. A file holding anything else (a pickled object) is refused with
-  ``pickle.UnpicklingError`` naming the file.
-- Every tensor's CRC-32 is stored under the ``"checksums"`` key, and the CRC-32 of everything
-  else (param groups, which parameters have state, ...) under ``"structure_crc32"``, and both
-  are checked on load ([Note: a checkpoint's checksums] in gemini/checkpoint_file.py); torch
-  itself does not check the zip records' CRCs when reading. A mismatch, or a file that cannot
-  be read or does not hold what save wrote (empty, truncated, not a checkpoint), raises
-  ``CheckpointCorruptionError`` naming the file and what is wrong, before anything is loaded.
-  Files written before the checksums existed load without them.
-- A load is all or nothing: every check runs first, and a failure while writing (the NVMe
-  tier's disk full) leaves the model and the optimizer as they were ([Note: a load is all or
-  nothing] in gemini/engine/load_transaction.py).
-- A file is written to a temporary name in the same folder (``<name>.gemini-tmp.<host>.<pid>``),
-  flushed and fsync'ed, renamed over the target and the folder fsync'ed: after a crash or a
-  power loss the name holds either the previous complete checkpoint or the new one. The
-  temporary file is removed on any failure, and temporaries of writers no longer running on
-  this host are removed by the next save into the folder. A full disk raises
-  ``CheckpointDiskFullError`` (an ``OSError`` with errno ENOSPC) saying how many bytes were
-  short; the previous checkpoint stays intact.
+- A checkpoint holds only tensors and plain Python data (dicts, lists, tuples, str, numbers, bool, None), read with
+  ``torch.load(weights_only=True)``: loading a file never runs code from it. A file holding anything else (a pickled
+  object) is refused with ``pickle.UnpicklingError`` naming the file.
+- Every tensor's CRC-32 is stored under ``"checksums"`` and the CRC-32 of everything else (param groups, which
+  parameters have state, ...) under ``"structure_crc32"``; both are checked on load, since torch does not check the
+  zip records' CRCs ([Note: a checkpoint's checksums] in gemini/checkpoint_file.py). A mismatch, or a file that cannot
+  be read or does not hold what save wrote (empty, truncated, not a checkpoint), raises ``CheckpointCorruptionError``
+  naming the file and what is wrong, before anything is loaded. Files written before the checksums existed load
+  without them.
+- A load is all or nothing: every check runs first, and a failure while writing (the NVMe tier's disk full) leaves the
+  model and the optimizer as they were ([Note: a load is all or nothing] in gemini/engine/load_transaction.py).
+- A file is written to a temporary name in the same folder (``<name>.gemini-tmp.<host>.<pid>``), flushed and
+  fsync'ed, renamed over the target, and the folder fsync'ed: after a crash or power loss the name holds either the
+  previous complete checkpoint or the new one. The temporary is removed on any failure, and temporaries of writers no
+  longer running on this host are removed by the next save into the folder. A full disk raises
+  ``CheckpointDiskFullError`` (an ``OSError`` with errno ENOSPC) saying how many bytes were short; the previous
+  checkpoint stays intact.
 """
 
 from __future__ import annotations
@@ -68,13 +62,13 @@ def _buffers(model: GeminiModel) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: HybridAdam, *,
                     sharded: bool = False) -> None:
-    """Write a consolidated checkpoint file at ``path`` (rank 0 writes), or with ``sharded`` one
-    file per rank into the folder ``path``.
+    """Write a consolidated checkpoint file at ``path`` (rank 0 writes), or with ``sharded`` one file per rank into
+    the folder ``path``.
 
-    Durable and all or nothing: a crash, an error or a full disk (``CheckpointDiskFullError``)
-    leaves the previous file at ``path`` intact. Only tensors and plain Python data are written;
-    a param-group value of another type raises ``TypeError`` naming it. ``model`` may be the
-    ``torch.compile``d model: the keys are the uncompiled model's."""
+    Durable and all or nothing: a crash, an error or a full disk (``CheckpointDiskFullError``) leaves the previous
+    file at ``path`` intact. Only tensors and plain Python data are written; a param-group value of another type
+    raises ``TypeError`` naming it. ``model`` may be the ``torch.compile``d model: the keys are the uncompiled
+    model's."""
     model = gemini_model(model, "save_checkpoint")
     zero, manager = optimizer._rt.zero, optimizer._rt.manager
     rank, world = manager.rank, manager.world
@@ -96,12 +90,10 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
                     sharded: bool = False) -> None:
     """Load what ``save_checkpoint`` wrote (the optimizer part only if ``optimizer`` is given).
 
-    Reads with ``torch.load(weights_only=True)`` (a file holding pickled objects is refused with
-    ``pickle.UnpicklingError``: loading never runs code from the file) and checks every tensor
-    against its saved CRC-32 (``CheckpointCorruptionError`` names the tensor and the file) before
-    anything is loaded into the model or the optimizer. A sharded checkpoint of another world size,
-    chunk layout or precision is made whole first (:func:`consolidate_checkpoint`: every rank
-    reads every rank's file)."""
+    Reads with ``torch.load(weights_only=True)`` (pickled objects are refused with ``pickle.UnpicklingError``) and
+    checks every tensor against its saved CRC-32 (``CheckpointCorruptionError`` names the tensor and the file) before
+    anything is loaded into the model or the optimizer. A sharded checkpoint of another world size, chunk layout or
+    precision is made whole first (:func:`consolidate_checkpoint`: every rank reads every rank's file)."""
     model = gemini_model(model, "load_checkpoint")
     path = Path(path)
     file = _file_to_load(path, optimizer, sharded=sharded)
@@ -137,8 +129,8 @@ def load_checkpoint(path: str | os.PathLike, model: GeminiModel, optimizer: Hybr
 
 
 def _file_to_load(path: Path, optimizer: HybridAdam | None, *, sharded: bool) -> Path | None:
-    """The file ``load_checkpoint`` reads: ``path``, or with ``sharded`` this rank's file in it
-    (None: the folder holds the files of another world size only)."""
+    """The file ``load_checkpoint`` reads: ``path``, or with ``sharded`` this rank's file in it (None: the folder
+    holds only files of another world size)."""
     if not sharded:
         if path.is_dir():
             raise ValueError(f"load_checkpoint({str(path)!r}): that is a folder; a sharded checkpoint (the folder "
@@ -162,9 +154,8 @@ def _file_to_load(path: Path, optimizer: HybridAdam | None, *, sharded: bool) ->
 
 @contextlib.contextmanager
 def _named(file: Path) -> Iterator[None]:
-    """A check's error names ``file``; one that says the data is not what save writes (a key or an
-    index missing, a value of the wrong type: a file written before the checksums, damaged) is a
-    ``CheckpointCorruptionError``."""
+    """A check's error names ``file``; one saying the data is not what save writes (a missing key or index, a value
+    of the wrong type: a damaged file from before the checksums) becomes a ``CheckpointCorruptionError``."""
     try:
         yield
     except (KeyError, IndexError, TypeError, AttributeError) as e:

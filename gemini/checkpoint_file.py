@@ -1,20 +1,16 @@
-"""A checkpoint file: plain data only, checksums over all of it, written durably and all or
-nothing, read with one clear error for anything wrong with it (see the safety list in
-gemini/checkpoint.py's doc).
+"""A checkpoint file: plain data only, checksums over all of it, written durably and all or nothing, read with one
+clear error for anything wrong with it (see the safety list in gemini/checkpoint.py's doc).
 
 [Note: a checkpoint's checksums]
 torch does not check the zip records' CRCs when reading, so the file carries its own:
-- ``"checksums"``: each tensor's CRC-32 (``zlib.crc32`` of its bytes), by its path in the saved
-  dict (``"optimizer/state/3/exp_avg"``);
-- ``"structure_crc32"``: the CRC-32 of a canonical encoding of everything else (every key, the
-  type and value of every number, string and flag, each tensor's path, dtype and shape, the
-  ``"checksums"`` entry too): the param groups' hyperparameters, their ``params`` lists, which
-  parameters have optimizer state, the loss scaler. A flipped byte in the pickled structure
-  would otherwise load silently (a learning rate of 1e181, a parameter's state dropped) or fail
-  far away with an error naming nothing.
-Both are checked on load before anything is loaded; the file's top-level keys must be the ones
-save writes (a damaged key name would otherwise hide a checksum). Files written before either
-existed load without that check.
+- ``"checksums"``: each tensor's CRC-32 (``zlib.crc32`` of its bytes), by its path in the saved dict
+  (``"optimizer/state/3/exp_avg"``);
+- ``"structure_crc32"``: the CRC-32 of a canonical encoding of everything else (every key, the type and value of every
+  number, string and flag, each tensor's path, dtype and shape, the ``"checksums"`` entry too). A flipped byte in the
+  pickled structure would otherwise load silently (a huge learning rate, a parameter's state dropped) or fail far away
+  with an error naming nothing.
+Both are checked before anything is loaded; the file's top-level keys must be the ones save writes (a damaged key name
+would otherwise hide a checksum). Files written before either existed load without that check.
 """
 
 from __future__ import annotations
@@ -49,16 +45,16 @@ _TMP_MARK = ".gemini-tmp."
 _TMP_RE = re.compile(r"^(?P<target>.+)\.gemini-tmp\.(?P<host>.+)\.(?P<pid>[1-9][0-9]*)$")
 # What torch's zip writer says when a write came up short (the OSError may not be chained).
 _ZIP_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed", "file write failed", "iostream error")
-# What torch.load(weights_only=True) accepts besides tensors and containers.
 # What the weights-only unpickler says of an object it refuses (not of damaged bytes).
 _CODE_NEEDED = ("GLOBAL", "add_safe_globals", "unrecognized function")
+# What torch.load(weights_only=True) accepts besides tensors and containers.
 _PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.Size, torch.dtype, torch.device)
 
 
 class CheckpointCorruptionError(ValueError):
-    """A checkpoint is damaged: a tensor (``tensor``, its path in the saved dict) or the rest of
-    its content does not match the CRC-32 recorded when it was saved, or the file cannot be read
-    or does not hold what save_checkpoint writes (``tensor`` is None)."""
+    """A checkpoint is damaged: a tensor (``tensor``, its path in the saved dict) or the rest of its content does not
+    match the CRC-32 saved with it, or the file cannot be read or does not hold what save_checkpoint writes (then
+    ``tensor`` is None). ``path`` is the file."""
 
     def __init__(self, message: str, *, path: str, tensor: str | None = None) -> None:
         super().__init__(message)
@@ -69,8 +65,8 @@ class CheckpointCorruptionError(ValueError):
 class CheckpointDiskFullError(OSError):
     """The disk filled up while writing a checkpoint (errno ENOSPC); the previous file is intact.
 
-    ``needed_bytes`` is the size of the tensor data to write, ``free_bytes`` what the file system
-    had free once the partial file was removed, ``short_bytes`` the difference (at least 0)."""
+    ``needed_bytes`` is the size of the tensor data to write, ``free_bytes`` what the file system had free once the
+    partial file was removed, ``short_bytes`` the difference (at least 0)."""
 
     def __init__(self, message: str, *, path: str, needed_bytes: int, free_bytes: int) -> None:
         super().__init__(errno.ENOSPC, message, path)
@@ -82,8 +78,8 @@ class CheckpointDiskFullError(OSError):
 # ------------------------------------------------------------------------ plain data, checksums
 def _plain(obj: Any, where: str) -> Any:
     """``obj`` as weights_only-loadable data: numpy scalars become Python numbers; anything
-    torch.load(weights_only=True) would refuse raises here, at save time, naming its path, so a
-    checkpoint that cannot be loaded is never written."""
+    torch.load(weights_only=True) would refuse raises here, naming its path, so an unloadable checkpoint is never
+    written."""
     if isinstance(obj, torch.Tensor) or type(obj) in _PLAIN:  # exact: torch refuses subclasses (np.float64)
         return obj
     if type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0:
@@ -147,9 +143,8 @@ def _canonical(obj: Any) -> tuple:
 
 
 def _verify(state: dict[str, Any], file: Path, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    """Check the top-level ``keys`` (those in ``optional`` may be absent: files written before
-    they existed), the structure and every tensor against the CRC-32s saved with them (files
-    from before the checksums: what they have)."""
+    """Check the top-level ``keys`` (those in ``optional`` may be absent, in files written before they existed), then
+    the structure and every tensor against the CRC-32s saved with them (where the file has them)."""
     unexpected = sorted(set(state) - {*keys, _CHECKSUMS, _STRUCTURE}, key=str)
     missing = [k for k in keys if k not in state and k not in optional]
     if unexpected or missing:
@@ -198,8 +193,8 @@ def _storage_bytes(obj: Any) -> int:
 
 
 def _sweep_stale_temps(folder: Path) -> None:
-    """Remove temporaries left by writers that died on this host (a crash cannot clean up, and
-    checkpoints are large). Another host's pid says nothing here; a live writer's file stays."""
+    """Remove temporaries left by writers that died on this host (a crash cannot clean up, and checkpoints are
+    large). Another host's pid says nothing here; a live writer's file stays."""
     host, me = socket.gethostname(), os.getpid()
     try:
         names = os.listdir(folder)
@@ -278,10 +273,12 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
 
 
 def read_checkpoint(file: Path, *, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The dict ``atomic_save`` wrote at ``file`` with the top-level ``keys`` (those of ``optional``
-    may be missing), verified (the checksums removed). Anything wrong with the file raises one error naming it: ``CheckpointCorruptionError``
-    (empty, truncated, damaged, not a checkpoint), ``pickle.UnpicklingError`` (it holds objects that
-    loading would have to run code for), ``FileNotFoundError``."""
+    """The dict ``atomic_save`` wrote at ``file``, with the top-level ``keys`` (those of ``optional`` may be missing),
+    verified and with the checksums removed.
+
+    Anything wrong with the file raises one error naming it: ``CheckpointCorruptionError`` (empty, truncated,
+    damaged, not a checkpoint), ``pickle.UnpicklingError`` (it holds objects that loading would have to run code
+    for), ``FileNotFoundError``."""
     if file.stat().st_size == 0:
         raise CheckpointCorruptionError(f"checkpoint {file} is empty (0 bytes): it was not written completely",
                                         path=str(file))

@@ -196,14 +196,14 @@ class GeminiConfig:
     def check_device_available(self) -> None:
         """Raise ``ValueError`` naming the field if this machine cannot run on :attr:`device`.
 
-        Not part of construction: a config describes the run it is for, and a machine without
-        that GPU may still plan it (``gemini.plan_placement``); ``initialize`` calls this first."""
+        Not part of construction: a config describes the run it is for, and a machine without that GPU may still plan
+        it (``gemini.plan_placement``); ``initialize`` calls this first."""
         if self.device is not None and torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
             _fail("device", self.device, '"cpu" or None: this torch build or machine has no CUDA device')
 
     def _check_report_path(self) -> None:
-        """What can be told before opening: the file is appended to by ``initialize``, which
-        reports what only opening can tell (a permission the mode bits do not show)."""
+        """Check what can be told before opening; ``initialize``, which appends to the file, reports what only opening
+        can tell (a permission the mode bits do not show)."""
         value = self.report_path
         if value is None:
             return
@@ -215,8 +215,7 @@ class GeminiConfig:
             _fail("report_path", value, f"{accepted} (an empty string names no file)")
         if os.path.isdir(path):
             _fail("report_path", value, f"{accepted}, not a folder")
-        # The file, or the folders initialize would create for it, must be makeable under
-        # the nearest existing ancestor.
+        # The file, or the folders initialize would create for it, must be makeable under the nearest existing ancestor.
         ancestor = os.path.dirname(path)
         while not os.path.lexists(ancestor):
             ancestor = os.path.dirname(ancestor)
@@ -254,8 +253,8 @@ class GeminiConfig:
                 _fail(name, v, "an int >= 1")
 
     def warn_unused_scaler(self) -> None:
-        """A ``UserWarning`` if a loss-scaler field is set under a precision other than fp16 (called
-        by ``initialize``, once the precision is final: GeminiTrainer sets it from its arguments)."""
+        """A ``UserWarning`` if a loss-scaler field is set under a precision other than fp16 (called by ``initialize``
+        once the precision is final: GeminiTrainer sets it from its arguments)."""
         scaler = [f.name for f in fields(self) if f.name in SCALER_FIELDS and getattr(self, f.name) != f.default]
         if scaler and self.precision != "fp16":
             warnings.warn(f"GeminiConfig.{scaler[0]}={getattr(self, scaler[0])!r} will not be used: the loss scaler "
@@ -263,10 +262,10 @@ class GeminiConfig:
                           UserWarning, stacklevel=3)
 
     def checked(self) -> GeminiConfig:
-        """A validated copy of this config as it is now: a field set after construction
-        (``cfg.device_memory = "8GiB"``) is checked and converted like a constructor argument.
-        ``initialize`` runs with such a copy, so changing the config later does not reach a
-        running engine."""
+        """A validated copy of this config as it is now.
+
+        A field set after construction (``cfg.device_memory = "8GiB"``) is checked and converted like a constructor
+        argument. ``initialize`` runs with such a copy, so changing the config later does not reach a running engine."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # construction warned already
             return replace(self)

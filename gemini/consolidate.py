@@ -1,19 +1,16 @@
 """A sharded checkpoint made whole, for any number of ranks (DeepSpeed's ``zero_to_fp32.py``).
 
 [Note: a sharded checkpoint made whole]
-``save_checkpoint(..., sharded=True)`` writes, per rank, its range of every chunk group's fp32
-masters and Adam's m and v (under ZeRO rank r holds ``[r * n, (r + 1) * n)`` of each group, see
-[Note: ZeRO shards of a chunk]; in one process the whole group), the step counts and the
-module's buffers, with a manifest: where that range begins in each group, where each of the
-module's parameters sits (group, offset, shape) and the optimizer's order of parameters. Laying
-each group's ranges end to end and cutting the parameters out of them gives exactly what
-``save_checkpoint(..., sharded=False)`` writes on that world: the module's ``state_dict()`` (fp32
-masters, tied parameters under each of their keys) and AdamW's optimizer state. That loads into
-any number of ranks, and into a plain ``nn.Module`` and ``torch.optim.AdamW``; so a sharded
-checkpoint is no longer tied to the world size that wrote it. Every file is read with its
-checksums verified; ranges that do not tile their group (a file from another save) are refused.
-Memory: the whole checkpoint once (each group's ranges are dropped as they are laid end to end,
-and the tensors returned are views of the groups laid out), as DeepSpeed's script needs too.
+``save_checkpoint(..., sharded=True)`` writes, per rank, its range of every chunk group's fp32 masters and Adam's m
+and v (under ZeRO rank r holds ``[r * n, (r + 1) * n)`` of each group, see
+[Note: ZeRO shards of a chunk] in chunks/shard.py; in one process the whole group), the step counts and the module's
+buffers, with a manifest: where that range begins in each group, where each parameter sits (group, offset, shape) and
+the optimizer's order of parameters. Laying each group's ranges end to end and cutting the parameters out gives
+exactly what ``save_checkpoint(..., sharded=False)`` writes: the module's ``state_dict()`` (fp32 masters, tied
+parameters under each of their keys) and AdamW's optimizer state, which loads into any number of ranks, or into a
+plain ``nn.Module`` and ``torch.optim.AdamW``. Every file is read with its checksums verified; ranges that do not
+tile their group (a file from another save) are refused. Memory: the whole checkpoint once (each group's ranges are
+dropped as they are concatenated, and the tensors returned are views of the whole groups).
 """
 
 from __future__ import annotations
@@ -75,8 +72,8 @@ def manifest(model: GeminiModel, optimizer: HybridAdam) -> dict[str, Any]:
 
 
 def read_shards(folder: Path, world: int | None = None) -> list[dict[str, Any]]:
-    """Every rank's file of the sharded checkpoint in ``folder`` (of ``world`` ranks; None: the
-    one world whose files are there), verified, rank 0 first."""
+    """Every rank's file of the sharded checkpoint in ``folder``, verified, rank 0 first (``world`` ranks; None: the
+    one world size whose files are there)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} {'is a file, not' if folder.exists() else 'does not exist: expected'} the "
                                 f"folder of a sharded checkpoint (one file per rank: save_checkpoint(..., sharded=True))")
@@ -104,9 +101,10 @@ def read_shards(folder: Path, world: int | None = None) -> list[dict[str, Any]]:
 
 
 def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The sharded checkpoint in folder ``path`` (``save_checkpoint(..., sharded=True)``, any
-    world size) as one: ``{"model": state_dict, "optimizer": AdamW's state_dict}``, what
-    ``save_checkpoint(..., sharded=False)`` writes. See [Note: a sharded checkpoint made whole]."""
+    """The sharded checkpoint in folder ``path`` (``save_checkpoint(..., sharded=True)``, any world size) as one.
+
+    Returns ``{"model": state_dict, "optimizer": AdamW's state_dict}``, what ``save_checkpoint(..., sharded=False)``
+    writes. See [Note: a sharded checkpoint made whole]."""
     shards = read_shards(Path(path))
     first, spec = shards[0], shards[0]["manifest"]
     masters, moments, steps = _whole_groups(shards)
@@ -139,8 +137,8 @@ def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def _whole_groups(shards: list[dict[str, Any]]):
-    """Per chunk group: the masters laid end to end over every rank, (m, v) likewise for groups
-    with state, and the step counts."""
+    """Per chunk group: the masters laid end to end over every rank, (m, v) likewise for groups with state, and the
+    step counts."""
     masters, moments, steps = {}, {}, {}
     for group in shards[0]["optimizer"]["groups"]:
         pieces = sorted(((s["manifest"]["starts"][group], s["optimizer"]["groups"][group], s["file"]) for s in shards),

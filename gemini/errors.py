@@ -1,5 +1,4 @@
-"""The errors gemini raises for a budget it cannot keep (raised by the engine and the policies),
-and for copies of what it manages."""
+"""The errors gemini raises for a budget it cannot keep (engine and policies) and for copies of what it manages."""
 
 from __future__ import annotations
 
@@ -13,17 +12,15 @@ __all__ = ["DeviceBudgetError", "NotCopyable"]
 class DeviceBudgetError(torch.OutOfMemoryError, MemoryError):
     """The device memory budget cannot hold what the step needs.
 
-    Raised before any parameter or optimizer state is changed; ``missing_bytes`` says by how
-    much the budget falls short.
+    Raised before any parameter or optimizer state is changed; ``missing_bytes`` says by how much the budget falls
+    short.
 
     [Note: the budget's error is an out-of-memory error]
-    On a GPU the budget caps the allocator, and its out-of-memory errors come out as this one
-    (naming the missing bytes in the budget's terms). So it is torch's out-of-memory error too
-    (``torch.OutOfMemoryError``, a ``RuntimeError``), and its message begins with the words
-    torch's does ("out of memory."): code that catches torch's to skip a batch, and the tools
-    that halve the batch on it (accelerate's ``find_executable_batch_size``, Trainer's
-    ``auto_find_batch_size``, which read the message), take this one too; as a MemoryError it
-    failed them all (Trainer raised instead of halving). Still a ``MemoryError``, as before.
+    On a GPU the budget caps the allocator, and its out-of-memory errors come out as this one. So it subclasses
+    ``torch.OutOfMemoryError`` (a ``RuntimeError``) and its message contains torch's words ("out of memory."): code
+    that catches torch's error to skip a batch, and tools that halve the batch on it (accelerate's
+    ``find_executable_batch_size``, Trainer's ``auto_find_batch_size``, which read the message), handle it too. It
+    is also a ``MemoryError``.
     """
 
     def __init__(self, message: str, *, missing_bytes: int) -> None:
@@ -32,9 +29,10 @@ class DeviceBudgetError(torch.OutOfMemoryError, MemoryError):
 
 
 class NotCopyable:
-    """Refuses ``copy.deepcopy`` and pickling with what to do instead: the wrapped model, the
-    engine's hooks (so the module given to initialize, which holds them, is refused too) and the
-    optimizer (torch's ``Optimizer.__getstate__`` pickled a shell that failed at its first use)."""
+    """Refuses ``copy.deepcopy`` and pickling, saying what to do instead.
+
+    Mixed into the wrapped model, the engine's hooks (so the module given to initialize, which holds them, is refused
+    too) and the optimizer (torch's ``Optimizer.__getstate__`` would pickle a shell that fails at its first use)."""
 
     _copied_as = "model"  # what messages call it
 

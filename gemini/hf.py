@@ -6,31 +6,27 @@
     trainer.train()
 
 [Note: what GeminiTrainer changes in Trainer]
-Trainer builds AdamW from its arguments, wraps the model for mixed precision and clips through
-torch. Here gemini owns the parameters, so:
-- ``__init__`` wraps the model with :func:`gemini.initialize` and builds :class:`HybridAdam`
-  exactly as Trainer builds AdamW: ``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, and
-  Trainer's own decay / no-decay parameter groups with ``weight_decay``. Trainer then only adds
-  its learning-rate scheduler (``lr_scheduler_type``, warm-up) on that optimizer.
-- ``bf16`` / ``fp16`` become ``GeminiConfig.precision`` (bf16/fp16 parameters with fp32
-  masters, gemini's dynamic loss scaler); Trainer's own autocast and GradScaler are turned off,
-  so the accelerator's ``backward`` goes through ``optimizer.backward`` (which scales under fp16).
-- ``max_grad_norm`` clips with ``model.clip_grad_norm_`` (global norm over the chunks, the
-  unscaled norm under fp16), which is also the ``grad_norm`` Trainer logs.
-- ``save_model`` and checkpoints write safetensors with the original keys, streamed chunk group
-  by chunk group (:func:`gemini.save_pretrained`), so ``AutoModel*.from_pretrained`` loads them
-  (a PEFT model's: the adapter's files, as PEFT writes them, see [Note: PEFT models]);
-  ``resume_from_checkpoint`` reads them back and restores the optimizer state exactly.
+Trainer builds AdamW from its arguments, wraps the model for mixed precision and clips through torch. Here gemini owns
+the parameters, so:
+- ``__init__`` wraps the model with :func:`gemini.initialize` and builds :class:`HybridAdam` as Trainer builds AdamW
+  (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, Trainer's decay / no-decay groups with ``weight_decay``);
+  Trainer only adds its learning-rate scheduler on that optimizer.
+- ``bf16`` / ``fp16`` become ``GeminiConfig.precision`` (fp32 masters, gemini's dynamic loss scaler); Trainer's
+  autocast and GradScaler are turned off, and the accelerator's ``backward`` goes through ``optimizer.backward``
+  (which scales under fp16).
+- ``max_grad_norm`` clips with ``model.clip_grad_norm_`` (global norm over the chunks, unscaled under fp16), which is
+  also the ``grad_norm`` Trainer logs.
+- ``save_model`` and checkpoints write safetensors with the original keys, streamed chunk group by chunk group
+  (:func:`gemini.save_pretrained`), so ``AutoModel*.from_pretrained`` loads them (for a PEFT model, the adapter's
+  files, see [Note: PEFT models]); ``resume_from_checkpoint`` reads them back and restores the optimizer state exactly.
 - Each training log line carries the step's memory report: device peak and bytes per tier.
-- Under torchrun (several ranks) gemini's ZeRO shards the chunks over Trainer's process group.
-  The accelerator leaves the model unwrapped (DDP would all-reduce the gradients ZeRO already
-  reduce-scatters, and keep a second copy of them); Trainer's data loader still gives each rank
-  its share of every batch, and gradients are averaged as under DDP, so a run equals plain
-  Trainer's DDP run. The model is saved by every rank together (rank 0 writes), and a checkpoint's
-  optimizer state is one file per rank (:func:`gemini.save_checkpoint` ``sharded=True``, no
-  gathering); it resumes on any number of ranks (made whole where the number or layout differs).
-The accelerator is :class:`GeminiAccelerator`, which a loop of one's own under ``accelerate
-launch`` uses too.
+- Under torchrun gemini's ZeRO shards the chunks over Trainer's process group. The model is not wrapped in DDP, which
+  would all-reduce the gradients ZeRO already reduce-scatters (and keep a second copy of them); each rank still gets
+  its share of every batch and gradients are averaged, so a run equals Trainer's DDP run. Every rank saves the model
+  together (rank 0 writes), and a checkpoint's optimizer state is one file per rank (:func:`gemini.save_checkpoint`
+  ``sharded=True``, no gathering), which resumes on any number of ranks (made whole where the number or layout
+  differs).
+The accelerator is :class:`GeminiAccelerator`, which a loop of one's own under ``accelerate launch`` can use too.
 """
 
 from __future__ import annotations
@@ -67,22 +63,21 @@ OPTIMIZER_SHARDS_NAME = "gemini_optimizer"
 
 
 class GeminiAccelerator(accelerate.Accelerator):
-    """``accelerate.Accelerator`` for a model and optimizer from :func:`gemini.initialize` (the
-    one GeminiTrainer drives too); every argument is Accelerator's.
+    """``accelerate.Accelerator`` for a model and optimizer from :func:`gemini.initialize` (GeminiTrainer uses it
+    too); every argument is Accelerator's.
 
         accelerator = GeminiAccelerator(gradient_accumulation_steps=4)
         model, optimizer = gemini.initialize(model, config, lr=3e-4)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     What it changes, and why (see [Note: what GeminiTrainer changes in Trainer]):
-    - ``prepare`` never wraps gemini's model for data parallelism: under ``accelerate launch`` /
-      torchrun gemini's ZeRO averages the gradients over the ranks itself, and DDP around it
-      would reduce the gradients a rank no longer holds whole (mixed precision and
+    - ``prepare`` never wraps gemini's model for data parallelism: gemini's ZeRO averages the gradients over the
+      ranks itself, and DDP around it would reduce gradients a rank no longer holds whole (mixed precision and
       ``torch.compile`` are applied as for any model);
-    - ``backward`` goes through the gemini optimizer's (the loss scaled under fp16), after the
-      division by the accumulation steps Accelerator's own makes;
-    - ``clip_grad_norm_(model.parameters(), ...)`` clips with ``model.clip_grad_norm_``, which
-      works under every placement, fp16 and ZeRO, where torch's sees placeholders;
+    - ``backward`` goes through the gemini optimizer's (the loss scaled under fp16), after Accelerator's division
+      by the accumulation steps;
+    - ``clip_grad_norm_(model.parameters(), ...)`` uses ``model.clip_grad_norm_``, which works under every
+      placement, fp16 and ZeRO, where torch's sees placeholders;
     - ``optimizer_step_was_skipped`` is the gemini step's (fp16 overflow).
     """
 
@@ -95,8 +90,8 @@ class GeminiAccelerator(accelerate.Accelerator):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         if isinstance(optimizer, HybridAdam):
             if self.scaler is not None:
-                # Its GradScaler unscales through p.grad at the step: gradients this backward
-                # never scaled, and under ZeRO placeholders. gemini scales fp16 itself.
+                # Its GradScaler unscales through p.grad at the step: gradients this backward never scaled, and
+                # under ZeRO placeholders. gemini scales fp16 itself.
                 raise ValueError(f"GeminiAccelerator(mixed_precision={self.mixed_precision!r}) scales the loss with "
                                  f"torch's GradScaler, which gemini's optimizer does not go through: use "
                                  f"GeminiConfig(precision='fp16') (gemini's own loss scaler) and mixed_precision='no'")
@@ -132,9 +127,9 @@ def _same_tensors(a: list[torch.Tensor], b) -> bool:
 class GeminiTrainer(transformers.Trainer):
     """``transformers.Trainer`` training through gemini; see [Note: what GeminiTrainer changes in Trainer].
 
-    ``gemini_config`` is the :class:`gemini.GeminiConfig` (placement, budgets, NVMe...);
-    ``weights`` (optional) streams the model's weights from safetensors into a model built on
-    the meta device (see :func:`gemini.initialize`). Every other argument is Trainer's.
+    ``gemini_config`` is the :class:`gemini.GeminiConfig` (placement, budgets, NVMe...); ``weights`` (optional)
+    streams the model's weights from safetensors into a model built on the meta device (see
+    :func:`gemini.initialize`). Every other argument is Trainer's.
     """
 
     def __init__(self, model: nn.Module | None = None, args: transformers.TrainingArguments | None = None, *,
@@ -235,8 +230,8 @@ class GeminiTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.gemini_world_size == 1:
             return super()._save_optimizer_and_scheduler(output_dir)
-        # Trainer writes optimizer.pt from rank 0's state_dict(), a gathering collective under ZeRO
-        # (every rank would hold the whole state): each rank writes its own shard instead.
+        # Trainer writes optimizer.pt from rank 0's state_dict(), a gathering collective under ZeRO (every rank would
+        # hold the whole state): each rank writes its own shard instead.
         save_checkpoint(os.path.join(output_dir, OPTIMIZER_SHARDS_NAME), self.model, self.gemini_optimizer,
                         sharded=True)
         if self.args.should_save:
@@ -254,8 +249,8 @@ class GeminiTrainer(transformers.Trainer):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 def _check_world(config: GeminiConfig, args) -> int:
-    """The number of ranks gemini shards over, which must be Trainer's: under torchrun Trainer
-    joins the process group first (``args.device`` sets it up), then gemini finds it."""
+    """The number of ranks gemini shards over, which must be Trainer's: under torchrun Trainer joins the process
+    group first (``args.device`` sets it up), then gemini finds it."""
     args.device  # noqa: B018 - Trainer's distributed setup (torchrun's process group), done once
     comm = resolve_group(config.process_group)
     world = 1 if comm is None else comm.world

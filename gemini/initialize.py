@@ -51,19 +51,17 @@ def initialize(
 ) -> tuple[GeminiModel, HybridAdam]:
     """Move ``model``'s parameters into chunks and build its optimizer.
 
-    ``param_groups`` (optional) works as in ``torch.optim``: dicts with ``params`` and any of
-    ``lr``, ``betas``, ``eps``, ``weight_decay``; parameters of the model not listed form a
-    last group with the defaults. Returns ``(model, optimizer)``; train with
-    ``optimizer.backward(loss)`` (or ``loss.backward()`` outside fp16), ``optimizer.step()``
-    and ``optimizer.zero_grad()``.
+    ``param_groups`` (optional) works as in ``torch.optim``: dicts with ``params`` and any of ``lr``, ``betas``,
+    ``eps``, ``weight_decay``; parameters of the model not listed form a last group with the defaults. Returns
+    ``(model, optimizer)``; train with ``optimizer.backward(loss)`` (or ``loss.backward()`` outside fp16),
+    ``optimizer.step()`` and ``optimizer.zero_grad()``.
 
-    ``model``'s parameters may be on the meta device (``accelerate.init_empty_weights()``).
-    ``weights`` (a safetensors file, or a folder as ``save_pretrained`` writes it) then gives
-    every parameter and persistent buffer — strictly: missing, unexpected or mis-shaped keys
-    raise, naming them — read one chunk group at a time straight into its chunks, so the
-    model never exists whole in memory (a real model's values are overwritten). Without
-    ``weights``, each module with parameters on the meta device is initialized by its
-    ``reset_parameters()`` when its chunk group is built. See gemini/pretrained/load.py.
+    ``model``'s parameters may be on the meta device (``accelerate.init_empty_weights()``). ``weights`` (a
+    safetensors file, or a folder as ``save_pretrained`` writes it) then gives every parameter and persistent buffer,
+    strictly (missing, unexpected or mis-shaped keys raise, naming them), read one chunk group at a time straight into
+    its chunks, so the model never exists whole in memory (a real model's values are overwritten). Without
+    ``weights``, each module with parameters on the meta device is initialized by its ``reset_parameters()`` when its
+    chunk group is built. See gemini/pretrained/load.py.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -89,8 +87,8 @@ def initialize(
 
 
 def _open_report(config: GeminiConfig) -> ReportWriter | None:
-    """The report file, opened for appending before any work: what GeminiConfig could not
-    tell without opening it (a read-only file system, a path made a folder since) fails here."""
+    """The report file, opened for appending before any work, so what GeminiConfig could not tell without opening it
+    (a read-only file system, a path made a folder since) fails here."""
     if config.report_path is None:
         return None
     path = rank_report_path(config.report_path, _job_rank())
@@ -104,8 +102,8 @@ def _open_report(config: GeminiConfig) -> ReportWriter | None:
 
 
 def _job_rank() -> int:
-    """This process's global rank (0 outside torch.distributed): unique in the job, unlike a
-    rank within ``process_group``, so that ranks of different groups never share a report file."""
+    """This process's global rank (0 outside torch.distributed): unique in the job, unlike a rank within
+    ``process_group``, so ranks of different groups never share a report file."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -136,10 +134,9 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
     numels = [[p.numel() for _, p in g] for g in named_groups] + [[p.numel() for _, p in frozen]]
     chunk_size = resolve_chunk_size(config, numels, world=world)
 
-    # The device is measured on CUDA always (the allocator's counters cost nothing) and on
-    # the CPU stand-in when there is a budget to keep (a dispatch mode, ~25 us per operator).
-    # auto always measures: its warm-up plans from what it sees (with no budget on the CPU
-    # stand-in, against the machine's memory).
+    # The device is measured on CUDA always (the allocator's counters cost nothing), and on the CPU stand-in (a
+    # dispatch mode, costly per operator) only when there is a budget to keep or the policy plans from measurement
+    # (auto's warm-up; with no budget on the CPU, against the machine's memory).
     policy_type = placement_type(config.placement)
     memory = DeviceMemory(device, config.device_memory,
                           measure=config.device_memory is not None or policy_type.plans_from_measurement)
@@ -200,9 +197,9 @@ def _initialize(model: nn.Module, config: GeminiConfig, values: PreparedValues, 
 
 
 def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]], *, world: int = 1) -> int:
-    """``config.chunk_size``, or the searched size with the least padding for these tensors
-    (element counts per param group, frozen last); under ZeRO rounded up to a multiple of the
-    world size, so that every rank's shard of a chunk is the same size."""
+    """``config.chunk_size``, or the searched size with the least padding for ``numels`` (element counts per param
+    group, frozen last); under ZeRO rounded up to a multiple of the world size, so every rank's shard of a chunk is
+    the same size."""
     if config.chunk_size is not None:
         size = round_up(config.chunk_size, world)
         if size != config.chunk_size:
@@ -215,8 +212,8 @@ def resolve_chunk_size(config: GeminiConfig, numels: list[list[int]], *, world: 
 
 
 def _sync_values(zero, values: PreparedValues):
-    """Under ZeRO, rank 0's first values for every rank (DDP's broadcast); not for a ``weights``
-    file, which every rank reads alike (see [Note: ranks agree at initialize])."""
+    """Under ZeRO, rank 0's first values for every rank (DDP's broadcast); not for a ``weights`` file, which every
+    rank reads alike (see [Note: ranks agree at initialize] in gemini/parallel/agreement.py)."""
     return zero.broadcast if zero is not None and values.checkpoint is None else None
 
 
@@ -250,14 +247,14 @@ def _make_nvme_tier(config: GeminiConfig, manager: ChunkManager, layout: Layout)
 
 
 def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkManager) -> None:
-    """Where a placement keeps every chunk on the device ('cuda'), say before allocating if they
-    can't fit (a policy that keeps less checks once registered: ``PlacementPolicy.check_budget``)."""
+    """Where a placement keeps every chunk on the device ('cuda'), fail before allocating if they can't fit (a policy
+    that keeps less checks once registered: ``PlacementPolicy.check_budget``)."""
     if not placement_type(config.placement).keeps_every_chunk_on_device:
         return
     need = sum(chunk_bytes(layout, device_groups(config, layout), param_dtype=manager.param_dtype,
                            world=manager.world, shard_params=manager.shard_params)[Tier.DEVICE].values())
     missing = missing_bytes(config.device_memory, need)
-    if missing:  # DeviceBudgetError, as static's check_budget raises it: the error users catch for a budget
+    if missing:  # the error users catch for a budget, as static's check_budget raises
         raise DeviceBudgetError(
             f"placement={config.placement!r} needs {need} bytes of chunks on the device but "
             f"GeminiConfig.device_memory={config.device_memory}: {missing} bytes are missing; "
@@ -268,10 +265,11 @@ def _check_device_budget(config: GeminiConfig, layout: Layout, manager: ChunkMan
 
 
 def _source_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> set[torch.dtype]:
-    """The parameters' dtypes other than the one gemini computes in: the wrapped module's forward
-    expected inputs of those, so the model casts its floating-point inputs (see GeminiModel.forward).
-    One dtype that is not fp32 (a ``.double()`` or ``.bfloat16()`` model) changes without a
-    word otherwise (several are warned about above): say so."""
+    """The parameters' dtypes other than the one gemini computes in.
+
+    The wrapped module's forward expected inputs of those, so the model casts its floating-point inputs (see
+    GeminiModel.forward). A single dtype that is not fp32 (a ``.double()`` or ``.bfloat16()`` model) would change
+    silently, so it is logged here (several dtypes are warned about by ``split_param_groups``)."""
     dtypes = {p.dtype for p in model.parameters()}
     if len(dtypes) == 1 and not dtypes & {torch.float32, compute_dtype}:
         logger.warning(

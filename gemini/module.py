@@ -42,18 +42,16 @@ _DDP_CALLS_MODULE = getattr(getattr(DistributedDataParallel, "_run_ddp_forward",
 class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
     """Runs the wrapped module; ``state_dict`` speaks the wrapped module's keys.
 
-    Floating-point inputs are cast to the compute precision on the way in under bf16/fp16, and
-    under fp32 when the wrapped module's parameters had another dtype (a ``.double()`` model).
-    ``state_dict()`` returns full fp32 values (the masters under bf16/fp16) on the CPU, under
-    the original keys and shapes, so a plain module loads it.
+    Floating-point inputs are cast to the compute precision on the way in under bf16/fp16, and under fp32 when the
+    wrapped module's parameters had another dtype (a ``.double()`` model). ``state_dict()`` returns full fp32 values
+    (the masters under bf16/fp16) on the CPU, under the original keys and shapes, so a plain module loads it.
 
     [Note: the wrapper looks like the wrapped model]
-    Code that receives the wrapped model inspects it: Hugging Face's Trainer keeps only the
-    batch columns named in ``inspect.signature(model.forward)``, finds label names in the
-    class's ``forward``, and reads ``model.config``, ``model.loss_type`` and friends. So each
-    instance is of a subclass per wrapped class (see :func:`_wrapper_class`) named like it,
-    whose ``forward`` carries the wrapped ``forward``'s signature, and attributes this class
-    does not have are read from the wrapped module.
+    Code that receives the wrapped model inspects it: Hugging Face's Trainer keeps only the batch columns named in
+    ``inspect.signature(model.forward)``, finds label names in the class's ``forward``, and reads ``model.config``,
+    ``model.loss_type`` and friends. So each instance is of a subclass per wrapped class (see :func:`_wrapper_class`)
+    named like it, whose ``forward`` carries the wrapped ``forward``'s signature, and attributes this class does not
+    have are read from the wrapped module.
     """
 
     def __new__(cls, module: nn.Module, runtime: GeminiRuntime, *, cast_inputs: bool = False) -> GeminiModel:
@@ -66,8 +64,8 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         self.module = module
         self._runtime = runtime
         self._compute_dtype = runtime.config.param_dtype
-        # Under fp32 inputs are left as they are (torch's type promotion, as in the plain model),
-        # unless the module's parameters were of another dtype, whose inputs its caller passes.
+        # Under fp32 inputs are left as they are (torch's type promotion, as in the plain model), unless the module's
+        # parameters were of another dtype, whose inputs its caller passes.
         self._cast_inputs = cast_inputs or self._compute_dtype != torch.float32
         self._foreign_warned: set[str] = set()  # parameters put in place since initialize, warned about
         self._parent_loads: list[int] = []  # see [Note: loaded by a parent module]
@@ -76,14 +74,14 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if sys._getframe(1).f_code is _DDP_CALLS_MODULE:  # f_code only: reading f_locals would keep them alive
-            # Its reducer would all-reduce p.grad, which under ZeRO a rank holds only in part (a
-            # placeholder, or no gradient at all under ZeRO-3): refused before anything runs.
+            # Its reducer would all-reduce p.grad, which under ZeRO a rank holds only in part (a placeholder, or no
+            # gradient at all under ZeRO-3): refused before anything runs.
             raise RuntimeError(
                 "gemini's model is wrapped in DistributedDataParallel (by DDP(...) or accelerate's prepare): gemini "
                 "averages the gradients over the ranks itself (ZeRO over GeminiConfig.process_group), so call it "
                 "unwrapped; with accelerate, use gemini.hf.GeminiAccelerator in place of accelerate.Accelerator")
-        # The forward that searches for parameters of a descendant read by its ancestor runs
-        # uncompiled, decided here in plain Python: see [Note: the search forward runs uncompiled].
+        # The forward that searches for parameters of a descendant read by its ancestor runs uncompiled, decided here
+        # in plain Python: see [Note: the search forward runs uncompiled] in gemini/engine/descendant_reads.py.
         hooks = self._runtime.hooks
         if hooks is not None and hooks.search_due():
             return run_uncompiled(super().__call__, args, kwargs)
@@ -108,10 +106,11 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         self._runtime.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients like ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``:
-        scale them in place so that their total norm is at most ``max_norm``, and return the
-        total norm before clipping. Works under every placement, fp16 (the norm is of the
-        unscaled gradients) and ZeRO (a collective: every rank calls it; ``norm_type`` 2 only)."""
+        """Clip the gradients like ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``.
+
+        Scales them in place so their total norm is at most ``max_norm`` and returns the total norm before clipping.
+        Works under every placement, fp16 (the norm is of the unscaled gradients) and ZeRO (a collective: every rank
+        calls it; ``norm_type`` 2 only)."""
         return clip_model_grad_norm_(self._runtime, max_norm, norm_type)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -122,11 +121,12 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
 
     def save_pretrained(self, save_directory, *, state_dict: dict | None = None, max_shard_size: int | str = "5GB",
                         is_main_process: bool = True, safe_serialization: bool = True, **kwargs: Any):
-        """Hugging Face's ``save_pretrained``, as accelerate scripts call it on the unwrapped model:
-        :func:`gemini.save_pretrained` (the fp32 masters, streamed; under ZeRO every rank calls it
-        and rank 0 writes, whatever ``is_main_process`` says). Reached on the wrapped model, it
-        wrote the parameters' ``.data``: empty tensors under ZeRO-3. A ``state_dict`` given (the
-        consolidated ``accelerator.get_state_dict(model)``) is written by the wrapped model's own."""
+        """Hugging Face's ``save_pretrained``, as accelerate scripts call it on the unwrapped model.
+
+        Writes with :func:`gemini.save_pretrained` (the fp32 masters, streamed; under ZeRO every rank calls it and rank
+        0 writes, whatever ``is_main_process`` says), not the wrapped model's, which would write the parameters'
+        ``.data`` (empty under ZeRO-3). A ``state_dict`` given (the consolidated ``accelerator.get_state_dict(model)``)
+        is written by the wrapped model's own."""
         if state_dict is not None:
             return self.module.save_pretrained(save_directory, state_dict=state_dict, max_shard_size=max_shard_size,
                                                is_main_process=is_main_process,
@@ -144,8 +144,8 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, torch.Tensor]:
         if keep_vars:
-            # torch's keep_vars hands out the live tensors; here they are views of chunks that
-            # move and are released between modules, so only copies can be given.
+            # torch's keep_vars hands out the live tensors; here they are views of chunks that move and are released
+            # between modules, so only copies can be given.
             raise ValueError("model.state_dict(keep_vars=True) is not supported: gemini's parameters live in chunks "
                              "that move between tiers, so state_dict() returns fp32 copies on the CPU; to change "
                              "the model, load values with model.load_state_dict(...) or edit model.parameters() "
@@ -153,8 +153,8 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         return self._state_dict(OrderedDict() if destination is None else destination, prefix=prefix)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """``state_dict()``'s entries of the parameters that train (``requires_grad``) only: a LoRA
-        adapter's, without the frozen model's copies. Under ZeRO a collective, as state_dict()."""
+        """``state_dict()``'s entries of the trainable (``requires_grad``) parameters only: a LoRA adapter's, without
+        the frozen model's. Under ZeRO a collective, as state_dict()."""
         return self._state_dict(OrderedDict(), select=lambda t: isinstance(t, nn.Parameter) and t.requires_grad)
 
     def _state_dict(self, out: dict, *, prefix: str = "", select=lambda t: True) -> dict[str, torch.Tensor]:
@@ -163,7 +163,7 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         runtime.residency.merge_param_edits(runtime.manager.groups)
         own = {k: t for k, t in self.module.state_dict(keep_vars=True).items() if select(t)}
         params = [(t, None) for k, t in own.items() if self._in_chunks(k, t)]
-        # (Under ZeRO a collective: every rank calls it; every rank gets the whole model.)
+        # Under ZeRO a collective: every rank calls it and gets the whole model.
         copies: dict[int, torch.Tensor] = {}  # tied parameters share one value
         for group, entries in self._per_group(params, modify=False):
             src = group.master_chunk
@@ -180,10 +180,11 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         return out
 
     def _in_chunks(self, key: str, t: torch.Tensor) -> bool:
-        """Whether ``t`` (``key`` of the wrapped module's state_dict) is a parameter in chunks. A
-        parameter put in place since initialize (``module.w = nn.Parameter(...)``, parametrize's
-        ``remove_parametrizations``) is not: state_dict and load_state_dict take it as a buffer,
-        as torch takes a parameter its optimizer does not hold (a bare KeyError before)."""
+        """Whether ``t`` (``key`` of the wrapped module's state_dict) is a parameter in chunks.
+
+        A parameter put in place since initialize (``module.w = nn.Parameter(...)``, parametrize's
+        ``remove_parametrizations``) is not: state_dict and load_state_dict take it as a buffer, as torch takes a
+        parameter its optimizer does not hold. It is warned about once."""
         if not isinstance(t, nn.Parameter):
             return False
         if self._runtime.manager.manages(t):
@@ -196,10 +197,9 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         return False
 
     def _per_group(self, pairs: list[tuple[nn.Parameter, Any]], *, modify: bool):
-        """Yield (chunk group, [(param, slot, value), ...]) per chunk group, in group order, with the
-        group's fp32 masters in host memory for the block: masters on NVMe are read (and with
-        ``modify`` written back) once per group, and nothing else of the group. Under fp32 the param chunk is the master and
-        no file is read."""
+        """Yield (chunk group, [(param, slot, value), ...]) per chunk group, in group order, with the group's fp32
+        masters in host memory for the block: masters on NVMe are read (and with ``modify`` written back) once per
+        group, and nothing else of the group. Under fp32 the param chunk is the master and no file is read."""
         manager = self._runtime.manager
         grouped: dict[int, list] = {}
         for p, value in pairs:
@@ -214,8 +214,8 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
                 yield group, grouped[index]
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True, assign: bool = False):
-        """torch's ``load_state_dict``: every key and shape is checked before anything is written, and
-        the load is all or nothing (see [Note: a load is all or nothing] in gemini/engine/load_transaction.py)."""
+        """torch's ``load_state_dict``: every key and shape is checked before anything is written, and the load is all
+        or nothing (see [Note: a load is all or nothing] in gemini/engine/load_transaction.py)."""
         if assign:
             raise ValueError("GeminiModel.load_state_dict(assign=True) is not supported: parameters live in chunks")
         self._runtime.manager.adopt_assigned()  # torch would load into an assigned p.data: so do we
@@ -225,12 +225,11 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
         return keys
 
     # [Note: loaded by a parent module]
-    # A parent (torch.compile's OptimizedModule, whose keys are "_orig_mod." + ours, or any module
-    # holding this one) loads through nn.Module.load_state_dict's recursion: our
-    # ``_load_from_state_dict`` with our prefix, then our children's. The keys our state_dict
-    # wrote under ``prefix`` are loaded here through gemini's own load (chunks, masters, all or
-    # nothing); the wrapped module's keys lack "module.", so its modules, handed nothing, report
-    # all their keys missing: the post-hook takes those back (from the mark on: they come last).
+    # A parent (torch.compile's OptimizedModule, whose keys are "_orig_mod." + ours, or any module holding this one)
+    # loads through nn.Module.load_state_dict's recursion: our ``_load_from_state_dict`` with our prefix, then our
+    # children's. The keys our state_dict wrote under ``prefix`` are loaded here through gemini's own load (chunks,
+    # masters, all or nothing). The wrapped module's keys lack "module.", so its modules, handed nothing, report all
+    # their keys missing: the post-hook removes those (they come last, after the mark recorded here).
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         if local_metadata.get("assign_to_params_buffers", False):
@@ -251,8 +250,8 @@ class GeminiModel(NotCopyable, ModuleIdioms, nn.Module):
 
     def _check_load(self, state_dict: dict[str, torch.Tensor], *, strict: bool = True,
                     prefix: str = "") -> _IncompatibleKeys:
-        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing
-        (``prefix``: the keys' prefix in a parent's state_dict, for the messages)."""
+        """Raise what :meth:`load_state_dict` would raise for ``state_dict``, changing nothing (``prefix``: the keys'
+        prefix in a parent's state_dict, for the messages)."""
         own = self.module.state_dict(keep_vars=True)
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -299,10 +298,9 @@ def _take_back_wrapped_missing(model: GeminiModel, incompatible: Any) -> None:
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    """``x`` with every floating-point tensor cast to ``dtype``, looking into lists, tuples,
-    namedtuples, dicts, ``UserDict`` (Hugging Face's ``BatchEncoding``) and dataclasses, as FSDP's
-    casting does (torch's pytree stopped at the last two: a dataclass's tensor reached a bf16
-    model as fp32, "mat1 and mat2 must have the same dtype")."""
+    """``x`` with every floating-point tensor cast to ``dtype``, looking into lists, tuples, namedtuples, dicts,
+    ``UserDict`` (Hugging Face's ``BatchEncoding``) and dataclasses, as FSDP's casting does (torch's pytree does not
+    look into the last two)."""
     if isinstance(x, torch.Tensor):
         return x.to(dtype) if x.is_floating_point() else x
     if isinstance(x, (dict, UserDict)):
@@ -349,9 +347,8 @@ def _delegate(name: str) -> Any:
 
 
 def _signature_class(module: nn.Module) -> type[nn.Module]:
-    """The class whose ``forward`` signature the wrapper shows: the module's own, or for a PEFT
-    model whose forward takes ``(*args, **kwargs)`` its base model's (as Trainer reads it for a
-    ``PeftModel``, which the wrapper is not an instance of)."""
+    """The class whose ``forward`` signature the wrapper shows: the module's own, or for a PEFT model whose forward
+    takes ``(*args, **kwargs)`` its base model's (as Trainer reads it for a ``PeftModel``, which the wrapper is not)."""
     if is_peft_model(module):
         after_self = list(inspect.signature(type(module).forward).parameters.values())[1:]
         if all(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in after_self):
@@ -360,8 +357,8 @@ def _signature_class(module: nn.Module) -> type[nn.Module]:
 
 
 def _wrapper_class(inner: type[nn.Module], signature_of: type[nn.Module]) -> type[GeminiModel]:
-    """The :class:`GeminiModel` subclass for modules of class ``inner``: named like it, with
-    ``signature_of.forward``'s signature (see [Note: the wrapper looks like the wrapped model])."""
+    """The :class:`GeminiModel` subclass for modules of class ``inner``: named like it, with ``signature_of.forward``'s
+    signature (see [Note: the wrapper looks like the wrapped model])."""
     cls = _WRAPPER_CLASSES.get((inner, signature_of))
     if cls is not None:
         return cls
@@ -374,8 +371,8 @@ def _wrapper_class(inner: type[nn.Module], signature_of: type[nn.Module]) -> typ
     except (TypeError, ValueError):  # a forward without an introspectable signature keeps (*args, **kwargs)
         pass
     forward.__doc__ = signature_of.forward.__doc__
-    # Python looks special methods up on the class, past __getattr__: a wrapped container
-    # (nn.Sequential, nn.ModuleList) indexes, counts and iterates as the wrapped one does.
+    # Python looks special methods up on the class, past __getattr__: a wrapped container (nn.Sequential,
+    # nn.ModuleList) indexes, counts and iterates as the wrapped one does.
     containers = {name: _delegate(name) for name in _CONTAINER_METHODS if getattr(inner, name, None) is not None}
     cls = type(inner.__name__, (GeminiModel,), {
         "forward": forward,

@@ -1,9 +1,9 @@
-"""`ModuleIdioms`: what nn.Module's and DistributedDataParallel's methods that code calls on any
-model mean on gemini's (a base of ``GeminiModel``): names, devices, DDP's contexts, DCP's names.
+"""`ModuleIdioms`: nn.Module's and DDP's methods that code calls on any model, as they mean on gemini's (a base of
+``GeminiModel``): names, devices, DDP's contexts, DCP's names.
 
-The wrapper holds the user's module as its child ``module``; these methods make it answer as
-that module does where torch code reads names (state_dict's, with no "module." before them),
-and refuse what would move or cast parameters gemini places itself.
+The wrapper holds the user's module as its child ``module``; these methods make it answer as that module does where
+torch code reads names (state_dict's, with no "module." before them), and refuse what would move or cast parameters
+gemini places itself.
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ __all__ = ["ModuleIdioms"]
 
 
 class ModuleIdioms:
-    """Mixed into ``GeminiModel`` (an ``nn.Module`` with ``module``, ``_runtime`` and
-    ``_compute_dtype``)."""
+    """Mixed into ``GeminiModel`` (an ``nn.Module`` with ``module``, ``_runtime`` and ``_compute_dtype``)."""
 
     module: nn.Module
 
-    # The names state_dict() uses (the wrapped module's, no "module." before them), so that code
-    # pairing parameters or modules with a checkpoint's keys (an EMA kept as a state_dict, PEFT's
-    # get_peft_model_state_dict) finds them. The wrapper itself is not among the modules; it is
-    # still the wrapped module's parent (children(), so train(), eval() and apply() reach it).
+    # The names state_dict() uses (the wrapped module's, no "module." before them), so code pairing parameters or
+    # modules with a checkpoint's keys (an EMA kept as a state_dict, PEFT's get_peft_model_state_dict) finds them.
+    # The wrapper itself is not among the modules, but is still the wrapped module's parent (children(), so train(),
+    # eval() and apply() reach it).
     def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
         """The wrapped module's ``named_modules``: the names ``state_dict()`` has."""
@@ -45,18 +44,18 @@ class ModuleIdioms:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """DDP's and FSDP's context for the micro-batches of gradient accumulation, accepted so
-        their loops run unchanged. Gradients accumulate as they do outside it; under ZeRO each
-        backward still reduce-scatters its gradients (a sum of means is the mean of sums, so
-        the step is the same; only DDP's saving of communication is not had)."""
+        """DDP's and FSDP's context for gradient-accumulation micro-batches, accepted so their loops run unchanged.
+
+        Gradients accumulate as outside it; under ZeRO each backward still reduce-scatters (a sum of means is the mean
+        of sums, so the step is the same; only DDP's saving of communication is lost)."""
         yield
 
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Iterator[None]:
-        """DDP's context for ranks with different numbers of batches: nothing to do in one process;
-        under ZeRO refused, since a rank out of batches would have to take part in the other
-        ranks' gathers and reductions of every forward, backward and step."""
+        """DDP's context for ranks with different numbers of batches: nothing to do in one process; refused under ZeRO,
+        since a rank out of batches would have to join the other ranks' gathers and reductions of every forward,
+        backward and step."""
         zero = self._runtime.zero
         if enable and zero is not None:
             raise RuntimeError(
@@ -66,17 +65,16 @@ class ModuleIdioms:
         yield
 
     def _fqn_modifiers(self) -> dict[str, str]:
-        """torch.distributed.checkpoint.state_dict's contract for a module whose state_dict keys skip
-        a child: each first name of a key -> "module", the child it lies under (its set_state_dict
-        looked for "module.<key>")."""
+        """torch.distributed.checkpoint.state_dict's contract for a module whose state_dict keys skip a child: each
+        first name of a key -> "module", the child it lies under (else its set_state_dict looks for "module.<key>")."""
         inner = self.module
         return dict.fromkeys((n for named in (inner.named_children(), inner.named_parameters(recurse=False),
                                               inner.named_buffers(recurse=False)) for n, _ in named), "module")
 
     # ---------------------------------------------------------------------- devices
     def to(self, *args: Any, **kwargs: Any) -> ModuleIdioms:
-        """A no-op when it asks for the compute device and precision already in force; anything
-        else is refused: gemini decides where every parameter lives."""
+        """A no-op when it asks for the compute device and precision already in force; anything else is refused:
+        gemini decides where every parameter lives."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         mine = self._runtime.device
         if device is not None:

@@ -1,16 +1,14 @@
-"""PEFT models (LoRA and friends) under gemini: PEFT's adapter files written and read through
-gemini's model.
+"""PEFT models (LoRA and friends) under gemini: PEFT's adapter files written and read through gemini's model.
 
 [Note: PEFT models]
-A ``peft.PeftModel`` given to ``initialize`` trains as it does plain: its frozen base and its
-adapters are chunk groups like any parameters. What PEFT does around training goes to the
-parameters' ``.data``, which gemini does not see: its ``save_pretrained`` reads the module's own
-``state_dict`` (empty parameters under ZeRO-3, and gemini's writer would have written the whole
-model, which PEFT cannot load), and ``merge_adapter`` / ``merge_and_unload`` add into ``.data``
-(lost when a device copy is dropped) while ``unload`` changes the module tree gemini laid out.
-So the adapter is saved from gemini's values of the trainable parameters (gathered under ZeRO)
-by PEFT's own ``save_pretrained``, loaded through gemini's ``load_state_dict`` by PEFT's own
-``set_peft_model_state_dict``, and merging is refused with the way to do it on a plain model.
+A ``peft.PeftModel`` given to ``initialize`` trains as it does plain: its frozen base and its adapters are chunk
+groups like any parameters. But what PEFT does around training goes through the parameters' ``.data``, which gemini
+does not see: its ``save_pretrained`` reads the module's own ``state_dict`` (empty parameters under ZeRO-3; gemini's
+writer would write the whole model, which PEFT cannot load), ``merge_adapter`` / ``merge_and_unload`` add into
+``.data`` (lost when a device copy is dropped), and ``unload`` changes the module tree gemini laid out. So the adapter
+is saved from gemini's values of the trainable parameters (gathered under ZeRO) by PEFT's own ``save_pretrained``,
+loaded through gemini's ``load_state_dict`` by PEFT's ``set_peft_model_state_dict``, and merging is refused with the
+way to do it on a plain model.
 """
 
 from __future__ import annotations
@@ -50,9 +48,10 @@ def merging_refused(name: str) -> Any:
 
 def save_adapter(model: GeminiModel, folder: str | os.PathLike, *, dtype: torch.dtype | None = None,
                  **peft_options: Any) -> list[Path]:
-    """PEFT's ``save_pretrained`` (``adapter_model.safetensors``, ``adapter_config.json``) of the
-    adapter's values, the trainable parameters' fp32 masters (or cast to ``dtype``). Under ZeRO a
-    collective: every rank calls it, rank 0 writes. Returns the adapter files written (on rank 0)."""
+    """PEFT's ``save_pretrained`` (``adapter_model.safetensors``, ``adapter_config.json``) of the adapter.
+
+    The values are the trainable parameters' fp32 masters (or cast to ``dtype``). Under ZeRO a collective: every rank
+    calls it, rank 0 writes. Returns the adapter files written (on rank 0; empty elsewhere)."""
     state = model.trainable_state_dict()  # a collective under ZeRO
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -66,8 +65,8 @@ def save_adapter(model: GeminiModel, folder: str | os.PathLike, *, dtype: torch.
 
 
 def load_adapter_into(model: GeminiModel, folder: str | os.PathLike) -> None:
-    """The adapter PEFT saved in ``folder`` loaded into gemini's model, through its
-    ``load_state_dict`` (all or nothing; a collective under ZeRO)."""
+    """Load the adapter PEFT saved in ``folder`` through gemini's ``load_state_dict`` (all or nothing; a collective
+    under ZeRO)."""
     from peft.utils import set_peft_model_state_dict  # the model is a PeftModel: peft is installed
     from safetensors.torch import load_file
 

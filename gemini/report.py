@@ -1,8 +1,7 @@
 """`MemoryReport`: where every byte went in one step, and where the time went.
 
-Also the warm-up's per-period timeline (:class:`WarmupTimeline`) that the report of the step
-ending a warm-up carries, and the JSON Lines file of reports (:class:`ReportWriter`,
-:func:`read_reports`).
+Also the warm-up's per-period timeline (:class:`WarmupTimeline`) carried by the report of the step ending a warm-up,
+and the JSON Lines file of reports (:class:`ReportWriter`, :func:`read_reports`).
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ class WarmupTimeline:
     """What the warm-up measured, period by period, and the budget it planned against.
 
     ``margin_bytes`` = budget − reserve − the warm-up's planned peak (see
-    ``gemini.policies.plan.MemoryPlan.planned_peak_bytes``): the room ``gpu_margin_mem_ratio`` shares out
-    to optimizer-state chunk groups (and, with activation offload, saved activations kept on
-    the device).
+    ``gemini.policies.plan.MemoryPlan.planned_peak_bytes``): the room ``gpu_margin_mem_ratio`` shares out to
+    optimizer-state chunk groups (and, with activation offload, saved activations kept on the device).
     """
 
     periods: list[TimelinePeriod]
@@ -61,17 +59,17 @@ class WarmupTimeline:
 class MemoryReport:
     """One training step (forward, backward and optimizer step) as measured.
 
-    Byte counts of chunks are sums of payloads allocated by the chunk storage; transfer counts
-    are summed at each copy. ``device_peak_bytes`` is measured: by the CUDA allocator on CUDA,
-    by the tensor-accounting monitor on the CPU stand-in when one runs (else the chunk ledger's
-    peak, with ``device_non_model_peak_bytes`` = None meaning "not measured").
+    Byte counts of chunks are sums of payloads allocated by the chunk storage; transfer counts are summed at each
+    copy. ``device_peak_bytes`` is measured by the CUDA allocator on CUDA, by the tensor-accounting monitor on the CPU
+    stand-in when one runs (else it is the chunk ledger's peak, and ``device_non_model_peak_bytes`` is None: "not
+    measured"). Times are in seconds.
     """
 
     step: int
     device_peak_bytes: int
     device_model_bytes: int  # chunk payloads on the device at the end of the step
-    # The step's most device bytes besides chunks and buffers (see [Note: the step's non-model
-    # peak] in gemini/engine/memory.py); None when nothing measures.
+    # The step's most device bytes besides chunks and buffers (see [Note: the step's non-model peak] in
+    # gemini/engine/memory.py); None when nothing measures.
     device_non_model_peak_bytes: int | None
     host_model_bytes: int  # chunk payloads in host memory at the end of the step
     nvme_bytes: int
@@ -82,8 +80,8 @@ class MemoryReport:
     chunks_on_device: int  # chunk payloads (any kind) with a device copy
     os_chunks_on_device: int  # chunk groups whose optimizer states are on the device
     step_seconds: float  # end of the previous step() to the end of this one
-    # Host time in host <-> device copies. On CUDA a copy from or to pinned memory runs on a
-    # side stream beside compute, and only its launch counts here (the host's cost of it).
+    # Host time in host <-> device copies. On CUDA a copy from or to pinned memory runs on a side stream beside
+    # compute, and only its launch counts here (the host's cost of it).
     transfer_seconds: float
     optimizer_cpu_seconds: float
     optimizer_device_seconds: float
@@ -92,47 +90,45 @@ class MemoryReport:
     # Beyond the contract:
     device_model_peak_bytes: int = 0  # the chunk ledger's device peak over the step
     device_budget_bytes: int | None = None
-    # Global norm before clipping (unscaled), when computed; inf when the gradients overflowed
-    # (held inf or nan: fp16 skips such a step).
+    # Global norm before clipping (unscaled), when computed; inf when the gradients held inf or nan (fp16 skips such
+    # a step).
     grad_norm: float | None = None
     host_rss_bytes: int | None = None  # the process's resident memory (psutil)
     nvme_wait_seconds: float = 0.0  # time the step waited for NVMe reads and writes
     host_pool_bytes: int = 0  # host buffers held by the pinned pool (in use or idle)
     os_chunks_total: int = 0  # trainable chunk groups, wherever their optimizer states are
-    # Chunk payloads at the end of the step: tier ("device", "host", "nvme") -> chunk kind
-    # ("param", "grad", "master", "exp_avg", "exp_avg_sq") -> bytes. A chunk with copies on
-    # two tiers counts on both, as in the per-tier totals above.
+    # Chunk payloads at the end of the step: tier ("device", "host", "nvme") -> chunk kind ("param", "grad", "master",
+    # "exp_avg", "exp_avg_sq") -> bytes. A chunk with copies on two tiers counts on both, as in the totals above.
     model_bytes_by_tier: dict[str, dict[str, int]] = field(default_factory=dict)
     host_available_bytes: int | None = None  # memory the host can still give (psutil)
-    # The whole GPU as NVML (nvidia-smi) sees it: every process, the CUDA context and the
-    # allocator's cache, peak over the step; None without a GPU or NVML.
+    # The whole GPU as NVML (nvidia-smi) sees it: every process, the CUDA context and the allocator's cache, peak
+    # over the step; None without a GPU or NVML.
     device_used_peak_bytes: int | None = None
-    # ZeRO: this rank among ``world_size`` data-parallel ranks (the bytes above are this
-    # rank's), gradient bytes it reduce-scattered, and the parameter chunks it all-gathered this
-    # step with their bytes (ZeRO-3: before each module's compute, prefetches included; ZeRO-1/2:
-    # after the step). ZeRO-3's own range of a chunk whose shard is in host memory counts in
-    # h2d_bytes too (see [Note: what a gather counts] in gemini/parallel/zero.py).
+    # ZeRO: this rank among ``world_size`` data-parallel ranks (the bytes above are this rank's), gradient bytes it
+    # reduce-scattered, and the parameter chunks it all-gathered this step with their bytes (ZeRO-3: before each
+    # module's compute, prefetches included; ZeRO-1/2: after the step). ZeRO-3's own range of a chunk whose shard is
+    # in host memory counts in h2d_bytes too (see [Note: what a gather counts] in gemini/parallel/zero.py).
     world_size: int = 1
     rank: int = 0
     grad_reduce_bytes: int = 0
     param_gathers: int = 0
     param_gather_bytes: int = 0
-    # GeminiConfig.offload_activations: saved activations copied to host memory this step (each
-    # comes back once for backward), the most held there at once, and the bytes the budget
-    # kept on the device instead (see gemini/engine/activations.py).
+    # GeminiConfig.offload_activations: saved activations copied to host memory this step (each comes back once for
+    # backward), the most held there at once, and the bytes the budget kept on the device instead (see
+    # gemini/engine/activations.py).
     activation_offload_bytes: int = 0
     activation_host_peak_bytes: int = 0
     activation_kept_bytes: int = 0
-    # Files holding the step's copies of parameters aside when cpu_memory sends them to NVMe
-    # (see gemini/engine/transaction.py); not model data, so not in ``nvme_bytes``.
+    # Files holding the step's copies of parameters aside when cpu_memory sends them to NVMe (see
+    # gemini/engine/transaction.py); not model data, so not in ``nvme_bytes``.
     nvme_undo_bytes: int = 0
-    # What GeminiConfig.cpu_memory bounds, to check it here: the step's most host bytes of the
-    # chunks that may live on NVMe (m, v; the masters under bf16/fp16) and of the step's copies
-    # aside, each kind's peak summed (an upper bound of their peak together); and the budget.
+    # What GeminiConfig.cpu_memory bounds, and that budget: the step's most host bytes of the chunks that may live on
+    # NVMe (m, v; the masters under bf16/fp16) and of the step's copies aside (each kind's peak summed: an upper
+    # bound of their peak together).
     host_states_peak_bytes: int = 0
     cpu_budget_bytes: int | None = None
-    # Only on the report of a step that ended a warm-up trace (the first step under
-    # placement="auto", and any step traced again after input shapes changed).
+    # Only on the report of a step that ended a warm-up trace (the first step under placement="auto", and any step
+    # traced again after input shapes changed).
     timeline: WarmupTimeline | None = None
 
     @property
@@ -144,15 +140,14 @@ class MemoryReport:
         return asdict(self)
 
     def to_json(self) -> str:
-        """One line of strict JSON (RFC 8259 has no inf or nan): such a field is the string
-        "inf", "-inf" or "nan"."""
+        """One line of strict JSON (RFC 8259 has no inf or nan): such a field is the string "inf", "-inf" or "nan"."""
         values = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in self.to_dict().items()}
         return json.dumps(values, allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
-        """The inverse of :meth:`to_dict`. Keys this version does not know (a file written by a
-        newer one) are ignored; missing optional fields take their defaults."""
+        """The inverse of :meth:`to_dict`. Keys this version does not know (a file written by a newer one) are ignored;
+        missing optional fields take their defaults."""
         known = {f.name for f in fields(cls)}
         values = {k: float(v) if v in _NON_FINITE else v for k, v in data.items() if k in known}
         if values.get("timeline") is not None:
@@ -166,12 +161,11 @@ _NON_FINITE = ("inf", "-inf", "nan")  # how MemoryReport.to_json writes such flo
 class ReportWriter:
     """Appends to a JSON Lines file: a run header, then one JSON object per step.
 
-    A file gathers every run given it (re-initializing with the same ``report_path`` keeps
-    the history): each run starts with a line ``{"run": {...}}`` (when it started, pid,
-    host, rank, the configuration), and :func:`read_reports` returns the last run unless
-    asked for another. Each line is written by ``os.write`` on a file opened for appending
-    and closed again, so a run killed at any moment leaves at most its last line torn, which
-    the reader skips with a warning.
+    A file gathers every run given it (re-initializing with the same ``report_path`` keeps the history): each run
+    starts with a line ``{"run": {...}}`` (start time, pid, host, rank, the configuration), and :func:`read_reports`
+    returns the last run unless asked for another. Each line is written by ``os.write`` on a file opened for
+    appending and closed again, so a run killed at any moment leaves at most its last line torn, which the reader
+    skips with a warning.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -179,7 +173,7 @@ class ReportWriter:
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        # Opened here, so that a path that cannot be written fails before any work.
+        # Opened here, so a path that cannot be written fails before any work.
         os.close(self._open())
 
     def _open(self) -> int:
@@ -191,8 +185,8 @@ class ReportWriter:
         fd = self._open()
         try:
             size = os.fstat(fd).st_size
-            # A run killed mid-line left no newline: end that line, so that this header is a
-            # line of its own and the torn one stays the last line of its run.
+            # A run killed mid-line left no newline: end that line, so this header is a line of its own and the torn
+            # one stays the last line of its run.
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 line = "\n" + line
             _write_all(fd, line.encode())
@@ -208,10 +202,11 @@ class ReportWriter:
 
 
 def rank_report_path(path: str | os.PathLike, rank: int) -> str:
-    """The file ``GeminiConfig.report_path=path`` names on global rank ``rank`` of a job of several
-    processes: ``path`` itself on rank 0 (so ``read_reports(path)`` and ``gemini report path``
-    show rank 0, as DeepSpeed and Colossal-AI log from rank 0), ``<stem>.rank<N><ext>`` beside it
-    on rank N (``reports.rank1.jsonl``), so that no two ranks append to one file."""
+    """The file ``GeminiConfig.report_path=path`` names on global rank ``rank`` of a job of several processes.
+
+    ``path`` itself on rank 0 (so ``read_reports(path)`` and ``gemini report path`` show rank 0, as DeepSpeed and
+    Colossal-AI log from rank 0), ``<stem>.rank<N><ext>`` beside it on rank N (``reports.rank1.jsonl``), so no two
+    ranks append to one file."""
     path = os.fspath(path)
     if rank == 0:
         return path
@@ -232,8 +227,9 @@ RUN_KEY = "run"
 class ReportRun:
     """One run's part of a reports file."""
 
-    header: dict[str, Any] | None  # what its {"run": ...} line held; None: lines with no header
-    # (a file of a version before run headers, or lines written before the first header)
+    # What its {"run": ...} line held; None for lines with no header (a file from before run headers, or lines
+    # written before the first header).
+    header: dict[str, Any] | None
     reports: list[MemoryReport]
     first_line: int  # 1-based line number of its header (or of its first line)
 
@@ -241,9 +237,9 @@ class ReportRun:
 def read_report_runs(path: str | os.PathLike) -> list[ReportRun]:
     """Every run of a JSON Lines file written with ``GeminiConfig.report_path``, oldest first.
 
-    A line that is not JSON is skipped with a warning when it is the last line of its run (a
-    process killed while writing it); anywhere else it is a ``ValueError`` naming the file and
-    line, as is a JSON line that is neither a run header nor a ``MemoryReport``.
+    A line that is not JSON is skipped with a warning when it is the last line of its run (a process killed while
+    writing it); anywhere else it is a ``ValueError`` naming the file and line, as is a JSON line that is neither a
+    run header nor a ``MemoryReport``.
     """
     name = os.fspath(path)
     runs: list[ReportRun] = []
@@ -266,8 +262,8 @@ def read_report_runs(path: str | os.PathLike) -> list[ReportRun]:
 def _parse_line(name: str, number: int, line: str, runs: list[ReportRun],
                 torn: tuple[int, json.JSONDecodeError] | None
                 ) -> tuple[MemoryReport | None, tuple[int, json.JSONDecodeError] | None]:
-    """The line's report (None for a header, which starts a run, or a line not JSON) and the
-    pending torn line; raises on a damaged line that something other than a header follows."""
+    """The line's report (None for a header, which starts a run, or a line not JSON) and the pending torn line;
+    raises on a damaged line followed by anything but a header."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -297,9 +293,9 @@ def _warn_torn(name: str, number: int) -> None:
 def read_reports(path: str | os.PathLike, *, run: int | str = -1) -> list[MemoryReport]:
     """The reports of a JSON Lines file written with ``GeminiConfig.report_path``.
 
-    A file holds one run per ``initialize`` that wrote to it; ``run`` picks one by index
-    (0 the first, -1 the last, the default) or ``"all"`` returns every run's reports in order.
-    See :func:`read_report_runs` for the runs with their headers and for damaged lines.
+    A file holds one run per ``initialize`` that wrote to it; ``run`` picks one by index (0 the first, -1 the last,
+    the default), or ``"all"`` returns every run's reports in order. See :func:`read_report_runs` for the runs with
+    their headers and for damaged lines.
     """
     runs = read_report_runs(path)
     if run == "all":

@@ -1,16 +1,14 @@
-"""Methods of the wrapped model that change the parameters ``initialize`` laid out, refused on
-gemini's model before they change anything.
+"""Methods of the wrapped model that change the parameters ``initialize`` laid out, refused before they change
+anything.
 
 [Note: methods that restructure the model]
-``initialize`` packs every parameter into chunks at fixed offsets, shapes and dtypes. Hugging
-Face's ``resize_token_embeddings`` assigns a larger tensor to the embedding's ``.data`` and
-edits ``config.vocab_size``; ``set_input_embeddings`` / ``set_output_embeddings``,
-``prune_heads`` and the adapter methods (``add_adapter``, ``load_adapter``) put new modules or
-parameters in place. Run on gemini's model, such a method went through (the model and its
-config half-changed), and the next forward or step refused the parameters it no longer held
-in its chunks: a model no longer usable, nor saved as it was. Refused up front instead, with
-the way to do it: change the model before ``initialize`` (to change a trained one, load its
-checkpoint into a plain model, change that, and initialize it).
+``initialize`` packs every parameter into chunks at fixed offsets, shapes and dtypes. Hugging Face's
+``resize_token_embeddings`` assigns a larger tensor to the embedding's ``.data`` and edits ``config.vocab_size``;
+``set_input_embeddings`` / ``set_output_embeddings``, ``prune_heads`` and the adapter methods put new modules or
+parameters in place. Left to run, such a method half-changes the model and its config, and the next forward or step
+fails on parameters no longer in the chunks: the model can be neither used nor saved as it was. So they are refused
+up front, with the way to do it: change the model before ``initialize`` (for a trained one, load its checkpoint into
+a plain model, change that, and initialize it).
 """
 
 from __future__ import annotations

@@ -1,38 +1,24 @@
 """Activation offload: tensors autograd saves for backward wait in host memory, not on the device.
 
 [Note: activation offload]
-Gemini and PatrickStar move model data only; with activation checkpointing the tensors left on
-the device between forward and backward are the checkpointed blocks' inputs, one per block, and
-without it every activation a block saves. ``GeminiConfig(offload_activations=True)`` installs
-``torch.autograd.graph.saved_tensors_hooks`` around the root module's forward: each saved
-tensor of at least ``activation_offload_min_bytes`` (not a parameter or a view of one: those
-are chunk data, which the placement moves) is copied into a host buffer when autograd saves
-it, and its device memory is freed as soon as nothing else holds it. In backward it is copied
-back when autograd unpacks it; the device copy lives as long as autograd needs it.
+Gemini moves model data only; between forward and backward the device also holds the saved activations.
+``GeminiConfig(offload_activations=True)`` installs ``torch.autograd.graph.saved_tensors_hooks`` around the root
+module's forward: each saved tensor of at least ``activation_offload_min_bytes`` (not a parameter or a view of one:
+chunk data, which the placement moves) is copied to a host buffer when saved, its device memory freed once nothing
+else holds it, and copied back when backward unpacks it.
 
-- Host buffers come from the chunk storage's pinned pool (page-locked on CUDA), recycled by
-  size class: the same shapes every iteration reuse the same buffers, nothing is pinned per
-  tensor. A buffer returns to the pool when autograd drops the saved tensor.
-- On CUDA both copies run on one side stream, so the forward's compute never waits for a
-  copy out (``record_stream`` keeps a tensor's memory from reuse until its copy is done), and
-  copies into and out of a recycled buffer stay in order. The order in which backward unpacks
-  is recorded in the traced iteration; later iterations start copying the next tensor back
-  while the current one is in use (one ahead), when the budget has room for it.
-- The same tensor saved twice (a LayerNorm's input is also the residual) is offloaded once,
-  and both unpacks get one device copy, as long as it holds the same values ([Note: one host
-  copy per saved value]).
-- A host copy lives exactly as long as the graph that saved it: a forward with grad whose
-  output is dropped without a backward (an evaluation loop without ``torch.no_grad()``)
-  gives its buffers back at once, as plain torch frees its saved tensors ([Note: host copies
-  die with their graph]).
-- The budget decides, not a size heuristic: the warm-up offloads every eligible tensor and
-  measures that peak. Under placement "auto", the part of the margin that
-  ``gpu_margin_mem_ratio`` leaves to activations keeps the *last* saved tensors on the device
-  (the first backward needs: their round trip would buy the least), as many as it holds; the
-  auto policy then plans every period with those bytes added, so the promise holds.
-- On the CPU stand-in the host buffers are allocated and used out of the device monitor's
-  sight, like host chunk payloads, so the device's measured peak is what a GPU would hold.
-  Copies there are synchronous and nothing is prefetched (there is no compute to overlap).
+- Host buffers come from the chunk storage's pinned pool, recycled by size class (nothing is pinned per tensor), and
+  return to it when autograd drops the saved tensor.
+- On CUDA both copies run on one side stream: forward compute never waits for a copy out (``record_stream`` keeps a
+  tensor's memory from reuse until its copy is done), and copies of a recycled buffer stay in order. Later
+  iterations copy the next tensor back (in the traced unpack order) while the current one is in use, budget allowing.
+- See [Note: one host copy per saved value] and [Note: host copies die with their graph].
+- The budget decides, not a size heuristic: the warm-up offloads every eligible tensor and measures that peak. Under
+  placement "auto", the margin share ``gpu_margin_mem_ratio`` leaves to activations keeps the *last* saved tensors on
+  the device (backward needs them first, so their round trip buys least), as many as fit; auto then plans every
+  period with those bytes added.
+- On the CPU stand-in host buffers are hidden from the device monitor (like host chunk payloads), so the measured
+  peak is what a GPU would hold; copies are synchronous and nothing is prefetched.
 """
 
 from __future__ import annotations
@@ -57,10 +43,10 @@ __all__ = ["ActivationOffload", "kept_on_device"]
 
 
 def kept_on_device(sizes: tuple[int, ...], room_bytes: int, *, prefetch: bool) -> tuple[int, int, bool]:
-    """The plan for saved tensors of ``sizes`` (in the order saved) and ``room_bytes`` on the
-    device: (the first one kept, the bytes committed, whether to prefetch). With ``prefetch``
-    (CUDA, more than one unpack) room for the largest prefetched tensor comes first; then the
-    last saved tensors stay, as many as fit. A pure function: the planner applies it too."""
+    """The plan for saved tensors of ``sizes`` (in save order) and ``room_bytes`` of device room: (the index of the
+    first one kept, the bytes committed, whether to prefetch). With ``prefetch`` (CUDA, more than one unpack) room
+    for the largest tensor comes first; then the last saved tensors stay, as many as fit. Pure: the planner uses it
+    too."""
     committed = 0
     prefetching = prefetch and bool(sizes) and max(sizes) <= room_bytes
     if prefetching:
@@ -73,51 +59,30 @@ def kept_on_device(sizes: tuple[int, ...], room_bytes: int, *, prefetch: bool) -
 
 
 # [Note: one host copy per saved value]
-# Autograd saves one tensor several times (a LayerNorm's input is also the residual's; x * x
-# saves x twice), and each save would cost a copy out, a host buffer and a copy back: the
-# repeats share the first save's handle. A repeat must be the same tensor *with the same
-# values*, or backward reads stale ones (silently wrong gradients):
-# - in place between the saves (``h.mul_(0.5)`` after an activation statistic with grad on
-#   saved h; a static input buffer refilled with ``copy_`` between a validation forward with
-#   grad and the training forward): the key holds ``t._version``, which every in-place write
-#   bumps, through any view or ``detach()`` of the tensor (they share its counter);
-# - another tensor on the same memory: the handle remembers its source by weak reference,
-#   and only that very object matches (a freed tensor's memory, or its id, handed to a new
-#   one is another tensor; a view at another offset or shape is another tensor);
-# - memory swapped under the same object (``t.data = other``, which bumps no version): the
-#   key holds the storage's address, offset, shape, strides and dtype.
-# Writes autograd cannot see (through ``t.data``) change no key: as with
-# ``torch.autograd.graph.save_on_cpu``, the copy has the values of the moment it was saved.
-# The table holds its handles weakly ([Note: host copies die with their graph]). A tensor the
-# plan keeps on the device has a handle in the table too: its repeats are no new saved tensors,
-# as in the warm-up that offloaded it once (counted again, a ReLU's output that the next Linear
-# saves too no longer matched the traced sizes, and everything after it was offloaded).
+# Autograd may save one tensor several times (x * x saves x twice): repeats share the first save's handle, so one
+# copy out, buffer and copy back. A repeat must be the same tensor *with the same values*, or backward silently reads
+# stale ones. The key holds ``t._version`` (bumped by every in-place write, through any view or ``detach()``) and the
+# storage's address, offset, shape, strides and dtype (``t.data = other`` bumps no version); the handle holds its
+# source by weak reference and only that very object matches (not a new tensor reusing freed memory or an id).
+# Writes through ``t.data`` change no key: as with ``torch.autograd.graph.save_on_cpu``, the copy has the values of
+# the moment it was saved. Tensors the plan keeps on the device are in the (weak) table too, so their repeats do not
+# count as new saved tensors, as in the warm-up; else the sizes stop matching the trace and all later ones offload.
 #
 # [Note: host copies die with their graph]
-# A handle is held by the graph that saved it, and by nothing of ours but weak references:
-# when the graph goes (backward ran, or its output was dropped without one), the handle goes,
-# its finalizer gives the buffer back to the pool and the ledger counts it out. An iteration
-# (pack order, sizes matched against the traced ones, de-duplication) ends with a backward,
-# or, at the next root forward, once nothing it saved is alive: a forward with grad whose
-# graph was dropped (an evaluation loop without ``torch.no_grad()``) is no part of the next
-# iteration, whose saves then follow the traced order and its plan again. Tensors the plan
-# keeps on the device are saved through a small holder (``_Kept``) so that their graph's life
-# is visible too. Checking costs a pass over the iteration's handles at a root forward not
-# preceded by a backward; a training loop (forward, backward, forward...) never pays it.
+# Only the graph that saved a handle holds it (we keep weak references): when the graph goes (backward ran, or its
+# output was dropped), the handle's finalizer gives the buffer back to the pool and the ledger counts it out. An
+# iteration (pack order, matching against the trace, de-duplication) ends with a backward or, at the next root
+# forward, once nothing it saved is alive, so a dropped graph (an evaluation loop with grad on) does not derail the
+# next iteration's plan. Kept tensors are saved through ``_Kept`` so their graph's life is visible too. The check
+# runs only at a root forward not preceded by a backward; a training loop never pays it.
 
 
 # [Note: a saved output held without its graph]
-# An operator that saves its own output (tanh, softmax, attention's output and logsumexp) hands
-# the pack hook that very tensor, grad_fn and all: a pack hook that returns it, or an object
-# holding it, closes a cycle through C++ (the output -> its grad_fn -> the saved variable ->
-# the packed object -> the output) that the garbage collector cannot see, so a graph that
-# never runs backward (an evaluation forward with grad on) stayed alive with everything
-# upstream of that node: device memory lost for good, a graph per such forward. Without hooks
-# autograd saves an output without its grad_fn for exactly this reason; so do we: what is held
-# is a detached alias (same memory, same version counter), and unpacking it autograd attaches
-# the grad_fn again. Torch's own ``save_on_cpu`` holds a copy, which has no grad_fn either.
-# Cost: a grad_fn read per saved tensor not offloaded, and a detach for those with one (about
-# a microsecond each, under offload_activations only).
+# An operator that saves its own output (tanh, softmax) hands the pack hook that very tensor, grad_fn and all.
+# Holding it closes a cycle through C++ (output -> grad_fn -> saved variable -> packed object -> output) the garbage
+# collector cannot see, so a graph that never runs backward (an evaluation forward with grad on) would leak with
+# everything upstream. Like autograd without hooks, we hold a detached alias (same memory and version counter), and
+# autograd reattaches the grad_fn on unpack. Cost: about 1 us per saved tensor not offloaded.
 def _without_graph(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a pack hook may hold it (see [Note: a saved output held without its graph])."""
     return t if t.grad_fn is None else t.detach()
@@ -167,9 +132,9 @@ class ActivationOffload:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._depth = 0  # root forwards entered and not left
         self._iteration_over = True  # a backward ended since the last forward began
-        # This iteration: eligible tensors in pack order (their sizes), offloaded ones by
-        # index, kept ones, the order backward unpacked them, and de-duplication of repeated
-        # saves. Handles only by weak reference: see [Note: host copies die with their graph].
+        # This iteration: eligible sizes in pack order, offloaded handles by index, kept ones, backward's unpack
+        # order, and de-duplication of repeated saves. Handles are held weakly only: see [Note: host copies die with
+        # their graph].
         self._sizes: list[int] = []
         self._packed: dict[int, weakref.ref] = {}
         self._kept: list[weakref.ref] = []
@@ -184,14 +149,12 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------------ the plan
     def with_trace(self, plan: MemoryPlan) -> MemoryPlan:
-        """``plan`` with the warm-up's saved sizes and unpack order, the reference of every
-        iteration that runs on it."""
+        """``plan`` with the warm-up's saved sizes and unpack order, the reference for every iteration run on it."""
         return dataclasses.replace(plan, saved_sizes=tuple(self._sizes), saved_unpack_order=tuple(self._unpack_order))
 
     def plan(self, plan: MemoryPlan, room_bytes: int) -> int:
-        """Follow ``plan``'s traced iteration, keeping on the device the last saved tensors that
-        fit in ``room_bytes`` (after, on CUDA, room for one prefetched tensor); returns the bytes
-        this commits in every period."""
+        """Follow ``plan``'s traced iteration, keeping on the device the last saved tensors that fit in ``room_bytes``
+        (after room for one prefetched tensor, on CUDA); returns the bytes this commits in every period."""
         self.traced_sizes, self.traced_unpack_order = plan.saved_sizes, plan.saved_unpack_order
         sizes = self.traced_sizes or ()
         keep_from, committed, self.prefetch = kept_on_device(
@@ -233,8 +196,9 @@ class ActivationOffload:
         self._seen = weakref.WeakValueDictionary()
 
     def _saved_alive(self) -> bool:
-        """Whether a graph still holds something this iteration saved (see [Note: host copies
-        die with their graph])."""
+        """Whether a graph still holds something this iteration saved.
+
+        See [Note: host copies die with their graph]."""
         return (any(ref() is not None for ref in self._packed.values())
                 or any(ref() is not None for ref in self._kept))
 
@@ -247,13 +211,10 @@ class ActivationOffload:
         return t.numel() * t.element_size() >= self.min_bytes
 
     # [Note: saved-tensor hooks under torch.compile]
-    # Autograd calls these from the compiled model's eager stretches (between graph breaks),
-    # where dynamo's frame callback is set: traced, ``_pack`` guarded on weakref.finalize's
-    # registry, which its own finalize changes ("Guard failed on the same frame it was
-    # created"), and on the tensor saved, which a later step no longer has (a recompile every
-    # step). They only move tensors to and from host buffers: they run eagerly, as the module
-    # hooks do (see [Note: hooks under torch.compile] in gemini/engine/hooks.py); about 1 us
-    # per saved tensor, compiled or not.
+    # Autograd calls these hooks from a compiled model's eager stretches, where dynamo's frame callback is set.
+    # Traced, ``_pack`` would guard on weakref.finalize's registry (which its own finalize changes) and on the saved
+    # tensor: a recompile every step. They only move tensors to and from host buffers, so they run eagerly, like the
+    # module hooks (see [Note: hooks under torch.compile] in gemini/engine/hooks.py).
     @torch._disable_dynamo
     def _pack(self, t: torch.Tensor):
         if not self._eligible(t):
@@ -285,9 +246,9 @@ class ActivationOffload:
     def _copy_out(self, index: int, t: torch.Tensor, nbytes: int) -> _Offloaded:
         storage = self.storage
         observer = storage.observer
-        # The restored tensor keeps the original's memory layout (a transposed activation stays
-        # transposed), so backward runs the very kernels it would have run: bit-identical results.
-        # empty_like keeps the strides of a dense tensor and makes others (gaps, overlaps) contiguous.
+        # The restored tensor keeps the original's layout (a transposed activation stays transposed), so backward
+        # runs the same kernels: bit-identical results. empty_like keeps a dense tensor's strides and makes others
+        # (gaps, overlaps) contiguous.
         stride = torch.empty_like(t, device="meta").stride()
         self._reap()  # buffers whose copies are done can serve again
         with observer.quiet() if observer is not None else contextlib.nullcontext():
@@ -309,9 +270,8 @@ class ActivationOffload:
         return packed
 
     def _release(self, buffer: torch.Tensor, nbytes: int) -> None:
-        # The pool hands buffers to host code too (chunk payloads, NVMe reads), which would
-        # write one a copy on the side stream still reads or writes: on CUDA a buffer goes
-        # back only once the side stream has passed this point.
+        # The pool also serves host code (chunk payloads, NVMe reads), which must not write a buffer a side-stream
+        # copy still uses: on CUDA a buffer goes back only once the side stream has passed this point.
         if self._stream is None:
             self._give_back(buffer, nbytes)
             return

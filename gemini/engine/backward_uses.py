@@ -1,19 +1,16 @@
-"""Following one forward call of a module through backward: its backward *begins* when its
-outputs' gradients arrive and is *done* when nothing of it is left to read its parameters (see
-[Note: a group between its uses in backward] in gemini/engine/residency.py). The module hooks
-(gemini/engine/hooks.py) and the planner's meta-device replay (gemini/tools/meta_run.py) use
-these hooks.
+"""Following one forward call of a module through backward: its backward *begins* when its outputs' gradients arrive
+and is *done* when nothing of it is left to read its parameters (see
+[Note: a group between its uses in backward] in gemini/engine/residency.py). Used by the module hooks
+(gemini/engine/hooks.py) and the planner's meta-device replay (gemini/tools/meta_run.py).
 
 [Note: several graph tasks through one forward]
-One forward's graph may be run by more than one autograd graph task: an input-gradient penalty
-(``torch.autograd.grad(out, x, create_graph=True)``, then the loss with the penalty backward), a
-saliency map (``torch.autograd.grad(loss, x, retain_graph=True)``, then ``loss.backward()``).
-Each task runs the backward of some module calls again, so a call begins and is done once per
-task, and every count below starts over when a new task reaches it. Counted across tasks, a
-call that was done in the first task was never reported done in the second (its groups were
-held to the end: more memory, same values); and one whose first task computed the gradients of
-only some of its inputs was reported done too early in the second, releasing a group that one
-of its nodes still read.
+One forward's graph may be run by several autograd graph tasks: an input-gradient penalty
+(``torch.autograd.grad(out, x, create_graph=True)``, then the loss backward), a saliency map
+(``torch.autograd.grad(loss, x, retain_graph=True)``, then ``loss.backward()``). Each task runs the backward of some
+module calls again, so a call begins and is done once per task, and every count below starts over when a new task
+reaches it. Counted across tasks, a call done in the first task would never be reported done in the second (groups
+held to the end), and one whose first task computed only some of its inputs' gradients would be reported done too
+early in the second, releasing a group one of its nodes still reads.
 """
 
 from __future__ import annotations
@@ -31,15 +28,14 @@ __all__ = ["BackwardUse", "graph_inputs", "hook_all_grads_of", "hook_first_grad_
            "moves_drop_accumulators", "refuse_function_transforms", "renew_accumulators",
            "task_computes_gradient_of"]
 
-# A call whose inputs need no gradient reports done through the autograd nodes of its graph;
-# beyond this many nodes, hooking them all costs more than holding its chunks until its
-# gradients are in.
+# A call whose inputs need no gradient reports done through the autograd nodes of its graph; beyond this many nodes,
+# hooking them all costs more than holding its chunks until its gradients are in.
 MAX_NODES_FOLLOWED = 64
 
 
 class BackwardUse:
-    """One forward call of a module, seen from the backward pass: begun in graph task ``task``
-    when its outputs' gradients arrive, ``done`` when its inputs' gradients are computed."""
+    """One forward call of a module, seen from the backward pass: begun in graph task ``task`` when its outputs'
+    gradients arrive, ``done`` when its inputs' gradients are computed."""
 
     __slots__ = ("groups", "task", "done", "via_inputs")
 
@@ -50,14 +46,13 @@ class BackwardUse:
         self.via_inputs = False  # done is reported by its inputs' gradients (else by its nodes)
 
     def begin(self) -> None:
-        """Its backward begins in the running graph task (see [Note: several graph tasks through
-        one forward])."""
+        """Its backward begins in the running graph task (see [Note: several graph tasks through one forward])."""
         self.task = torch._C._current_graph_task_id()
         self.done = False
 
     def finish(self) -> bool:
-        """Whether this ends the backward that began in the running graph task (once per task;
-        gradients that reached its inputs along another path before it began are not its own)."""
+        """Whether this ends the backward that began in the running graph task (once per task; gradients that
+        reached its inputs along another path before it began are not its own)."""
         if self.done or self.task != torch._C._current_graph_task_id():
             return False
         self.done = True
@@ -72,9 +67,8 @@ def needing_grad(tree) -> list[torch.Tensor]:
 
 
 def hook_first_grad_of(tree, hook: Callable[[], None]) -> bool:
-    """``hook()`` once per graph task, when the first gradient of the tensors in ``tree`` that
-    need one arrives (see [Note: a call's outputs hooked through in-place ops] in
-    tracer/grad_nodes.py); False if none needs one."""
+    """``hook()`` once per graph task, when the first gradient of the tensors in ``tree`` that need one arrives (see
+    [Note: a call's outputs hooked through in-place ops] in tracer/grad_nodes.py); False if none needs one."""
     tensors = needing_grad(tree)
     if not tensors:
         return False
@@ -83,8 +77,8 @@ def hook_first_grad_of(tree, hook: Callable[[], None]) -> bool:
 
 
 def _countdown(n: int, hook: Callable[[], None]) -> Callable:
-    """A hook to fire ``n`` times per graph task; the last time in each task it calls ``hook()``
-    (see [Note: several graph tasks through one forward])."""
+    """A hook to fire ``n`` times per graph task; the last time in each task it calls ``hook()`` (see [Note: several
+    graph tasks through one forward])."""
     state = [n, None]  # hooks left to fire in the task below, that task's id
 
     def one(*_) -> None:
@@ -99,25 +93,19 @@ def _countdown(n: int, hook: Callable[[], None]) -> Callable:
 
 
 # [Note: a hook on all inputs' gradients without a cycle]
-# ``register_multi_grad_hook(mode="all")`` keeps the tensors' autograd nodes in the closure of
-# the hooks it puts on those very nodes: a cycle through C++ that the garbage collector cannot
-# see, so every module call leaked its input nodes — and through their edges the rest of its
-# graph, with the hooks of every call in it (about 30 closures an iteration on a 2-layer GPT,
-# for good). This hook counts instead: each hooked node adds one when it runs, and ``hook`` runs
-# when all have, holding nothing of the graph. The hooks go on the nodes that receive the
-# inputs' gradients (``gradient_node``; a leaf's go on the leaf), which run once those
-# gradients are complete: a tensor hook on an input that is a view is dropped when the view is
-# modified in place after the call (see [Note: a call's outputs hooked through in-place ops] in
-# tracer/grad_nodes.py), and torch 2.13 crashes (SIGSEGV) registering one on a view of a
-# Linear's output after ``s.mul_(2); s[:, 0].add_(1)``. An
-# input whose gradient this backward never computes (a partial backward) leaves the count short:
-# the call is then never reported done and its groups are held until their gradients are in,
-# the conservative path (see [Note: a group between its uses in backward] in
-# gemini/engine/residency.py).
+# ``register_multi_grad_hook(mode="all")`` keeps the tensors' autograd nodes in the closure of the hooks it puts on
+# those very nodes: a cycle through C++ the garbage collector cannot see, so every module call would leak its graph.
+# This hook counts instead: each hooked node adds one when it runs, and ``hook`` runs when all have, holding nothing
+# of the graph. The hooks go on the nodes that receive the inputs' gradients (``gradient_node``; a leaf's go on the
+# leaf), which run once those gradients are complete. Not tensor hooks: one on a view input is dropped when the view
+# is modified in place after the call (see [Note: a call's outputs hooked through in-place ops] in
+# tracer/grad_nodes.py), and torch 2.13 segfaults registering one on a view of a Linear's output after
+# ``s.mul_(2); s[:, 0].add_(1)``. An input whose gradient this backward never computes (a partial backward) leaves
+# the count short: the call is never reported done and its groups are held until their gradients are in, the
+# conservative path (see [Note: a group between its uses in backward] in gemini/engine/residency.py).
 def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
-    """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed,
-    in each graph task (see [Note: a hook on all inputs' gradients without a cycle]); False if
-    none needs one."""
+    """``hook()`` once the gradients of all the tensors in ``tree`` that need one are computed, in each graph task
+    (see [Note: a hook on all inputs' gradients without a cycle]); False if none needs one."""
     tensors = needing_grad(tree)
     if not tensors:
         return False
@@ -126,10 +114,10 @@ def hook_all_grads_of(tree, hook: Callable[[], None]) -> bool:
 
 
 def hook_nodes_of(output, hook: Callable[[], None]) -> bool:
-    """``hook()`` once every autograd node between ``output`` and the parameters has run, in each
-    graph task: for a call whose inputs need no gradient (an embedding), after which nothing of
-    its backward is left to read them. False (nothing hooked) when the graph has no such node or
-    more than MAX_NODES_FOLLOWED: such a call is held until its groups' gradients are in."""
+    """``hook()`` once every autograd node between ``output`` and the parameters has run, in each graph task: for a
+    call whose inputs need no gradient (an embedding), after which nothing of its backward is left to read them.
+    False (nothing hooked) when the graph has no such node or more than MAX_NODES_FOLLOWED: such a call is held until
+    its groups' gradients are in."""
     nodes: list = []
     seen: set = set()
     stack = [gradient_node(t) for t in unbatched(tree_flatten(output)[0])
@@ -152,23 +140,17 @@ def hook_nodes_of(output, hook: Callable[[], None]) -> bool:
 
 
 # [Note: the graph's own gradient accumulators]
-# Whether a graph task computes a parameter's gradient, torch says of the parameter's
-# AccumulateGrad node (``torch._C._will_engine_execute_node``). The node to ask is the one the
-# graph holds, which ``get_gradient_edge(p)`` does not always give: a tensor caches its
-# accumulator weakly, and ``p.data = t`` with ``t`` on another device drops the cache (torch's
-# ``VariableHooks::set_data``). On a GPU every fetch and release of an offloaded parameter moves
-# ``p.data`` between the device copy and the host copy, so after the forward
-# ``get_gradient_edge(p)`` made a new accumulator that no graph uses and none executes: no
-# backward was taken for the iteration's (under auto "optimizer.step() before any backward pass",
-# p.grad never exposed, fp16 counting no scaled pass). On the CPU stand-in both copies are on
-# the CPU and the cache stays, which hid it. So the accumulators are looked up in the graph
-# itself, from the node whose hook begins the pass (``torch._C._current_autograd_node``), depth
-# first: the first accumulator of a trainable parameter decides (a few nodes away from the
-# loss in an ordinary backward; the whole graph is walked only by a task that computes input
-# gradients alone, where none executes).
+# Torch tells whether a graph task will compute a parameter's gradient by asking its AccumulateGrad node
+# (``torch._C._will_engine_execute_node``), and it must be the node the graph holds, which ``get_gradient_edge(p)``
+# does not always give: a tensor caches its accumulator weakly, and ``p.data = t`` with ``t`` on another device drops
+# the cache (``VariableHooks::set_data``). On a GPU fetches and releases move ``p.data`` between devices, so after
+# the forward ``get_gradient_edge(p)`` makes a new accumulator no graph uses (on the CPU stand-in the cache stays).
+# So the accumulators are looked up in the graph itself, depth first from the node whose hook begins the pass
+# (``torch._C._current_autograd_node``): the first accumulator of a trainable parameter decides, a few nodes from the
+# loss in an ordinary backward (only a task computing input gradients alone walks the whole graph).
 def task_computes_gradient_of(params: list[torch.nn.Parameter]) -> bool:
-    """Whether the running graph task will compute the gradient of one of ``params`` (see
-    [Note: the graph's own gradient accumulators])."""
+    """Whether the running graph task will compute the gradient of one of ``params`` (see [Note: the graph's own
+    gradient accumulators])."""
     wanted = {id(p) for p in params}
     start = torch._C._current_autograd_node()
     found = False
@@ -179,8 +161,8 @@ def task_computes_gradient_of(params: list[torch.nn.Parameter]) -> bool:
                 return True
     if found:
         return False
-    # No hook's node to start from (a leaf's tensor hook), or a graph holding none of them: the
-    # accumulators the parameters name now, which no move has replaced in that case.
+    # No hook's node to start from (a leaf's tensor hook), or a graph holding none of them: the accumulators the
+    # parameters name now, which no move has replaced in that case.
     return any(_will_execute(get_gradient_edge(p).node) for p in params if p.requires_grad)
 
 
@@ -201,16 +183,15 @@ def _accumulators(start):
 def _will_execute(node) -> bool:
     try:
         return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured for the caller to
-        return True  # assign to p.grad, the step's gradient all the same
+    except RuntimeError:  # torch.autograd.grad(..., inputs=[p]): captured for the caller to assign to p.grad,
+        return True  # the step's gradient all the same
 
 
 def graph_inputs(root: torch.Tensor, inputs: list, params: list[torch.nn.Parameter]) -> list:
-    """``inputs`` of ``backward(inputs=...)`` with each of ``params`` among them replaced by the
-    gradient edges of its accumulators in ``root``'s graph, the ones that graph runs (see [Note:
-    the graph's own gradient accumulators]: ``p`` itself names the accumulator it has now, which
-    after a device move is none of them, and torch would compute no gradient for it, silently).
-    A parameter the graph does not use stays as it is (torch ignores it)."""
+    """``inputs`` of ``backward(inputs=...)`` with each of ``params`` replaced by the gradient edges of its
+    accumulators in ``root``'s graph. ``p`` itself names the accumulator it has now, which after a device move is none
+    of the graph's, and torch would silently compute no gradient for it (see [Note: the graph's own gradient
+    accumulators]). A parameter the graph does not use stays as it is (torch ignores it)."""
     managed = {id(p) for p in params}
     wanted = {id(t) for t in inputs if id(t) in managed}
     if not wanted:
@@ -223,32 +204,27 @@ def graph_inputs(root: torch.Tensor, inputs: list, params: list[torch.nn.Paramet
 
 
 # [Note: one accumulator per forward]
-# Two forwards before one backward (a GAN's discriminator on real and on fake data, two views
-# through one encoder): on the CPU stand-in a parameter keeps one AccumulateGrad node for both,
-# autograd holds the second forward's gradient in that node's input buffer until the first's
-# arrives, and the gradient arrives once. On a GPU a parameter released between the forwards
-# (``p.data`` to the host copy and back) gets a new node in the second forward, the other
-# parameters keep theirs, so which parameters get their gradient twice, and which hold one in
-# a buffer meanwhile, depends on what stayed on the device: auto's warm-up, which releases
-# every group, measured a backward that its own plan, keeping some groups, no longer ran (the
-# CPU emulation in tests/test_device_moves.py: 2,484,432 bytes against a 1,747,968-byte budget
-# in the first planned iteration, 13 weight-sized gradients held in input buffers). So where
-# moves drop accumulators (a GPU, a placement that moves parameters), every forward after the
-# first before a backward starts every parameter on a new one: the same backward whatever stays,
-# each gradient accumulated at once (less memory than torch's buffers). The price: a parameter
-# used more than once in a forward (a tied embedding) sums its gradients per forward first, in
-# another order than torch's one buffer: rounding apart, within a GPU's bounds anyway (see
-# [Note: equal to torch on a GPU] in tests/helpers.py).
+# Two forwards before one backward (a GAN's discriminator on real and fake data): on the CPU stand-in a parameter
+# keeps one AccumulateGrad node for both, autograd holds the second forward's gradient in that node's input buffer
+# until the first's arrives, and the gradient arrives once. On a GPU a parameter released between the forwards
+# (``p.data`` to the host copy and back) gets a new node in the second forward while the others keep theirs, so
+# which gradients arrive twice, and which wait in a buffer, depends on what stayed on the device: auto's warm-up,
+# which releases every group, would measure a backward its own plan no longer runs. So where moves drop accumulators
+# (a GPU, a placement that moves parameters), every forward after the first before a backward gives every parameter
+# a new one: the same backward whatever stays, each gradient accumulated at once (less memory than torch's buffers).
+# The price: a parameter used more than once in a forward (a tied embedding) sums its gradients per forward first,
+# in another order than torch; the rounding difference is within a GPU's bounds anyway, see
+# [Note: equal to torch on a GPU] in tests/helpers.py.
 def moves_drop_accumulators(device: torch.device) -> bool:
-    """Whether moving ``p.data`` between a chunk's device and host copies changes its device (and
-    drops its accumulator): not on the CPU stand-in, whose copies are both CPU tensors."""
+    """Whether moving ``p.data`` between a chunk's device and host copies changes its device (and drops its
+    accumulator): not on the CPU stand-in, whose copies are both CPU tensors."""
     return device.type != "cpu"
 
 
 def renew_accumulators(groups: list[ChunkGroup]) -> None:
-    """Make the next use in a graph of each trainable parameter of ``groups`` create a new
-    AccumulateGrad node (torch drops the cached one when ``p.data`` changes type; see [Note: one
-    accumulator per forward]). ``p`` views the same memory as before."""
+    """Make the next use in a graph of each trainable parameter of ``groups`` create a new AccumulateGrad node (torch
+    drops the cached one when ``p.data`` changes type; see [Note: one accumulator per forward]). ``p`` views the same
+    memory as before."""
     others: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
     for p in (p for g in groups for p in g.params if p.requires_grad):
         data = p.data
@@ -261,17 +237,16 @@ def renew_accumulators(groups: list[ChunkGroup]) -> None:
 
 
 # [Note: torch.func's gradient transforms]
-# Inside torch.func.grad / vjp / jacrev / jvp every tensor an operator makes is wrapped for the
-# transform, the chunks gemini fetches included (a wrapper has no storage), and the gradients
-# are not autograd's accumulations that gemini's hooks follow: the chunks' bookkeeping cannot
-# survive a forward there. It is refused at the root's first hook, before anything moves.
-# torch.func.vmap wraps only what derives from its inputs and runs as it does without gemini.
+# Inside torch.func.grad / vjp / jacrev / jvp every tensor an operator makes is wrapped for the transform, gemini's
+# fetched chunks included (a wrapper has no storage), and the gradients are not the autograd accumulations gemini's
+# hooks follow: the chunks' bookkeeping cannot survive a forward there. It is refused at the root's first hook,
+# before anything moves. torch.func.vmap wraps only what derives from its inputs and works as without gemini.
 _GRADIENT_TRANSFORMS = ("Grad", "Jvp")
 
 
 def refuse_function_transforms() -> None:
-    """Raise ``RuntimeError`` inside a torch.func gradient transform (see [Note: torch.func's
-    gradient transforms]); one C call when there is none."""
+    """Raise ``RuntimeError`` inside a torch.func gradient transform (see [Note: torch.func's gradient
+    transforms]); one C call when there is none."""
     if torch._C._functorch.peek_interpreter_stack() is None:
         return
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters

@@ -1,49 +1,35 @@
 """Parameters of a descendant module read by an ancestor's call without a call of their own.
 
 [Note: parameters of a descendant read by its ancestor]
-The module hooks fetch a module's own parameters around its calls (``recurse=False``). Some
-modules read a child's parameters without calling the child: ``nn.MultiheadAttention`` passes
-``out_proj.weight`` to ``F.multi_head_attention_forward`` (in evaluation to the fused
-``torch._native_multi_head_attention``) and never calls ``out_proj``. Such a read saw a chunk nobody fetched: under ZeRO-3 an empty shard ("mat2 must be a
-matrix"), under cpu/static/auto the host copy (on CUDA a CPU tensor fed to a CUDA op). Nothing
-cheap tells these reads apart before they happen, so the first root forward of each kind
-(training or not, with grad or not: a fused path is an evaluation's) runs under a mode that
-sees every torch call's arguments: a parameter whose owners were not
-called yet in this forward, read inside a call of one of their ancestors, is fetched there and
-then (for that call and its backward), and that ancestor's hooks fetch its chunk group from
-then on, with their own. A forward with grad is watched at the torch function level, where a
-parameter is fetched before autograd records it (under ZeRO-3 a node recording the empty shard's
-shape would refuse its gradient); one without grad at the dispatch level, since a torch function
+The module hooks fetch a module's own parameters around its calls (``recurse=False``), but some modules read a
+child's parameters without calling it: ``nn.MultiheadAttention`` passes ``out_proj.weight`` to
+``F.multi_head_attention_forward`` (or the fused ``torch._native_multi_head_attention``) and never calls ``out_proj``.
+Such a read would see an unfetched chunk (the host copy, or under ZeRO-3 an empty shard). Nothing cheap tells these
+reads apart beforehand, so the first root forward of each kind (training or not, grad or not: fused paths are an
+evaluation's) runs under a mode that sees every torch call's arguments. A parameter whose owners were not called yet
+in this forward, read inside a call of an ancestor (the innermost running module containing an owner), is fetched
+there for that call and its backward, and from then on that ancestor's hooks fetch its group with their own. With
+grad the mode is a torch function mode, so the parameter is fetched before autograd records it (under ZeRO-3 a node
+recording the empty shard's shape would refuse its gradient); without grad a dispatch mode, since a torch function
 mode turns the fused fast paths off (``has_torch_function``), and with them the reads to find.
-(``nn.TransformerEncoderLayer``'s fused path, which calls none of its children, is off anyway
-while modules in it have hooks, as the engine's.) The ancestor is the innermost running module that contains an owner.
-A read after its owner's call is over is found the same way: a root reusing an embedding's
-weight (``F.linear(h, self.emb.weight)``, a tied output projection), a parent scaling by a
-child's parameter after calling it (layer scale), a user's hook reading an earlier module's
-bias. The owner's hooks had released the group by then, so the read saw the host copy (on CUDA
-torch's device mismatch; under ZeRO-3 an empty shard). Only a read inside a call of an owner
-(or of a module within one) is the owner's own. Reads of
-sizes and attributes (``p.shape``, ``p.device``, ``p.data = ...`` by the engine itself) fetch
-nothing. The mode runs in that one forward; other forwards pay nothing.
+(``nn.TransformerEncoderLayer``'s fused path is off anyway while modules in it have hooks.) Reads after the owner's
+call is over (a tied output projection ``F.linear(h, self.emb.weight)``, layer scale by a child's parameter, a
+user's hook reading an earlier module's bias) are found the same way: only a read inside a call of an owner (or of a
+module within one) is the owner's own. Metadata reads (``p.shape``, ``p.device``, the engine's ``p.data = ...``)
+fetch nothing. Other forwards pay nothing.
 
 [Note: the search forward runs uncompiled]
-A model compiled with torch.compile (whole, after or before initialize, or block by block) has
-its reads searched too: the search forward runs eagerly, and the forwards after it compile as
-they would have. Under the mode, dynamo either compiled every graph with a guard on the torch
-function mode stack, compiled again at the next forward (a second compile of every graph), or,
-under a dispatch mode, marked every frame it met "skip" for good (nothing compiled ever after).
-So that forward runs with dynamo's callback off (``torch._disable_dynamo``) and the compiler's
-stance "force_eager", which the entry of every compiled function reads (a block compiled in
-place, an ``OptimizedModule``): no frame is seen, so none is compiled or marked. The stance is
-taken where the forward begins eagerly: in ``GeminiModel.__call__``, whose frame dynamo skips
-(``skip_call_frame``) so that it decides in plain Python, without a guard on the engine's state,
-even where the wrapped model itself is compiled (``torch.compile(model)`` after initialize: its
-root pre-hook runs inside the traced frame, too late to turn the rest of it eager); and in the
-root's pre-hook, for a forward begun elsewhere that reached it eagerly. A root pre-hook reached
-inside a traced frame (the inner module called under compile, not the model initialize
-returned) cannot search: such reads there still see the chunk's unfetched copy. The price: the
-first forward of each kind is not compiled (the graphs compile at the next), and under auto the
-warm-up measures eager code.
+A compiled model (whole, before or after initialize, or block by block) is searched too: the search forward runs
+eagerly, and later forwards compile as usual. Under the mode, dynamo would guard every graph on the torch function
+mode stack (recompiling everything at the next forward) or, under a dispatch mode, mark every frame "skip" for good.
+So that forward runs with dynamo's callback off (``torch._disable_dynamo``) and the compiler stance "force_eager",
+which the entry of every compiled function reads: no frame is compiled or marked. The stance is taken where the
+forward begins eagerly: in ``GeminiModel.__call__``, whose frame dynamo skips (``skip_call_frame``) so it decides in
+plain Python without a guard on the engine's state, even where the wrapped model is compiled (its root pre-hook would
+run inside the traced frame, too late); and in the root's pre-hook, for a forward begun elsewhere. A root pre-hook
+reached inside a traced frame (an inner module called under compile, not the model initialize returned) cannot
+search: reads there still see the unfetched copy. The price: the first forward of each kind runs uncompiled, and
+under auto the warm-up measures eager code.
 """
 
 from __future__ import annotations
@@ -69,17 +55,16 @@ __all__ = ["DescendantReadHooks", "DescendantReads", "run_uncompiled", "skip_cal
 _METADATA = frozenset({"__get__", "__set__", "__hash__", "size", "dim", "numel", "nelement", "stride",
                        "element_size", "is_contiguous", "data_ptr", "untyped_storage", "storage_offset",
                        "register_hook", "register_post_accumulate_grad_hook", "requires_grad_"})
-# The same at the dispatch level: under inference_mode ``p.data = view`` (the engine re-pointing every
-# parameter of a chunk it fetched, a later module's too) dispatches the first of these.
+# The same at the dispatch level: under inference_mode ``p.data = view`` (the engine re-pointing every parameter of
+# a chunk it fetched, a later module's too) dispatches the first of these.
 _METADATA_OPS = frozenset({"_has_compatible_shallow_copy_type", "sym_size", "sym_stride", "sym_numel",
                            "sym_storage_offset", "is_same_size"})
 
 
 class DescendantReads:
-    """One root forward that finds reads of descendants' parameters (see [Note: parameters of a
-    descendant read by its ancestor]). ``fetch(groups)`` / ``release(groups, output)`` bracket a
-    call's extra groups (compute and backward); ``found`` maps each ancestor to the groups its
-    hooks take on."""
+    """One root forward that finds reads of descendants' parameters (see [Note: parameters of a descendant read by
+    its ancestor]). ``fetch(groups)`` / ``release(groups, output)`` bracket a call's extra groups (compute and
+    backward); ``found`` maps each ancestor to the groups its hooks take on."""
 
     def __init__(self, root: nn.Module, manager: ChunkManager, *, own_groups: Callable[[nn.Module], list[ChunkGroup]],
                  fetch: Callable[[list[ChunkGroup]], None],
@@ -208,40 +193,38 @@ def run_uncompiled(call: Callable, args: tuple, kwargs: dict):
 @functools.cache
 def skip_call_frame(function: Callable) -> None:
     """Dynamo runs ``function``'s frame as plain Python and compiles the frames it calls (see
-    [Note: the search forward runs uncompiled]); once, at the first wrapped model (dynamo is
-    imported by then)."""
+    [Note: the search forward runs uncompiled]); once, at the first wrapped model (dynamo is imported by then)."""
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(function.__code__)
 
 
 class DescendantReadHooks:
-    """The part of :class:`gemini.engine.hooks.ModuleHooks` that runs the search (a base class of
-    it, using its hooks, residency and bookkeeping): see [Note: parameters of a descendant read by
-    its ancestor]."""
+    """The part of :class:`gemini.engine.hooks.ModuleHooks` that runs the search (a base class of it, using its
+    hooks, residency and bookkeeping): see [Note: parameters of a descendant read by its ancestor]."""
 
     _late_reads: int = 0  # groups found read after their owner's call, since take_late_reads()
 
     def take_late_reads(self) -> int:
-        """How many groups the searches found read after their owner's call since the last call. A
-        warm-up whose forward found some traced them fetched at the read, while later iterations
-        fetch them from the start of the reading module's call, the root's maybe (a tied projection:
-        the whole forward): its plan is not kept, and the next iteration is traced again. (A
-        descendant read by its ancestor is fetched from the start of the ancestor's call in later
-        iterations too, but that call is about as long as the read's span.)"""
+        """How many groups the searches found read after their owner's call, since the last call.
+
+        A warm-up whose forward found some traced them fetched at the read, while later iterations fetch them from
+        the start of the reading module's call, perhaps the root's (a tied projection: the whole forward): its plan
+        is not kept, and the next iteration is traced again. (A descendant read by its ancestor is fetched from the
+        start of the ancestor's call in later iterations too, but that call is about as long as the read's span.)"""
         found, self._late_reads = self._late_reads, 0
         return found
 
     @torch._disable_dynamo  # never compiled: the frame calling it is not (a guard on the state it reads)
     def search_due(self) -> bool:
-        """Whether the next forward of the root (in this grad mode) is searched: the first of its
-        kind (training, grad enabled), while modules are followed, outside backward."""
+        """Whether the next forward of the root is searched: the first of its kind (training, grad enabled), while
+        modules are followed, outside backward."""
         return ((self._root.training, torch.is_grad_enabled()) not in self._reads_searched
                 and self.residency.follows_modules and torch._C._current_graph_task_id() == -1)
 
     def _begin_descendant_reads(self, root: nn.Module, compiling: bool) -> None:
-        """In the root's pre-hook: the first forward of its kind is searched, uncompiled (see
-        [Note: the search forward runs uncompiled])."""
+        """In the root's pre-hook: the first forward of its kind is searched, uncompiled (see [Note: the search
+        forward runs uncompiled])."""
         if not self.search_due():
             return
         self._reads_searched.add((root.training, torch.is_grad_enabled()))
@@ -277,9 +260,9 @@ class DescendantReadHooks:
             self.residency.count_uses(groups)
             own = self._groups_of.get(module)
             if module is self._root:
-                # The root's own post-hook of this forward runs after this one, on the list its hooks
-                # hold, which must not gain the groups this search just released: new hooks on a new
-                # list serve the next forwards (torch calls the hooks it listed as the call began).
+                # The root's own post-hook of this forward runs after this one, on the list its hooks hold (torch
+                # calls the hooks it listed as the call began), which must not gain the groups this search just
+                # released: new hooks on a new list serve the next forwards.
                 self._groups_of[module] = own = [*(own or ()), *groups]
                 self._hooked.add(module)
                 for h in self._root_own_handles:

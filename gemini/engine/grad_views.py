@@ -1,51 +1,37 @@
 """``p.grad`` as views of the gradient chunks, so torch's own gradient tools see gemini's gradients.
 
 [Note: gradients exposed as p.grad]
-Gradients live in gradient chunks, not in ``p.grad`` (the hooks move each freshly accumulated
-gradient into its chunk slot and set ``p.grad`` back to None). Plain PyTorch code reads and
-writes ``p.grad`` between backward and step: ``torch.nn.utils.clip_grad_norm_``,
-``model.zero_grad()``, gradient logging. So after each backward pass (and after each step)
-every parameter with a gradient since ``zero_grad`` gets ``p.grad`` = a view of its slot:
-- torch requires ``p.grad`` on ``p``'s device. When the gradient chunk is on the host while
-  the parameter chunk also has a device copy (kept for the next forward), ``p.data`` is
-  pointed at the identical host copy for as long as the views are out; :meth:`GradViews.hide`
-  points it back. No byte moves either way.
-- Whatever torch does to the views is what the step sees: ``clip_grad_norm_`` scales the
-  chunk in place; ``p.grad = None`` (``nn.Module.zero_grad`` on the inner module, a torch
-  optimizer's ``zero_grad``) forgets that gradient; an in-place ``p.grad.zero_()`` zeroes it;
-  a tensor assigned to ``p.grad`` replaces it. :meth:`GradViews.hide` reads those changes back.
-- Where a view cannot be exact, ``p.grad`` is an :class:`UnavailableGrad`: under fp16 the
-  chunk holds loss-scaled gradients, and under ZeRO a rank holds 1/world of each reduced
-  gradient. Its shape, dtype and device are right, so code that only looks works; any
-  computation with it raises, naming ``model.clip_grad_norm_``.
-- Views are withdrawn (``p.grad = None``) before the next forward or backward pass, so
-  autograd never accumulates into them, and before the step moves chunks, so no view outlives
-  the payload it points into — except under a policy that never moves a chunk (see [Note:
-  autograd accumulates into the chunks]).
+Gradients live in gradient chunks, not in ``p.grad`` (the hooks move each accumulated gradient into its slot and set
+``p.grad = None``). Torch code reads and writes ``p.grad`` between backward and step (``clip_grad_norm_``,
+``zero_grad()``, logging), so after each backward and each step every parameter with a gradient since ``zero_grad``
+gets ``p.grad`` = a view of its slot:
+- torch requires ``p.grad`` on ``p``'s device: when the gradient chunk is on the host and the parameter chunk also
+  has a device copy, ``p.data`` points at the identical host copy while the views are out (:meth:`GradViews.hide`
+  points it back). No byte moves.
+- What torch does to the views is what the step sees: ``clip_grad_norm_`` scales the chunk in place, ``p.grad =
+  None`` (``zero_grad``) forgets the gradient, ``p.grad.zero_()`` zeroes it, an assigned tensor replaces it.
+  :meth:`GradViews.hide` reads those changes back.
+- Where no view can be exact (fp16: loss-scaled; ZeRO: a rank holds 1/world of each reduced gradient), ``p.grad`` is
+  an :class:`UnavailableGrad` with the right shape, dtype and device, so code that only looks works; any computation
+  with it raises, naming ``model.clip_grad_norm_``.
+- Views are withdrawn before the next forward or backward pass (autograd must not accumulate into them) and before
+  the step moves chunks (no view outlives its payload), except under a policy that never moves a chunk (see
+  [Note: autograd accumulates into the chunks]).
 
 [Note: autograd accumulates into the chunks]
-Under placement "cuda" (without ZeRO or fp16) a gradient chunk, once allocated, stays on the
-device for good. There, when a backward pass begins, :meth:`GradViews.arm` puts the view of
-each trainable parameter's slot into ``p.grad``, zeroed where no gradient has accumulated since
-``zero_grad``; autograd then adds each new gradient into ``p.grad`` in place (as it does into
-any existing ``.grad``), which is the chunk itself, and the gradient hook has nothing to copy:
-it only marks the slot ready. That saved a copy and ~50 us of Python per parameter and step.
-A parameter whose ``p.grad`` was replaced in between (torch code set it to None, or to another
-tensor) takes the copying path as before. Views are cached per parameter and payload, so arming
-and exposing allocate nothing.
+Under placement "cuda" (without ZeRO or fp16) a gradient chunk, once allocated, stays on the device. There, as a
+backward pass begins, :meth:`GradViews.arm` puts each trainable parameter's slot view into ``p.grad`` (zeroed where
+nothing accumulated since ``zero_grad``): autograd adds each new gradient into it in place, i.e. into the chunk, and
+the gradient hook only marks the slot ready (no copy). A ``p.grad`` replaced in between (None or another tensor)
+takes the copying path. Views are cached per parameter and payload, so arming and exposing allocate nothing.
 
 [Note: a step that moves no chunk]
-Before a step the views are read back (what torch code did to them counts) and, in general,
-withdrawn, since the step may move the chunks they point into. Under a policy that never
-moves a chunk (the same as for arming) they stay valid through the step: :meth:`GradViews.settle`
-reads them back but leaves each untouched view in ``p.grad``, and the :meth:`GradViews.expose`
-after the step puts back only the ones that changed. Withdrawing and re-assigning every
-``p.grad`` cost ~2 us a parameter, 0.15 ms of a 55M GPT's 24 ms optimizer step on the CPU.
-The step itself writes no gradient but in place (clipping scales the chunk), so a kept view
-reads what a fresh one would. Where no view was touched, expose has nothing to do at all: every
-gradient ready before the step had its view out (each backward ends by exposing), and the step
-marks none ready — except under ZeRO, whose ranks agree on which gradients any rank has, so
-the engine settles only without it.
+Before a step the views are read back and, in general, withdrawn, since the step may move their chunks. Under a
+policy that never moves a chunk they stay valid: :meth:`GradViews.settle` reads them back but leaves untouched views
+in ``p.grad``, and :meth:`GradViews.expose` after the step puts back only the changed ones. The step writes gradients
+only in place (clipping), so a kept view reads what a fresh one would. If no view was touched, expose has nothing to
+do: every ready gradient had its view out (each backward ends by exposing) and the step marks none ready; not so
+under ZeRO (ranks agree on which gradients any rank has), so the engine settles only without ZeRO.
 """
 
 from __future__ import annotations
@@ -62,8 +48,8 @@ __all__ = ["GradViews", "PendingGrad", "UnavailableGrad", "why_no_grad_views"]
 
 
 def why_no_grad_views(*, zero_world: int | None, precision: str) -> str | None:
-    """Why ``p.grad`` cannot be an exact view (ZeRO over ``zero_world`` ranks, fp16), with a
-    {name} field; None where it can (see [Note: gradients exposed as p.grad])."""
+    """Why ``p.grad`` cannot be an exact view (ZeRO over ``zero_world`` ranks, fp16), with a {name} field; None
+    where it can (see [Note: gradients exposed as p.grad])."""
     fix = "clip with model.clip_grad_norm_(max_norm) or GeminiConfig(clip_grad_norm=...)"
     if zero_world is not None:
         return (f"gemini: under ZeRO each rank keeps 1/{zero_world} of the reduced gradient of {{name}}, "
@@ -108,17 +94,14 @@ class PendingGrad(torch.Tensor):
     """``p.grad``: a view of a host copy that a copy from the device may still be writing.
 
     [Note: gradients still crossing to the host]
-    A group whose optimizer states live on the host sends its gradients there as its backward
-    ends, an asynchronous copy on a GPU ([Note: host groups updated as their gradients land] in
-    gemini/optim/adam_batches.py). Exposing plain views of those host copies at the end of the
-    backward meant waiting for every copy first, so ``backward()`` returned only once the GPU had
-    finished it, and the step's CPU Adam could not overlap the GPU's backward. So ``p.grad`` is
-    this alias of the view instead, which waits for its chunk's copy before the first torch
-    function that touches it (a read, an in-place scaling, ``zero_grad``), then behaves as the
-    plain view (results are plain tensors); reads of its metadata (``shape``, ``dtype``, ``numel()``)
-    do not wait. A loop that never reads ``p.grad`` waits in the step,
-    run by run. Only while a copy is in flight: otherwise, and always on the CPU stand-in, whose
-    copies are synchronous, ``p.grad`` is the plain view.
+    A group whose optimizer states live on the host sends its gradients there as its backward ends, asynchronously
+    on a GPU ([Note: host groups updated as their gradients land] in gemini/optim/adam_batches.py). Plain views of
+    those host copies would make ``backward()`` wait for every copy, so the step's CPU Adam could not overlap the
+    GPU's backward. So ``p.grad`` is this alias of the view: it waits for its chunk's copy before the first torch
+    function that touches it (a read, an in-place scaling, ``zero_grad``), then behaves as the plain view (results are
+    plain tensors); metadata reads (``shape``, ``dtype``, ``numel()``) do not wait. Used only while a copy is in
+    flight (never on the CPU stand-in, whose copies are synchronous); a loop that never reads ``p.grad`` waits in the
+    step.
     """
 
     _chunk: Chunk | None
@@ -146,8 +129,8 @@ class GradViews:
         self.manager = manager
         # Why no exact view exists (fp16, ZeRO), with a {name} field; None: views are exact.
         self._unavailable_reason = unavailable_reason
-        # param -> (its group, its slot index, the tensor put into p.grad, the gradient's tier, where
-        # that tensor's data was: ``p.grad.data = t`` keeps the object, see _untouched)
+        # param -> (its group, its slot index, the tensor put into p.grad, the gradient's tier, where that tensor's
+        # data was: ``p.grad.data = t`` keeps the object, see _untouched)
         self._out: dict[nn.Parameter, tuple[ChunkGroup, int, torch.Tensor, Tier | None, int | None]] = {}
         self._redirected: list[Chunk] = []  # param chunks whose params point at a non-primary copy
         # param -> (the gradient payload, the view of its slot in it): reused while the payload is
@@ -166,10 +149,9 @@ class GradViews:
         return view
 
     def arm(self, buffer) -> None:
-        """A backward pass begins under a policy that never moves a chunk: ``p.grad`` = the view
-        of each trainable parameter's slot (``buffer(group)`` gives the group's gradient chunk on
-        the device), zero where nothing has accumulated yet (see [Note: autograd accumulates into
-        the chunks])."""
+        """A backward pass begins under a policy that never moves a chunk: ``p.grad`` = the view of each trainable
+        parameter's slot (``buffer(group)`` gives the group's gradient chunk on the device), zero where nothing has
+        accumulated yet (see [Note: autograd accumulates into the chunks])."""
         self.hide()
         if self._unavailable_reason is not None:
             return
@@ -198,8 +180,8 @@ class GradViews:
         return armed is not None and p.grad is armed
 
     def expose(self) -> None:
-        """Every parameter with a gradient since zero_grad: ``p.grad`` = its gradient (after
-        :meth:`settle`, only where it is not already there)."""
+        """Every parameter with a gradient since zero_grad: ``p.grad`` = its gradient (after :meth:`settle`, only
+        where it is not already there)."""
         settled, whole = self._settled, self._settled_whole
         self._settled = self._settled_whole = False
         if whole:
@@ -241,10 +223,9 @@ class GradViews:
         self._redirected.append(g.param)
 
     def settle(self) -> None:
-        """Read back what torch code did to ``p.grad``, as :meth:`hide` does, but leave every
-        untouched view where it is: for a step that moves no chunk and marks no gradient ready,
-        after which :meth:`expose` has only the changed ones to put back, or none (see [Note: a
-        step that moves no chunk])."""
+        """Read back what torch code did to ``p.grad``, as :meth:`hide` does, but leave every untouched view in
+        place: for a step that moves no chunk and marks no gradient ready, after which :meth:`expose` has only the
+        changed ones to put back, or none (see [Note: a step that moves no chunk])."""
         if self._redirected:  # p.data points at another copy: that must end before the step
             self.hide()
             return
@@ -258,9 +239,8 @@ class GradViews:
         self._settled_whole = len(self._out) == out
 
     def hide(self, *, keep_untouched: bool = False, keep_data: bool = False) -> None:
-        """Take the views back, keeping what was done to them (see the module note); ``keep_data``:
-        the parameters pointed at another copy stay so until the next hide (see [Note: a pass
-        begun inside its graph])."""
+        """Take the views back, keeping what was done to them (see the module note); ``keep_data``: the parameters
+        pointed at another copy stay so until the next hide (see [Note: a pass begun inside its graph])."""
         refused = []
         kept = {}
         for p, out in self._out.items():
@@ -292,13 +272,11 @@ class GradViews:
                                "(it was kept): " + "; ".join(refused))
 
     # [Note: a pass begun inside its graph]
-    # A graph over the parameters alone (a penalty ``sum(p.pow(2))`` backpropagated on its own)
-    # begins its pass at the first parameter's gradient hook, after the graph was built. Where
-    # the views were out, some parameters pointed at their gradients' copy (on a GPU, the host)
-    # when the penalty read them, and the graph saved them so. Pointed back to the device copy
-    # as the pass began, the saved parameters of the nodes still to run changed device under
-    # autograd (torch's device mismatch on a GPU: a host gradient times a CUDA parameter). Such a
-    # pass leaves them as they are; the next hide (the end of the pass, the next forward) ends it.
+    # A graph over the parameters alone (a penalty ``sum(p.pow(2))`` backpropagated on its own) begins its pass at the
+    # first parameter's gradient hook, after the graph was built. Where the views were out, some parameters pointed
+    # at their gradients' copy (on a GPU, the host) when the penalty read them, and the graph saved them so. Pointing
+    # them back to the device copy as the pass begins would change the device of saved tensors under autograd (a
+    # device mismatch on a GPU). Such a pass leaves them as they are; the next hide (end of pass, next forward) ends it.
     def _end_redirects(self) -> None:
         """The parameters pointed at another copy than their chunk's primary one point back."""
         if self._redirected:  # a tensor assigned to p.data meanwhile goes into the chunk, not dropped
@@ -309,8 +287,8 @@ class GradViews:
         self._redirected.clear()
 
     def clear(self, params: Iterable[nn.Parameter], *, set_to_none: bool) -> None:
-        """``zero_grad``: forget every gradient (``params``' ``.grad`` too), or with ``set_to_none=False``
-        keep them as zeros, as torch does, so the views put back read zeros."""
+        """``zero_grad``: forget every gradient (``params``' ``.grad`` too), or with ``set_to_none=False`` keep them
+        as zeros, as torch does, so the views put back read zeros."""
         self.hide()
         if not set_to_none:
             with torch.no_grad():
@@ -328,10 +306,9 @@ class GradViews:
 
     @torch.no_grad()
     def adopt_assigned(self, buffer) -> None:
-        """Before a step, after :meth:`hide` or :meth:`settle`: a tensor assigned to ``p.grad`` of a
-        parameter that had no view out (no backward ran, or its gradient came from
-        ``torch.autograd.grad``) is its gradient, as torch's step takes it; ``buffer(group)`` gives
-        the group's gradient chunk to write it into."""
+        """Before a step, after :meth:`hide` or :meth:`settle`: a tensor assigned to ``p.grad`` of a parameter with
+        no view out (no backward ran, or its gradient came from ``torch.autograd.grad``) is its gradient, as torch's
+        step takes it; ``buffer(group)`` gives the group's gradient chunk to write it into."""
         for g in self.manager.trainable_groups:
             for slot, p in zip(g.slots, g.params):
                 grad = p.grad
@@ -358,7 +335,6 @@ class GradViews:
 
 
 def _untouched(p: nn.Parameter, out: tuple) -> bool:
-    """Whether ``p.grad`` is still the tensor put there (``out``, an entry of ``GradViews._out``)
-    viewing what it viewed: ``p.grad.data = t`` (an old idiom for scaling gradients) keeps the
-    object but not its data."""
+    """Whether ``p.grad`` is still the tensor put there (``out``, an entry of ``GradViews._out``) viewing what it
+    viewed: ``p.grad.data = t`` (an old idiom for scaling gradients) keeps the object but not its data."""
     return p.grad is out[2] and (out[4] is None or out[2].data_ptr() == out[4])

@@ -1,13 +1,12 @@
-"""The engine's one set of module hooks: chunks resident before compute, gradients into chunk storage,
-and the period boundaries the warm-up traces and the auto policy counts.
+"""The engine's one set of module hooks: chunks resident before compute, gradients into chunk storage, and the period
+boundaries the warm-up traces and the auto policy counts.
 
-Only real PyTorch hooks are used: forward pre/post hooks on every module that owns parameters, a
-pre-hook on the autograd nodes of each call's outputs as its pre-backward hook (``hook_first_grad_of``),
-a gradient hook (before autograd accumulates) and a post-accumulate-grad hook on every trainable
-parameter, an autograd-engine callback at the end of each
-backward pass, and, while boundaries are wanted, :class:`tracer.PeriodHooks` on every module, feeding the
-warm-up's tracer and then the policy through one callback. The backward half (passes begun and ended,
-gradients into their chunks) is gemini/engine/backward_hooks.py.
+Only real PyTorch hooks are used: forward pre/post hooks on every module that owns parameters, a pre-hook on the
+autograd nodes of each call's outputs as its pre-backward hook (``hook_first_grad_of``), a gradient hook (before
+autograd accumulates) and a post-accumulate-grad hook on every trainable parameter, an autograd-engine callback at
+the end of each backward pass, and, while boundaries are wanted, :class:`tracer.PeriodHooks` on every module, feeding
+the warm-up's tracer and then the policy through one callback. The backward half (passes begun and ended, gradients
+into their chunks) is gemini/engine/backward_hooks.py.
 """
 
 from __future__ import annotations
@@ -76,9 +75,8 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self._arrived: dict[nn.Parameter, bool] = {}
         self._to_preload: set[nn.Parameter] = set()  # ... once its gradient of this pass arrives
         self._open_uses: dict[nn.Module, list[BackwardUse | None]] = {}
-        # The autograd graph task whose end-of-backward callback is queued (None: none is), and
-        # whether it is the iteration's backward (see [Note: a graph task that accumulates no
-        # parameter gradient]).
+        # The autograd graph task whose end-of-backward callback is queued (None: none is), and whether it is the
+        # iteration's backward (see [Note: a graph task that accumulates no parameter gradient]).
         self._backward_task: int | None = None
         self._iteration_pass = False
         self._task_seen: int | None = None  # the graph task whose hooks ran last
@@ -90,12 +88,10 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self._devices_differ = manager.storage.device.type != "cpu"
         self.renews_accumulators = moves_drop_accumulators(manager.storage.device) and (
             manager.shard_params or not residency.policy.keeps_every_chunk_on_device)
-        # The root's pre-hook runs first of all, its post-hook before the root's own chunk
-        # hooks (see [Note: the engine's hooks around the user's]).
-        # Forward hooks are never traced by torch.compile: see [Note: hooks under torch.compile].
-        # Boundaries while follow_periods(True): the root's is announced by root_pre, after
-        # on_root_forward may have begun the trace (see [Note: the root's boundary] in
-        # tracer/hooks.py).
+        # The root's pre-hook runs first of all, its post-hook before the root's own chunk hooks (see [Note: the
+        # engine's hooks around the user's]). Forward hooks are never traced by torch.compile: see [Note: hooks
+        # under torch.compile]. Boundaries while follow_periods(True): the root's is announced by root_pre, after
+        # on_root_forward may have begun the trace (see [Note: the root's boundary] in tracer/hooks.py).
         self._periods = PeriodHooks(module, functools.partial(self._announce, on_boundary), root_forward_hook=False)
         self._unentered: list[nn.Module] = []  # calls whose boundary raised, innermost last
 
@@ -116,15 +112,14 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         def root_pre(m, args, kwargs) -> None:  # traced by dynamo in a compiled model: compiling is True
             root_pre_eager(m, args, kwargs, torch.compiler.is_compiling())
 
-        # always_call: the post-hooks run even when the forward raises, so every module entered
-        # is left again. Non-reentrant activation checkpointing stops its recompute with an
-        # exception (_StopRecomputationError) inside the last module it needs; without this,
-        # that module's compute references leaked, one per iteration, and its chunks could
-        # never be evicted again.
+        # always_call: the post-hooks run even when the forward raises, so every module entered is left again.
+        # Non-reentrant activation checkpointing stops its recompute with an exception (_StopRecomputationError)
+        # inside the last module it needs; without always_call that module's compute references would leak, one per
+        # iteration, and its chunks could never be evicted again.
         self._handles.append(module.register_forward_hook(self._root_post_forward, always_call=True))
-        # Only modules owning parameters get hooks, and only while the policy moves chunks around
-        # module calls (never under placement "cuda"; under "auto" until a plan keeps everything
-        # on the device): the gradient hooks below are all a policy that moves nothing needs.
+        # Only modules owning parameters get hooks, and only while the policy moves chunks around module calls
+        # (never under placement "cuda"; under "auto" until a plan keeps everything on the device): the gradient
+        # hooks below are all a policy that moves nothing needs.
         self._owners: list[tuple[nn.Module, list[ChunkGroup]]] = []
         self._module_handles: list = []
         for sub in module.modules():
@@ -134,13 +129,13 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
                 self._owners.append((sub, groups))
         self._hooked = {sub for sub, _ in self._owners}  # those with _post_forward (see _announce)
         self._groups_of = dict(self._owners)  # hooked module -> the groups its hooks fetch
-        # See [Note: parameters of a descendant read by its ancestor]: the kinds of forward
-        # (training, grad enabled) searched already, and the search under way (None: none is).
+        # See [Note: parameters of a descendant read by its ancestor]: the kinds of forward (training, grad
+        # enabled) searched already, and the search under way (None: none is).
         self._reads_searched: set[tuple[bool, bool]] = set()
         self._reads: DescendantReads | None = None
         self._stance = None  # the compiler's stance the search forward replaced (torch.compiler.set_stance)
-        # The root's own hooks stay for good: the plan that lets the others go is adopted inside
-        # the root's pre-hook (gradient accumulation), while torch iterates over the root's hooks.
+        # The root's own hooks stay for good: the plan that lets the others go is adopted inside the root's pre-hook
+        # (gradient accumulation), while torch iterates over the root's hooks.
         self._root_own_handles: list = []
         if residency.follows_modules and self._owners and self._owners[0][0] is module:
             self._install(*self._owners.pop(0), into=self._root_own_handles)
@@ -148,10 +143,9 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         self._root, self._root_pre = module, root_pre
         self._root_pre_handle = module.register_forward_pre_hook(self._root_pre, with_kwargs=True, prepend=True)
         self._handles.append(self._root_pre_handle)
-        # A parameter's hooks live in its C++ tensor, where the garbage collector cannot follow
-        # them: one holding these hooks strongly kept the whole engine (every chunk) alive for
-        # good, even with the model and the optimizer dropped. So it holds them weakly; the
-        # module hooks above keep them alive as long as the model can run.
+        # A parameter's hooks live in its C++ tensor, where the garbage collector cannot follow them: holding these
+        # hooks strongly would keep the whole engine (every chunk) alive for good, even with the model and optimizer
+        # dropped. So they hold it weakly; the module hooks above keep it alive as long as the model can run.
         on_grad, arriving = _weak_method(self._on_grad), _weak_method(self._grad_arriving)
         for group in manager.trainable_groups:
             for p in group.params:
@@ -164,15 +158,15 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         try:
             on_boundary(boundary)
         except BaseException:
-            # Raised in a forward pre-hook before this module's own: its post-hook (always_call)
-            # still runs, and must not end another call's use (a module inside itself).
+            # Raised in a forward pre-hook before this module's own: its post-hook (always_call) still runs, and
+            # must not end another call's use (a module inside itself).
             if boundary.phase is not Phase.BACKWARD and boundary.module in self._hooked:
                 self._unentered.append(boundary.module)
             raise
 
     def follow_modules(self, follow: bool) -> None:
-        """Install (``True``) or take off the forward hooks of the modules owning parameters;
-        between iterations, when the policy's ``follows_modules`` changed."""
+        """Install (``True``) or take off the forward hooks of the modules owning parameters; between iterations,
+        when the policy's ``follows_modules`` changed."""
         if follow and not self._module_handles:
             for sub, groups in self._owners:
                 self._install(sub, groups, into=self._module_handles)
@@ -183,8 +177,8 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
             self._module_handles.clear()
 
     def _periods_first(self) -> None:
-        """Boundaries before fetches: the period hooks go in again after module hooks were
-        prepended (see [Note: the engine's hooks around the user's])."""
+        """Boundaries before fetches: the period hooks go in again after module hooks were prepended (see [Note: the
+        engine's hooks around the user's])."""
         if self._periods.installed:
             self._periods.remove()
             self._periods.install()
@@ -194,25 +188,22 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         return self._periods.installed
 
     def follow_periods(self, follow: bool) -> None:
-        """Announce period boundaries (``True``: during a warm-up, and while the policy counts
-        periods) or not; between iterations, or in the root's pre-hook before its boundary."""
+        """Announce period boundaries (``True``: during a warm-up, and while the policy counts periods) or not;
+        between iterations, or in the root's pre-hook before its boundary."""
         if follow and not self._periods.installed:
             self._periods.install()
         elif not follow and self._periods.installed:
             self._periods.remove()
 
     # [Note: the engine's hooks around the user's]
-    # Forward pre-hooks the model had before initialize read the parameters: the old
-    # ``torch.nn.utils.weight_norm`` and ``spectral_norm`` and ``torch.nn.utils.prune`` compute
-    # ``weight`` from them in one. Run before the engine's, they read chunks not fetched yet: the
-    # host copy (a CPU tensor for a CUDA op), or under ZeRO-3 an empty shard (a crash, SIGFPE in
-    # weight_norm). So the engine's pre-hooks are prepended: a module's chunks are on the device
-    # before any pre-hook of it runs (the root's own pre-hook, which begins the iteration, before
-    # even those; the period hooks of tracer/hooks.py, prepended too, are installed after these,
-    # so a boundary is announced before its module's fetch). Its post-hooks are appended: hooks the model
-    # had run before the release. Hooks added after initialize with ``prepend=True`` (pre) or
-    # without it (post) run outside the fetched window, as do full backward pre-hooks, which
-    # torch runs before the node that announces the call's backward.
+    # Forward pre-hooks the model had before initialize may read the parameters (the old ``weight_norm``,
+    # ``spectral_norm``, ``torch.nn.utils.prune`` compute ``weight`` from them): run before the engine's, they would
+    # read unfetched chunks (the host copy, or under ZeRO-3 an empty shard). So the engine's pre-hooks are prepended,
+    # and a module's chunks are on the device before any pre-hook of it runs (the root's own pre-hook, which begins
+    # the iteration, runs before even those; the period hooks of tracer/hooks.py, prepended after these, announce a
+    # boundary before its module's fetch). Its post-hooks are appended: the model's own run before the release. Hooks
+    # added after initialize with ``prepend=True`` (pre) or without it (post) run outside the fetched window, as do
+    # full backward pre-hooks, which torch runs before the node that announces the call's backward.
     def _install(self, sub: nn.Module, groups: list[ChunkGroup], *, into: list) -> None:
         into.append(sub.register_forward_pre_hook(functools.partial(self._pre_forward, groups), prepend=True))
         into.append(sub.register_forward_hook(functools.partial(self._post_forward, groups), always_call=True))
@@ -236,27 +227,23 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
 
     # --------------------------------------------------------------------------- forward
     # [Note: hooks under torch.compile]
-    # The forward hooks move chunks and re-point parameters (``p.data = view``) and read the
-    # placement's Python state (use counts, plans). Traced by dynamo inside a compiled model,
-    # ``p.data = ...`` became an input mutation (``set_``) of the graph that bumps the
-    # parameter's version counter, so autograd found the tensors saved for backward "modified
-    # by an inplace operation", and every change of that Python state failed a guard and
-    # compiled the frame again, until the recompile limit. So these hooks (and the period
-    # hooks of tracer/hooks.py) are never traced: each is a graph break and runs eagerly
-    # between the compiled graphs. ``torch._disable_dynamo`` is ``torch.compiler.disable``
-    # importing dynamo at the first call rather than at ``import gemini`` (2 s; torch.optim
-    # uses it the same way, and imports dynamo in ``initialize`` anyway). Backward hooks run
-    # in the autograd engine, outside any compiled frame. See the README's "torch.compile".
+    # The forward hooks move chunks, re-point parameters (``p.data = view``) and read the placement's Python state.
+    # Traced by dynamo, ``p.data = ...`` would become a graph input mutation (``set_``) bumping the parameter's
+    # version counter (autograd then finds saved tensors "modified by an inplace operation"), and every change of that
+    # state would fail a guard and recompile. So these hooks (and tracer/hooks.py's period hooks) are never traced:
+    # each is a graph break and runs eagerly. ``torch._disable_dynamo`` is ``torch.compiler.disable`` importing dynamo
+    # lazily (not at ``import gemini``), as torch.optim uses it. Backward hooks run in the autograd engine, outside
+    # any compiled frame. See the README's "torch.compile".
     @torch._disable_dynamo
     def _pre_forward(self, groups: list[ChunkGroup], module: nn.Module, args) -> None:
-        # Handed to this call's post-hook, which runs even if this hook raises (a stack: a
-        # module may run inside itself).
+        # Handed to this call's post-hook, which runs even if this hook raises (a stack: a module may run inside
+        # itself).
         uses = self._open_uses.setdefault(module, [])
         uses.append(None)
         with self._phase("gemini::pre_forward"):
             self.residency.before_compute(groups)
-            # This call's backward is done once its inputs' gradients are (see [Note: a group
-            # between its uses in backward]); a recompute's inputs never get gradients.
+            # This call's backward is done once its inputs' gradients are (see [Note: a group between its uses in
+            # backward]); a recompute's inputs never get gradients.
             if torch._C._current_graph_task_id() == -1 and self.residency.track_backward_uses(groups):
                 use = uses[-1] = BackwardUse(groups)
                 use.via_inputs = hook_all_grads_of(args, functools.partial(self._backward_use_done, use))
@@ -274,9 +261,9 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
         with trace_range("gemini::post_forward"):
             use = self._open_uses[module].pop()
             self.residency.after_compute(groups)
-            # Under ZeRO-3 a released group's parameters become empty tensors, which the
-            # parameters' AccumulateGrad (run after the call's own nodes) cannot take a
-            # gradient into: such calls are held until their gradients are in.
+            # Under ZeRO-3 a released group's parameters become empty tensors, which the parameters' AccumulateGrad
+            # (run after the call's own nodes) cannot take a gradient into: such calls are held until their
+            # gradients are in.
             if use is not None and not use.via_inputs and self.residency.gatherer is None:
                 hook_nodes_of(output, functools.partial(self._backward_use_done, use))
             hook_first_grad_of(output, functools.partial(self._pre_backward, groups, use))
@@ -299,16 +286,14 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
 
 
 # [Note: tracing a model whose chunks move]
-# torch.jit.trace records the operators a call runs, torch.export runs it on fake tensors: where
-# gemini's hooks move chunks around the modules' calls, both recorded or ran the moves too.
-# jit.trace failed inside them with torch's errors ("resize_ expects an int, but got Tensor"),
-# and export under auto put fake tensors' symbolic sizes into the memory ledger for good (every
-# later report a SymInt, every later budget check symbolic); on a GPU a second export left
-# parameters no step could renew. Under a placement that moves no chunk (cuda) both work. Where
-# chunks move, the root's first hook refuses, before anything changed.
+# torch.jit.trace records the operators a call runs and torch.export runs it on fake tensors: where gemini's hooks
+# move chunks around module calls, both would record or run the moves too. jit.trace fails inside them, and export
+# under auto would leave fake tensors' symbolic sizes in the memory ledger for good (and on a GPU, parameters no step
+# can renew). Under a placement that moves no chunk (cuda) both work; where chunks move, the root's first hook
+# refuses, before anything changed.
 def refuse_tracing(args, kwargs) -> None:
-    """Raise ``RuntimeError`` inside torch.jit.trace or torch.export (fake inputs): see [Note:
-    tracing a model whose chunks move]."""
+    """Raise ``RuntimeError`` inside torch.jit.trace or torch.export (fake inputs): see [Note: tracing a model whose
+    chunks move]."""
     if torch.jit.is_tracing():
         how = "torch.jit.trace"
     elif torch.compiler.is_exporting() or any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))):

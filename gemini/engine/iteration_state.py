@@ -12,17 +12,15 @@ class IterationState(enum.Enum):
 
     - ``FIXED``: the placement needs no warm-up (cuda, cpu, static); every iteration is alike.
     - ``UNTRACED``: auto before its first forward: nothing measured, nothing planned.
-    - ``TRACING``: auto's warm-up iteration runs under the tracer; chunks move as under "cpu";
-      a backward that raises gives the trace up (back to ``UNTRACED``).
-    - ``PLANNED``: the warm-up's plan drives placement (the margin's groups on the device,
-      eviction in the traced order); inputs no kept plan covers send it back to ``TRACING``,
-      inputs a plan kept from an earlier trace covers bring that plan back (through ``ADOPTING``).
-    - ``UNPLANNED``: the warm-up ended without a plan (it overran the budget and raised
-      DeviceBudgetError); chunks keep moving as in the warm-up until new input shapes trace
-      again or a kept plan covers them.
-    - ``ADOPTING``: a plan is adopted, being moved to: the next forward runs ``PLANNED``, unless
-      moving the groups where it wants them failed part-way (an NVMe read error bringing a group
-      back from its files): then the next step or forward moves them again.
+    - ``TRACING``: auto's warm-up iteration runs under the tracer; chunks move as under "cpu"; a backward that
+      raises gives the trace up (back to ``UNTRACED``).
+    - ``PLANNED``: the warm-up's plan drives placement (the margin's groups on the device, eviction in the traced
+      order); inputs no kept plan covers send it back to ``TRACING``, inputs an earlier kept plan covers bring
+      that plan back (through ``ADOPTING``).
+    - ``UNPLANNED``: the warm-up overran the budget (DeviceBudgetError) and made no plan; chunks keep moving as in
+      the warm-up until new input shapes trace again or a kept plan covers them.
+    - ``ADOPTING``: a plan is adopted and being moved to: the next forward runs ``PLANNED``, unless moving the
+      groups failed part-way (an NVMe read error): then the next step or forward moves them again.
     """
 
     FIXED = "fixed"

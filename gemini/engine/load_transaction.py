@@ -1,27 +1,21 @@
 """`LoadTransaction`: a checkpoint load that lands whole or not at all.
 
 [Note: a load is all or nothing]
-Loading a checkpoint writes the masters (so the parameters), m, v and step counts of every chunk
-group, the module's buffers and the param groups' values. Every check runs first (shapes,
-layout, flags: nothing is written before they pass), but the writes of groups whose states live
-on NVMe can still fail part-way (a full disk, an I/O error). So a load runs in the step's order
-([Note: a step is all or nothing] in gemini/engine/transaction.py), with the step's machinery:
+A load writes the masters (so the parameters), m, v and step counts of every chunk group, the module's buffers and
+the param groups' values. Every check (shapes, layout, flags) runs before anything is written, but writes of
+groups whose states live on NVMe can still fail part-way (a full disk, an I/O error). So a load runs in the step's
+order, with its machinery ([Note: a step is all or nothing] in gemini/engine/transaction.py):
 
-1. The groups on NVMe, written now (``write``). Before the first write of such a group its files
-   are held (new bytes go to the other file slot, [Note: file slots] in chunks/chunk_file.py)
-   and what it keeps in memory (the step counts, the parameter chunk: under fp32 the masters)
-   is copied aside. A chunk whose every element the load writes is not read first, so a lost or
-   corrupted file is repaired by loading over it. Any failure puts back the copies and the held
+1. The groups on NVMe are written now (``write``), each after its files are held and what it keeps in memory (step
+   counts, the parameter chunk: under fp32 the masters) is copied aside. A chunk the load overwrites whole is not
+   read first, so loading over a lost or corrupted file repairs it. Any failure puts back the copies and the held
    files: nothing was loaded.
-2. Only once every file write is confirmed: everything in memory (the other groups, buffers,
-   hyper-state: registered with ``later``), which does no I/O and cannot fail part-way; a
-   Ctrl-C meanwhile is held until it is done ([Note: Ctrl-C during the in-memory update] in
-   gemini/engine/interrupts.py). Then the held files and the copies aside are dropped.
+2. Only once every file write is confirmed: everything in memory (other groups, buffers, hyper-state: registered
+   with ``later``), which cannot fail part-way; a Ctrl-C meanwhile is held until it is done. Then the held files
+   and the copies aside are dropped.
 
-``load_checkpoint`` runs the model's and the optimizer's loads in one transaction: a checkpoint
-whose optimizer part cannot be written leaves the model as it was too. The copies aside cost
-what a step's do (the parameter bytes of the groups on NVMe, in host memory or NVMe files as
-``NvmeLayout.undo_on_nvme`` says), for the length of the load.
+``load_checkpoint`` runs the model's and the optimizer's loads in one transaction, so an optimizer part that
+cannot be written leaves the model as it was too. The copies aside cost what a step's do, for the load's length.
 """
 
 from __future__ import annotations
@@ -51,9 +45,9 @@ class LoadTransaction:
 
     def write(self, group: ChunkGroup, write: Callable[[], None], *, chunks: Sequence[Chunk] | None = None,
               overwrite: bool = False) -> None:
-        """``write()`` writes values of ``group``: now, with ``chunks`` of its NVMe states in host
-        memory (``overwrite``: ``write`` sets every element of them, so their files are not read),
-        if the group lives on NVMe; else in phase 2."""
+        """``write()`` writes values of ``group``: now if the group lives on NVMe, with ``chunks`` of its NVMe
+        states in host memory (``overwrite``: ``write`` sets all their elements, so their files are not read);
+        else in phase 2."""
         if self._nvme is None or not self._nvme.holds(group):
             self._later.append(write)
             return

@@ -1,4 +1,4 @@
-"""The device measured over each iteration, and the budget checked on it: a base class of
+"""The device measured over each iteration and the budget checked on it: a base class of
 :class:`gemini.engine.runtime.GeminiRuntime`, over its memory, ledger, placement and iteration state."""
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ class IterationMeasurement:
         self.end_window()
 
     def _give_up_trace(self) -> None:
-        """The warm-up's forward or backward ran out of the budget: its trace is given up, and the
-        next training forward traces anew. Left tracing, a retry's forward (a smaller batch) was
-        traced as the iteration's second, after the periods the failed one had recorded (a plan
-        of 59 periods where the iteration has 46); and with the window closed, the post-hooks
-        still running after a hook's error had their moves cut by a stopped monitor and raised."""
+        """The warm-up's forward or backward ran out of the budget: give its trace up, so the next training
+        forward traces anew. Left tracing, a retry's forward would be appended to the failed one's periods (a
+        plan with more periods than the iteration has), and the post-hooks still running after a hook's error
+        would cut their moves on a stopped monitor and raise."""
         if self.tracing:
             self._abandon_trace()
 
@@ -61,9 +60,9 @@ class IterationMeasurement:
 
     @contextlib.contextmanager
     def budget_errors(self, what: str, *, evaluation: bool = False) -> Iterator[None]:
-        """An out-of-memory error inside (``what``: "the forward pass", ...) raised as the budget's
-        ``DeviceBudgetError`` (``DeviceMemory.budget_error``); the plans in force are traced again,
-        unless it was an ``evaluation`` (a forward without grad)."""
+        """Raise an out-of-memory error inside (``what``: "the forward pass", ...) as the budget's
+        ``DeviceBudgetError`` (``DeviceMemory.budget_error``); the plans in force are traced again, unless it was
+        an ``evaluation`` (a forward without grad)."""
         try:
             yield
         except (DeviceBudgetError, torch.OutOfMemoryError) as e:
@@ -78,10 +77,10 @@ class IterationMeasurement:
             raise budget from e
 
     def check_step_peak(self) -> None:
-        """The budget promise on every step: the measured peak of this iteration's forward and
-        backward stays under ``device_memory``, checked before the step changes anything (a
-        tensor the caller keeps alive counts too); the warm-up's step also with its safety
-        reserve where the trace ends (here: what ran after that, a second round of R1)."""
+        """The budget promise on every step: the measured peak of this iteration's forward and backward stays
+        under ``device_memory``, checked before the step changes anything (a tensor the caller keeps alive counts
+        too). The warm-up's trace is checked with its safety reserve where it ends (``Warmup.end``); this checks
+        what ran after that too (e.g. an R1 penalty's second forward and backward)."""
         peak_bytes = self.step_peak_bytes()
         first = peak_bytes is not None and not self._first_step_checked  # None: no forward ran, nothing to check
         self._first_step_checked |= peak_bytes is not None
@@ -102,9 +101,8 @@ class IterationMeasurement:
             raise
 
     def step_peak_bytes(self) -> int | None:
-        """The measured peak of the iteration this step ends; None where nothing was measured
-        since the last step but evaluation forwards, each checked when it ended ([Note: an
-        evaluation forward's window]): a step with no forward of its own has no peak to check."""
+        """The measured peak of the iteration this step ends; None where only evaluation forwards ran since the
+        last step (each checked when it ended, [Note: an evaluation forward's window]): no peak to check."""
         return None if self.evaluation_only else self.memory.peak_bytes()
 
     def start_new_step(self) -> None:

@@ -29,12 +29,11 @@ _UNIT_BYTES = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "Ti
 class DeviceMemory:
     """The compute device's budget and its measurement.
 
-    On CUDA the allocator's statistics measure the device, and a budget below the card's
-    memory is enforced with ``set_per_process_memory_fraction`` so that an overshoot is a real
-    out-of-memory error rather than a silent pass. On the CPU stand-in a tensor-accounting
-    monitor (a dispatch mode counting live storages) measures it, when ``measure`` is set:
-    host-tier payloads are CPU tensors too, so they are allocated with the monitor quiet and
-    excluded from it (see :class:`chunks.StorageObserver`).
+    On CUDA the allocator's statistics measure the device, and a budget below the card's memory is enforced with
+    ``set_per_process_memory_fraction``, so an overshoot is a real out-of-memory error, not a silent pass. On the
+    CPU stand-in a tensor-accounting monitor (a dispatch mode counting live storages) measures it when ``measure``
+    is set: host-tier payloads are CPU tensors too, so they are allocated with the monitor quiet and excluded from
+    it (see :class:`chunks.StorageObserver`).
     """
 
     def __init__(self, device: torch.device, budget_bytes: int | None, *, measure: bool) -> None:
@@ -63,10 +62,9 @@ class DeviceMemory:
                                counts_in=self._accounting.counts_in)
 
     def start(self, tracked: list[torch.Tensor], model_bytes: Callable[[], int]) -> None:
-        """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks),
-        ``model_bytes()`` says how many bytes of the device are model data now."""
-        # A device larger than the budget: the allocator is capped at the budget (once: every
-        # iteration's window starts here).
+        """Start measuring; ``tracked`` are device tensors that already exist (buffers, chunks), ``model_bytes()``
+        says how many bytes of the device are model data now."""
+        # A device larger than the budget: cap the allocator at the budget (once: every iteration's window starts here).
         if not self._capped and self.device.type == "cuda" and not fits(self.budget_bytes, self.total_bytes):
             fraction = _CAPS.hold(self.device, id(self), self.budget_bytes / self.total_bytes)
             self._capped = True
@@ -80,10 +78,10 @@ class DeviceMemory:
             self._meter = PeriodMeter(model_bytes_at_start=model_bytes())
 
     def close(self) -> None:
-        """Lift the allocator cap this budget set: it is process-wide and would outlive the
-        engine (a later one with a larger budget, or none, would stay capped). Left alone if
-        something else has changed it since; another engine's budget keeps capping it (see
-        [Note: one allocator cap for several budgets]). The stand-in's monitor stops counting."""
+        """Lift the allocator cap this budget set: it is process-wide and would outlive the engine (a later one
+        with a larger budget, or none, would stay capped). Left alone if something else changed it since; another
+        live engine's budget keeps capping it ([Note: one allocator cap for several budgets]). The CPU stand-in's
+        monitor stops counting."""
         if self._capped:
             self._capped = False
             _CAPS.release(self.device, id(self))
@@ -96,8 +94,8 @@ class DeviceMemory:
 
     @property
     def counts_tensors(self) -> bool:
-        """Whether the measurement counts tensors it is given (the CPU stand-in's monitor; the
-        CUDA allocator sees every byte by itself)."""
+        """Whether the measurement counts tensors it is given (the CPU stand-in's monitor; the CUDA allocator sees
+        every byte by itself)."""
         return self._accounting is not None
 
     @contextlib.contextmanager
@@ -110,10 +108,10 @@ class DeviceMemory:
             yield
 
     def to_host(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A copy of ``t`` in host memory, for the user (``state_dict()``'s values). On the CPU
-        stand-in the copy is host memory as it would be beside a GPU: made with the monitor quiet
-        and left out of it while it lives, so that a state_dict() taken inside a measured window
-        (between backward and step, or across a step GradScaler skipped) is not device memory."""
+        """A copy of ``t`` in host memory, for the user (``state_dict()``'s values). On the CPU stand-in it is made
+        with the monitor quiet and left out of it while it lives, as host memory beside a GPU would be, so a
+        state_dict() taken inside a measured window (between backward and step, or across a step GradScaler
+        skipped) does not count as device memory."""
         with self.quiet():
             out = t.detach().to("cpu", dtype, copy=True)
         if self._accounting is not None:
@@ -121,15 +119,12 @@ class DeviceMemory:
         return out
 
     # [Note: the step's non-model peak]
-    # A report's device_non_model_peak_bytes is the most the device held besides model data
-    # (chunks and buffers) at any time in the step. The monitor sees all bytes, and only
-    # between two model-data moves is the model's share constant; so each move onto or off the
-    # device (the storage's move watcher, outside a warm-up's trace, which cuts its own
-    # intervals the same way) closes an interval: its peak less the model bytes held during it
-    # ([Note: subtracting model data] in tracer/period.py; a PeriodMeter does the arithmetic),
-    # and the monitor's peak starts again. A placement that moves nothing after its first step
-    # (cuda) has one interval a step; the cost is a peak read and reset per move, not per
-    # operator or hook.
+    # A report's device_non_model_peak_bytes is the most the device held besides model data (chunks and buffers) at
+    # any time in the step. The monitor sees all bytes, and the model's share is constant only between two
+    # model-data moves; so each move onto or off the device (the storage's move watcher; a warm-up's trace cuts its
+    # own intervals the same way) closes an interval, counting its peak less the model bytes held during it
+    # ([Note: subtracting model data] in tracer/period.py; a PeriodMeter does the arithmetic), and restarts the
+    # monitor's peak. The cost is a peak read and reset per move, not per operator or hook.
 
     @contextlib.contextmanager
     def model_data_move(self) -> Iterator[None]:
@@ -153,16 +148,16 @@ class DeviceMemory:
 
     # ---------------------------------------------------------------------------- readings
     def peak_bytes(self) -> int | None:
-        """The measured peak; None when nothing measures, or nothing was measured yet (a step
-        before any forward: torch's AdamW takes it as a no-op, and so does the report)."""
+        """The measured peak; None when nothing measures or nothing was measured yet (a step before any forward:
+        torch's AdamW takes it as a no-op, and so does the report)."""
         if self.monitor is None or self.monitor.state is MonitorState.NEW:
             return None
         peak = self.monitor.peak_bytes()
         return peak if self._meter is None else max(peak, self._meter.peak_bytes)
 
     def non_model_peak_bytes(self) -> int | None:
-        """The most the device held besides model data since the window began (see [Note: the
-        step's non-model peak]); None when nothing measures."""
+        """The most the device held besides model data since the window began; None when nothing measures
+        ([Note: the step's non-model peak])."""
         if self._meter is None or self.monitor.state is MonitorState.NEW:
             return None
         # The interval still open ends here (closing it again later only repeats its peak).
@@ -178,18 +173,16 @@ class DeviceMemory:
 
     def budget_error(self, error: torch.OutOfMemoryError, *, what: str, chunk_bytes: int,
                      advice: str) -> DeviceBudgetError | None:
-        """``error``, raised inside ``what`` (the forward pass, ...), as the budget's own error
-        where a budget is set: on CUDA the budget caps the allocator, so an operator's
-        allocation beyond it fails there, and the user is owed the missing bytes in the
-        budget's terms. None without a budget (the card's own limit: torch's error says it)."""
+        """``error``, raised inside ``what`` (the forward pass, ...), as the budget's own error where a budget is
+        set: on CUDA the budget caps the allocator, so an allocation beyond it fails there, and the user is owed
+        the missing bytes in the budget's terms. None without a budget (torch's error states the card's limit)."""
         if not self.budgeted:
             return None
         held = ""
         if self.device.type == "cuda":
             allocated = torch.cuda.memory_allocated(self.device)
-            # The cap counts the allocator's segments, not the tensors in them: what it held, its
-            # free cached blocks already given back by its retry, is what the request met (a
-            # GPU run at a peer's peak failed with "about 1 bytes missing" when counted by tensors).
+            # The cap counts the allocator's segments, not the tensors in them: what it held (its free cached blocks
+            # already given back by its retry) is what the request met, and counting tensors understates it.
             reserved = max(allocated, torch.cuda.memory_reserved(self.device))
             if reserved > allocated:
                 held = (f"; the allocator held {reserved} in segments, {reserved - allocated} of them free blocks "
@@ -216,72 +209,64 @@ class DeviceMemory:
             f"updated. Raise device_memory, or {advice}.", missing_bytes=missing)
 
     def restart_slack(self) -> None:
-        """A warm-up begins: :meth:`allocator_slack_bytes` counts from here, over the segments
-        this iteration uses. The cache others left (a larger batch's evaluation before initialize)
-        is given back first: its free segments count as reserved, and would be taken for slack
-        (the allocator gives them back before failing anyway)."""
+        """A warm-up begins: :meth:`allocator_slack_bytes` counts from here, over the segments this iteration uses.
+        The cache others left (a larger batch's evaluation before initialize) is given back first: its free
+        segments count as reserved and would be taken for slack (the allocator frees them before failing anyway)."""
         if isinstance(self.monitor, CudaAllocatorMonitor):
             torch.cuda.empty_cache()
             self.monitor.restart_reserved_peak()
 
     def allocator_slack_bytes(self, peak_bytes: int) -> int:
-        """Bytes the CUDA caching allocator held beyond live tensors (rounded blocks,
-        fragmentation) at the warm-up's peak of ``peak_bytes`` allocated: its reserved peak
-        since :meth:`restart_slack` less that. The reserved and allocated figures torch keeps
-        cannot be read together at the end: each period's peak reset clears both, and
-        afterwards reserved less allocated is the cache of everything the backward freed."""
+        """Bytes the CUDA caching allocator held beyond live tensors (rounded blocks, fragmentation) at the
+        warm-up's peak of ``peak_bytes`` allocated: its reserved peak since :meth:`restart_slack` less that. Torch's
+        reserved and allocated figures cannot be read together at the end: each period's peak reset clears both,
+        and afterwards reserved less allocated is the cache of everything the backward freed."""
         if not isinstance(self.monitor, CudaAllocatorMonitor):
             return 0
         return max(0, self.monitor.reserved_peak_bytes() - peak_bytes)
 
     def reserve_bytes(self, max_non_model_bytes: int, peak_bytes: int) -> int:
-        """The safety reserve kept free under the budget, after a warm-up whose device peak was
-        ``peak_bytes`` (allocated) and largest non-model peak ``max_non_model_bytes``.
+        """The safety reserve kept free under the budget, after a warm-up whose device peak was ``peak_bytes``
+        (allocated) and largest non-model peak ``max_non_model_bytes``.
 
         [Note: the safety reserve]
         The plan rests on warm-up measurements, so the reserve covers what they do not see:
-        - the CUDA caching allocator's slack (rounded blocks, fragmentation), measured during
-          warm-up as peak reserved minus peak allocated — the per-process fraction caps
-          *reserved* memory, so this is what stands between the plan and a real OOM;
-        - variation of non-model memory between iterations of the same shapes: a little on
-          CUDA (workspaces, algorithm choices): 5% of the largest non-model peak. None on the
-          CPU stand-in, whose accounting monitor counts every live storage exactly and whose
-          per-period figures repeat to the byte (see tests/tracer): a 5% share there refused
-          budgets that train (the medium GPT at 40% of its model data, for 0.6%);
-        - 64 KiB for scalars, per-parameter norms and other small step-time tensors (the one
-          large step-time temporary, an fp32 copy of a bf16/fp16 gradient chunk updated on
-          the device, is charged by the auto policy when it puts optimizer states there).
-        Whatever the reserve misses, every step's measured peak is still checked against the
-        budget (``GeminiRuntime.check_step_peak``): an error before any update, never a
-        silent overshoot.
-        Peers used fixed shares (Colossal-AI: 20% in warm-up, 90% after) that were at once too
-        large for big devices and too small where fragmentation bit (see ANCHORS.md).
+        - the CUDA caching allocator's slack (rounded blocks, fragmentation), measured during warm-up as peak
+          reserved minus peak allocated: the per-process fraction caps *reserved* memory, so this is what stands
+          between the plan and a real OOM;
+        - variation of non-model memory between iterations of the same shapes: on CUDA (workspaces, algorithm
+          choices) 5% of the largest non-model peak; none on the CPU stand-in, whose monitor counts every live
+          storage exactly (a share there would refuse budgets that train);
+        - 64 KiB for scalars, per-parameter norms and other small step-time tensors (the one large one, an fp32
+          copy of a bf16/fp16 gradient chunk updated on the device, is charged by auto when it puts optimizer
+          states there).
+        Whatever the reserve misses, every step's measured peak is still checked against the budget
+        (``GeminiRuntime.check_step_peak``): an error before any update, never a silent overshoot. A fixed share
+        (Colossal-AI: 20% in warm-up, 90% after) is too large for big devices and too small under fragmentation.
         """
         return self.allocator_slack_bytes(peak_bytes) + planned_reserve_bytes(max_non_model_bytes, self.device)
 
 
 def planned_reserve_bytes(max_non_model_bytes: int, device: torch.device) -> int:
-    """The safety reserve less the allocator's slack (which only a run measures): what a plan
-    made before any run keeps free (see [Note: the safety reserve])."""
+    """The safety reserve less the allocator's slack (which only a run measures): what a plan made before any run
+    keeps free (see [Note: the safety reserve])."""
     return _allocator_variation_bytes(max_non_model_bytes, device) + _STEP_TEMPORARIES_BYTES
 
 
 def planned_slack_bytes(max_non_model_bytes: int, device: torch.device) -> int:
-    """What the planner keeps free for a placement without auto's warm-up (whose steps are checked
-    against the budget itself, no reserve): the allocator's variation, and 1% of the non-model
-    peak for where the meta-device run predicts apart from a real one (a few hundred bytes on
-    the CPU stand-in)."""
+    """What the planner keeps free for a placement without auto's warm-up (whose steps are checked against the
+    budget itself, no reserve): the allocator's variation, and 1% of the non-model peak for where the meta-device
+    run's prediction differs from a real run."""
     return _allocator_variation_bytes(max_non_model_bytes, device) + math.ceil(0.01 * max_non_model_bytes)
 
 
 # [Note: the allocator's new segment]
-# When no cached block can serve a request, torch's CUDA caching allocator reserves a new
-# segment, and the per-process cap (the budget) is checked against that segment, not the
-# request: 2 MiB for requests up to 1 MiB, 20 MiB for those under 10 MiB, larger ones rounded up
-# to 2 MiB (``get_allocation_size`` in c10/cuda/CUDACachingAllocator.cpp). Counted by the
-# request, a 2 MiB allocation that failed beside a budget 1 byte short of it said "about 1 bytes
-# are missing", and a test raising its budget by that failed again (GPU runs of 2026-11-27).
-# With expandable segments the allocator maps pages of the same sizes: the figure is an upper bound.
+# When no cached block can serve a request, torch's CUDA caching allocator reserves a new segment, and the
+# per-process cap (the budget) is checked against that segment, not the request: 2 MiB for requests up to 1 MiB,
+# 20 MiB for those under 10 MiB, larger ones rounded up to 2 MiB (``get_allocation_size`` in
+# c10/cuda/CUDACachingAllocator.cpp). Counted by the request, the missing bytes reported would be too few, and a
+# budget raised by them would fail again. With expandable segments the allocator maps pages of the same sizes, so
+# the figure is an upper bound.
 def _cuda_segment_bytes(requested: int) -> int:
     MiB = 2**20
     if requested <= MiB:
@@ -296,13 +281,12 @@ def _allocator_variation_bytes(max_non_model_bytes: int, device: torch.device) -
 
 
 # [Note: one allocator cap for several budgets]
-# torch caps the CUDA allocator per process, and a process may train several engines (a GAN's
-# generator and discriminator, RLHF's actor and critic). Each capped it at its own budget when its
-# first window opened and put back the cap from before at close: the second engine's cap replaced
-# the first's, and the first to close lifted a cap the other still relied on, or put back the
-# other's. Each engine measures the whole device while its iterations run, and those overlap, so
-# the cap is the smallest budget of the engines alive, set again whenever they change; the cap
-# from before the first comes back when the last closes. A cap someone else set meanwhile stays.
+# torch caps the CUDA allocator per process, and a process may train several engines (a GAN's generator and
+# discriminator, RLHF's actor and critic). Engines each setting their own cap and restoring the previous one at
+# close would replace each other's caps, and the first to close would lift a cap the other still relies on. Each
+# engine measures the whole device while its iterations run, and those overlap, so the cap is the smallest budget
+# of the live engines, set again whenever they change; the cap from before the first returns when the last
+# closes. A cap someone else set meanwhile stays.
 class _AllocatorCaps:
     def __init__(self) -> None:
         self._held: dict[torch.device, dict[int, float]] = {}  # device -> holder -> its fraction
@@ -359,8 +343,8 @@ def _device_total_bytes(device: torch.device) -> int:
 
 
 def model_tensors_on(device: torch.device, module: torch.nn.Module, manager: ChunkManager) -> list[torch.Tensor]:
-    """Model data on the device: buffers, chunk payloads and the step counts of states there
-    (for the accounting monitor; [Note: step counts are where the states are])."""
+    """Model data on the device: buffers, chunk payloads and the step counts of states there (for the accounting
+    monitor; [Note: step counts are where the states are])."""
     out = [b for b in module.buffers() if b.device.type == device.type]
     out += [c.payload(Tier.DEVICE) for c in manager.chunks() if c.is_on(Tier.DEVICE)]
     out += [g.steps for g in manager.trainable_groups if g.exp_avg.is_on(Tier.DEVICE)]

@@ -1,15 +1,13 @@
-"""`NvmeTier`: the step's pipeline over the optimizer-state chunk groups that live in NVMe files
-(which ones, and [Note: what goes to NVMe]: gemini/policies/nvme_choice.py).
+"""`NvmeTier`: the step's pipeline over the optimizer-state chunk groups that live in NVMe files (which groups:
+see [Note: what goes to NVMe] in gemini/policies/nvme_choice.py).
 
 [Note: the NVMe step pipeline]
-For the groups on NVMe, the step is a pipeline over groups i = 0, 1, ...: the reads of groups
-i+1 .. i+depth are in flight while group i is updated by CPU Adam, and the writes of groups
-i-depth .. i-1 drain behind it. The first reads start when ``step()`` begins, so they overlap
-the gradient norm and the update of the groups resident in memory. Host memory in use by the
-pipeline is at most ``2 * depth + 1`` groups' offloaded chunks; ``cpu_memory`` budgets it.
-Any failure undoes the whole step, the files from before it having been held (see [Note: a
-step is all or nothing] in gemini/engine/transaction.py): nothing is half-applied, and a retry reads
-the same files again.
+For the groups on NVMe, the step is a pipeline over groups i = 0, 1, ...: the reads of groups i+1 .. i+depth are
+in flight while CPU Adam updates group i, and the writes of groups i-depth .. i-1 drain behind it. The first reads
+start when ``step()`` begins, so they overlap the gradient norm and the update of the groups resident in memory.
+The pipeline holds at most ``2 * depth + 1`` groups' offloaded chunks in host memory; ``cpu_memory`` budgets it.
+Any failure undoes the whole step, the pre-step files having been held: nothing is half-applied, and a retry
+reads the same files ([Note: a step is all or nothing] in gemini/engine/transaction.py).
 """
 
 from __future__ import annotations
@@ -78,9 +76,9 @@ class NvmeTier:
 
     def plan_registration(self, layout: Iterable[tuple[list[int], int, int]], *,
                           on_device: Collection[int] = frozenset()) -> None:
-        """Before registration: choose from the layout among the trainable groups but ``on_device``
-        (those whose optimizer states the placement keeps on the device from the layout alone:
-        counted, static's were refused host budgets they never use)."""
+        """Before registration: choose from the layout among the trainable groups but ``on_device`` (those whose
+        optimizer states the placement keeps on the device from the layout alone: counting them, e.g. under static,
+        would refuse host budgets they never use)."""
         layout = list(layout)
         trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0 and i not in on_device]
         self.layout = self.plan(offloaded_bytes(layout, trainable, self.manager.param_dtype, world=self.manager.world))
@@ -90,8 +88,8 @@ class NvmeTier:
     def admit(self, group: ChunkGroup) -> None:
         """A group was just built: start writing it out if it was planned for NVMe.
 
-        Writes run behind registration, at most ``3 * depth`` chunks at once, so host memory
-        holds a few groups' states at a time however large the model.
+        Writes run behind registration, at most ``3 * depth`` chunks at once, so host memory holds a few groups'
+        states at a time however large the model.
         """
         if group.index not in self._planned:
             return
@@ -108,9 +106,8 @@ class NvmeTier:
         self.storage.pool.trim()  # the spilled groups' buffers go back to the system
 
     def rebalance(self, host_groups: Sequence[ChunkGroup]) -> None:
-        """Choose again for the groups whose optimizer states are on the host tier now (after the
-        auto policy's margin or the static policy took some onto the device), and move groups
-        between host memory and NVMe to match."""
+        """Choose again among the groups whose optimizer states are on the host tier now (after auto's margin or
+        static took some onto the device), and move groups between host memory and NVMe to match."""
         if self._closed:
             return
         layout = self.plan([(g.index, sum(c.nbytes for c in self.chunks_of(g))) for g in host_groups])
@@ -134,8 +131,8 @@ class NvmeTier:
         self.groups.discard(group.index)
 
     def _send_out(self, group: ChunkGroup) -> None:
-        # In the tier before the first write: a chunk whose write fails stays in host memory,
-        # and the step streams a group whatever mix of file and memory it has.
+        # In the tier before the first write: a chunk whose write fails stays in host memory, and the step streams a
+        # group whatever mix of file and memory it has.
         self.groups.add(group.index)
         for c in self.chunks_of(group):
             c.move_to(Tier.HOST)
@@ -160,9 +157,8 @@ class NvmeTier:
                 c.start_load()
 
     def _load(self, group: ChunkGroup) -> None:
-        """Every chunk of ``group`` in host memory (HOST, or HOST_AND_NVME if it was in its file).
-        If one read fails, the others end too (none is left in flight) and the group stays in its
-        files."""
+        """Bring every chunk of ``group`` into host memory (HOST, or HOST_AND_NVME if it was in its file). If one
+        read fails, the others end too (none is left in flight) and the group stays in its files."""
         try:
             self._start_load(group)
             for c in self.chunks_of(group):
@@ -172,9 +168,9 @@ class NvmeTier:
             raise
 
     def begin_step(self, groups: Sequence[ChunkGroup], tx: StepTransaction) -> None:
-        """Before a step changes anything: write out chunks left in host memory by an earlier
-        failed write, then hold every file of ``groups`` until the step ends (see [Note: a step
-        is all or nothing] in gemini/engine/transaction.py)."""
+        """Before a step changes anything: write out chunks an earlier failed write left in host memory, then hold
+        every file of ``groups`` until the step ends ([Note: a step is all or nothing] in
+        gemini/engine/transaction.py)."""
         self._check_open()
         chunks = [c for g in groups for c in self.chunks_of(g)]
         unwritten = [c for c in chunks if c.state is ChunkState.HOST]
@@ -199,8 +195,8 @@ class NvmeTier:
             self._start_load(g)
 
     def stream(self, groups: Sequence[ChunkGroup]) -> Iterator[ChunkGroup]:
-        """Yield each of ``groups`` with its states in host memory, free to be modified; write
-        each back after the caller is done with it. See [Note: the NVMe step pipeline]."""
+        """Yield each of ``groups`` with its states in host memory, free to be modified, and write it back after
+        the caller is done with it. See [Note: the NVMe step pipeline]."""
         self._check_open()
         groups = list(groups)
         writing: deque[ChunkGroup] = deque()
@@ -230,9 +226,9 @@ class NvmeTier:
             c.finish_io()
 
     def settle(self, groups: Sequence[ChunkGroup] = ()) -> None:
-        """End every request in flight on ``groups``: reads are finished and their host copies
-        dropped (the files are current), writes are waited for. Errors are logged, not raised:
-        a chunk whose write failed stays in host memory."""
+        """End every request in flight on ``groups``: reads are finished and their host copies dropped (the files
+        are current), writes are waited for. Errors are logged, not raised: a chunk whose write failed stays in
+        host memory."""
         self._settle((), groups)
 
     def _settle(self, writing: Iterable[ChunkGroup], groups: Iterable[ChunkGroup]) -> None:
@@ -249,11 +245,10 @@ class NvmeTier:
     @contextlib.contextmanager
     def resident(self, group: ChunkGroup, *, modify: bool, chunks: Sequence[Chunk] | None = None,
                  overwrite: bool = False) -> Iterator[None]:
-        """``group``'s states in host memory for the block (checkpoints); written back after it
-        if ``modify``, else just dropped (the files are current). ``chunks``: only these of the
-        group's chunks (save_pretrained reads the masters only, a third of the bytes).
-        ``overwrite``: the block writes every element of ``chunks``, so their files are not
-        read (loading a checkpoint over a corrupted file works)."""
+        """``group``'s states in host memory for the block (checkpoints); written back after it if ``modify``,
+        else just dropped (the files are current). ``chunks``: only these of the group's chunks (save_pretrained
+        reads only the masters). ``overwrite``: the block writes every element of ``chunks``, so their files are
+        not read (loading a checkpoint over a corrupted file works)."""
         if group.index not in self.groups:
             yield
             return
@@ -285,8 +280,8 @@ class NvmeTier:
 
     @staticmethod
     def _finish_spills(chunks: Sequence[Chunk]) -> None:
-        """Wait for every write of ``chunks`` (a failed one keeps its host copy), then raise the
-        first error: no write is left in flight to fail a later, unrelated call."""
+        """Wait for every write of ``chunks`` (a failed one keeps its host copy), then raise the first error: no
+        write is left in flight to fail a later, unrelated call."""
         error = None
         for c in chunks:
             try:

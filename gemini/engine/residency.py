@@ -1,13 +1,11 @@
 """`Residency`: every move of chunk groups around compute and the step, as the policy decides.
 
-The placement policy (gemini/policies/) only decides: which tier each kind of chunk starts on,
-where a group's optimizer states live, what stays on the device, what to evict and what to
-prefetch. This class follows the iteration (which module runs, which backward began, which
-group got its last gradient) and makes the moves, through :class:`chunks.Chunk`'s
-state-checked methods. The hooks and the optimizer call it, never the policy's moves.
-
-ZeRO is plugged in from outside (``reducer``, ``gatherer``: gemini/parallel/zero.py), and so is
-the NVMe tier of the optimizer states (``nvme``).
+The placement policy (gemini/policies/) only decides: which tier each kind of chunk starts on, where a group's
+optimizer states live, what stays on the device, what to evict and what to prefetch. This class follows the
+iteration (which module runs, which backward began, which group got its last gradient) and makes the moves, through
+:class:`chunks.Chunk`'s state-checked methods. The hooks and the optimizer call it, never the policy's moves. ZeRO
+(``reducer``, ``gatherer``: gemini/parallel/zero.py) and the optimizer states' NVMe tier (``nvme``) are plugged in
+from outside.
 """
 
 from __future__ import annotations
@@ -29,12 +27,11 @@ class Residency(StepMoves):
     """Where chunk groups are, moved as the iteration goes (around the step: :class:`StepMoves`).
 
     [Note: parameter chunks around compute]
-    Before a module runs (forward, or backward via the pre-backward hook), the param chunks
-    holding its parameters get a device copy. A group whose optimizer states live on the host
-    keeps its host copy (``keep_host=True``): the device copy is read-only during compute, so
-    dropping it later costs no copy back. ``_compute_refs`` counts modules inside their
-    forward that use a chunk (nested modules and tied weights share chunks), so a chunk is
-    never dropped under a running module.
+    Before a module runs (forward, or backward via the pre-backward hook), the param chunks holding its parameters
+    get a device copy. A group whose optimizer states live on the host keeps its host copy (``keep_host=True``): the
+    device copy is read-only during compute, so dropping it later costs no copy back. ``_compute_refs`` counts modules
+    inside their forward that use a chunk (nested modules and tied weights share chunks), so a chunk is never dropped
+    under a running module.
     """
 
     def __init__(self, manager: ChunkManager, policy: PlacementPolicy, *,
@@ -45,12 +42,12 @@ class Residency(StepMoves):
         self.quiet = quiet
         self._compute_refs: dict[int, int] = {}
         self._fetched_for_backward: set[int] = set()
-        # Modules that use each chunk group in one forward pass, and (inside a forward pass
-        # of the root module) how many of them have yet to run. See [Note: one fetch per pass].
+        # Modules that use each chunk group in one forward pass, and (inside a root forward) how many of them have
+        # yet to run. See [Note: one fetch per pass].
         self._uses_per_forward: dict[int, int] = {}
         self._uses_left: dict[int, int] | None = None
-        # Per chunk group: module calls whose backward has begun and not finished in this
-        # backward pass (see [Note: a group between its uses in backward]).
+        # Per chunk group: module calls whose backward has begun and not finished in this backward pass (see [Note:
+        # a group between its uses in backward]).
         self._backward_uses_open: dict[int, int] = {}
         # Released in backward, dropped when the next module's compute begins without them.
         self._release_pending: set[int] = set()
@@ -60,8 +57,8 @@ class Residency(StepMoves):
         self.evictions = 0
         # Optimizer states in NVMe files, for groups on the host tier (None: no NVMe tier).
         self.nvme: NvmeTier | None = None
-        # ZeRO (None without data parallelism), plugged in by initialize: the gradient
-        # reduce-scatter, and with parameter sharding the parameter all-gather.
+        # ZeRO (None without data parallelism), plugged in by initialize: the gradient reduce-scatter, and with
+        # parameter sharding the parameter all-gather.
         self.reducer: GradReducer | None = None
         self.gatherer: ParamGatherer | None = None
 
@@ -76,10 +73,10 @@ class Residency(StepMoves):
         self.apply_choice()
 
     def apply_choice(self, *, drop_unkept: bool = False, step_follows: bool = False) -> None:
-        """Move groups to match the policy's choice (after ``setup``, a plan adopted or abandoned):
-        whole groups pinned on the device, kept parameters fetched (a trainable group's by the
-        step's ``after_commit`` if ``step_follows``), groups no longer pinned to the host, and
-        with ``drop_unkept`` the device copies of unkept parameters not in use dropped."""
+        """Move groups to match the policy's choice (after ``setup``, a plan adopted or abandoned): whole groups
+        pinned on the device, kept parameters fetched (a trainable group's by the step's ``after_commit`` if
+        ``step_follows``), groups no longer pinned to the host, and with ``drop_unkept`` the device copies of unkept
+        parameters not in use dropped."""
         pinned = self.policy.pinned_groups()
         for i in sorted(self._pinned - pinned):
             for chunk in self.manager.groups[i].chunks:
@@ -110,10 +107,9 @@ class Residency(StepMoves):
 
     # ------------------------------------------------------------------------ forward pass
     # [Note: one fetch per pass]
-    # A chunk holds the parameters of several consecutive modules (and a tied weight is used
-    # by two). Dropping its device copy after each module would fetch it again for the next
-    # one; instead, inside a forward pass of the root module, a fetched chunk stays until the
-    # last module using it has run, so each param chunk crosses to the device once per pass.
+    # A chunk holds the parameters of several consecutive modules (and a tied weight is used by two). Dropping its
+    # device copy after each module would fetch it again for the next one; instead, inside a root forward, a fetched
+    # chunk stays until the last module using it has run, so each param chunk crosses to the device once per pass.
     def begin_forward(self) -> None:
         self._uses_left = dict(self._uses_per_forward)
         if self.gatherer is not None:
@@ -149,8 +145,8 @@ class Residency(StepMoves):
 
     # ----------------------------------------------------------------------- periods (auto)
     def on_boundary(self, boundary: Boundary) -> None:
-        """A period of a planned iteration begins: room for what it needs, then a prefetch of
-        what the next one needs, both as the policy decides."""
+        """A period of a planned iteration begins: room for what it needs, then a prefetch of what the next one
+        needs, both as the policy decides."""
         wanted = self.policy.on_boundary(boundary)
         if wanted is None:
             return
@@ -161,8 +157,8 @@ class Residency(StepMoves):
                 g.param.fetch(keep_host=self._keep_host(g), prefetch=True)
 
     def mark(self) -> None:
-        """A decision point inside a period: a group's first gradient arrives, or a module's
-        backward is done (see [Note: segments of a period] in tracer/runtime.py)."""
+        """A decision point inside a period: a group's first gradient arrives, or a module's backward is done (see
+        [Note: segments of a period] in tracer/runtime.py)."""
         self.policy.mark()
         self._room_for_segment()
 
@@ -178,9 +174,8 @@ class Residency(StepMoves):
             self._evict(self.manager.groups[i])
 
     def _in_use(self) -> set[int]:
-        """Groups never to evict now: those under a running forward, and those fetched for a
-        backward whose gradients are not all in (autograd reads the parameters through saved
-        views)."""
+        """Groups never to evict now: those under a running forward, and those fetched for a backward whose
+        gradients are not all in (autograd reads the parameters through saved views)."""
         return self._fetched_for_backward | {i for i, refs in self._compute_refs.items() if refs > 0}
 
     def _evict(self, g: ChunkGroup) -> None:
@@ -213,10 +208,11 @@ class Residency(StepMoves):
             self.grad_done(group)
 
     def end_backward(self, *, iteration: bool = True) -> None:
-        """The backward pass is over (after ``after_backward`` of every group it touched); with
-        ``iteration=False`` a graph task that accumulated no parameter gradient, whose groups are
-        released here (see [Note: a graph task that accumulates no parameter gradient] in
-        gemini/engine/backward_hooks.py): no gradient to reduce, and the policy's iteration goes on."""
+        """The backward pass is over (after ``after_backward`` of every group it touched).
+
+        With ``iteration=False``, a graph task that accumulated no parameter gradient (see [Note: a graph task that
+        accumulates no parameter gradient] in gemini/engine/backward_hooks.py): its groups are released here, there
+        is no gradient to reduce, and the policy's iteration goes on."""
         if not iteration:
             fetched, self._fetched_for_backward = self._fetched_for_backward, set()
             for i in sorted(fetched):
@@ -234,22 +230,17 @@ class Residency(StepMoves):
             self.policy.end_backward()
 
     # [Note: parameters a create_graph pass saved]
-    # A backward with create_graph=True (``torch.autograd.grad(out, x, create_graph=True)`` for
-    # an input-gradient penalty) builds a new graph whose nodes save the parameters they read,
-    # as views of the param chunks' device copies. That graph runs later, in whichever backward
-    # goes through the penalty, and no module hook announces its nodes: dropped after the pass
-    # (storage freed in place, see [Note: device payloads are freed in place] in
-    # chunks/storage.py), the parameters failed there with "setStorage ... out of bounds for
-    # storage of size 0". So every group a module call's backward fetches in such a pass is
-    # held, as one more compute reference (never dropped, never evicted: under a budget that
-    # cannot hold them, the usual DeviceBudgetError), until the next step: it changes the
-    # parameters that graph saved, and plain torch refuses to run a graph whose saved tensors
-    # were modified in place, so no correct loop uses one after a step. Not until zero_grad:
-    # ``loss = ...; opt.zero_grad(); loss.backward()`` is a common order. A backward that
-    # raised ends the iteration too (see [Note: a backward pass that raised] in backward_hooks.py).
+    # A backward with create_graph=True (an input-gradient penalty) builds a new graph whose nodes save the parameters
+    # as views of the param chunks' device copies. That graph runs later, in whichever backward goes through the
+    # penalty, and no module hook announces its nodes: dropped meanwhile (storage freed in place, see [Note: device
+    # payloads are freed in place] in chunks/storage.py), those parameters would fail there ("setStorage ... out of
+    # bounds for storage of size 0"). So every group fetched in such a pass is held as one more compute reference
+    # (never dropped or evicted) until the next step: the step changes the saved parameters, after which torch refuses
+    # to run that graph anyway. Not until zero_grad: ``loss = ...; opt.zero_grad(); loss.backward()`` is common. A
+    # backward that raised ends the iteration too (see [Note: a backward pass that raised] in backward_hooks.py).
     def hold(self, groups: list[ChunkGroup]) -> None:
-        """Keep ``groups`` on the device until :meth:`release_held` (see [Note: parameters a
-        create_graph pass saved])."""
+        """Keep ``groups`` on the device until :meth:`release_held` (see [Note: parameters a create_graph pass
+        saved])."""
         for g in groups:
             if g.index not in self._held:
                 self._held.add(g.index)
@@ -264,25 +255,18 @@ class Residency(StepMoves):
                 self._maybe_drop_params(self.manager.groups[i])
 
     # [Note: a group between its uses in backward]
-    # A group fetched for backward is held until all its gradients are in (``after_backward``),
-    # because autograd reads its parameters through saved views. Gradients arrive once per
-    # backward pass, after every use: with two forwards before one backward, autograd runs the
-    # second forward's whole backward before the first's; a tied weight (embedding and head)
-    # is read at the start of backward and gets its gradient at the very end; a group that
-    # straddles two blocks waits for the second. Held until then, each of these kept chunks on
-    # the device through stretches of backward that never read them. So each module call is
-    # followed through backward (as FSDP2 does): it *begins* when its outputs' gradients
-    # arrive (the pre-backward hook, which fetches its groups) and is *done* when its inputs'
-    # gradients are computed. A group whose begun calls are all done is released — dropped
-    # (when the next module's compute begins without it) in the warm-up, evictable after it —
-    # until a later call's backward begins and fetches it again; a call that has not begun
-    # cannot read it (its backward has not started). A call whose inputs need no gradient (the
-    # embedding) is done once every autograd node between its outputs and its parameters has
-    # run (``hook_nodes_of`` in gemini/engine/backward_uses.py); one that cannot report done
-    # holds its groups until their gradients are in. This assumes, like FSDP2, that a module's parameters are
-    # read by backward only on the way from its outputs to its inputs; a parameter saved by an
-    # op off that path (``x + w * w``) could be read after the release: a loud error (its
-    # storage is gone), never a wrong value.
+    # Holding a group fetched for backward until all its gradients are in (``after_backward``; autograd reads the
+    # parameters through saved views) keeps it on the device through stretches of backward that never read it:
+    # gradients arrive once per pass, after every use (two forwards before one backward; a tied embedding read at the
+    # start of backward; a group straddling two blocks). So, as in FSDP2, each module call is followed through
+    # backward: it *begins* when its outputs' gradients arrive (the pre-backward hook fetches its groups) and is
+    # *done* when its inputs' gradients are computed. A group whose begun calls are all done is released (dropped when
+    # the next compute begins without it in the warm-up, evictable after it) until a later call's backward fetches it
+    # again. A call whose inputs need no gradient (the embedding) is done once every autograd node between its outputs
+    # and parameters has run (``hook_nodes_of`` in backward_uses.py); one that cannot report done holds its groups
+    # until their gradients are in. Like FSDP2, this assumes backward reads a module's parameters only between its
+    # outputs and inputs; a parameter saved off that path (``x + w * w``) read after the release fails loudly (its
+    # storage is gone), never with a wrong value.
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
         """Whether releasing ``groups`` between uses in backward can free anything."""
         return self.policy.track_backward_uses(groups)
@@ -301,18 +285,18 @@ class Residency(StepMoves):
                 self._release_pending.add(g.index)
                 released = True
         if released:
-            # Normally the call that began last is this one, which keeps what it released for
-            # the next call; but when the next call began first (hooks on one tensor: the head's
-            # inputs are the final norm's outputs), what it does not use is dropped now.
+            # Normally the call that began last is this one, which keeps what it released for the next call; but
+            # when the next call began first (hooks on one tensor: the head's inputs are the final norm's outputs),
+            # what it does not use is dropped now.
             self._drop_released(self._latest_backward_groups)
         self._room_for_segment()  # released or not: the new segment's peak may be larger
 
     def _drop_released(self, needed: list[ChunkGroup]) -> None:
         """Drop the groups released in backward that the compute beginning now does not use.
 
-        A released group is not dropped at once: a group that straddles two modules is often
-        released by one and used by the very next (block i+1's first module, then block i's
-        last), and dropping it in between bought no memory for a second copy."""
+        A released group is not dropped at once: a group straddling two modules is often released by one and used by
+        the very next (block i+1's first module, then block i's last), and dropping it in between would only fetch it
+        again."""
         if not self._release_pending:
             return
         keep = {g.index for g in needed}
@@ -354,19 +338,15 @@ class Residency(StepMoves):
             g.param.drop_device_copy()
 
     # [Note: what every step keeps is there from the first]
-    # A group whose optimizer states update on the device keeps its gradient chunk there after
-    # the step (zero_grad forgets gradients, not storage), so from the second iteration on it
-    # sits on the device through the forward. Allocated by the first backward only, it was
-    # missing from the first forward, whose peak was then lower than every later one (static:
-    # by the whole gradient chunks; cuda under bf16/fp16 by less): a budget between the two
-    # passed the first step, whose check is the promise, and failed the second. So applying
-    # the policy's choice allocates the gradient chunks it keeps on the device (the step's: the
-    # shard under ZeRO) at once, and a pinned group's Adam step counts move there too: a budget
-    # too small for what every step holds fails at the first step, with that figure.
-    # ``initialize``'s check counts these bytes already (``footprint.chunk_bytes``); no per-step cost.
+    # A group whose optimizer states update on the device keeps its gradient chunk there after the step (zero_grad
+    # forgets gradients, not storage), so from the second iteration on it is on the device through the forward. Were
+    # it allocated by the first backward, the first forward's peak would be lower than later ones, and a budget could
+    # pass the first step (whose check is the promise) and fail the second. So applying the policy's choice allocates
+    # the kept gradient chunks (the step's: the shard under ZeRO) at once, and a pinned group's Adam step counts move
+    # there too. ``initialize``'s check counts these bytes already (``footprint.chunk_bytes``); no per-step cost.
     def _grads_on_device_from_now(self) -> None:
-        """The gradient chunks the step leaves on the device are there from now on (see [Note:
-        what every step keeps is there from the first])."""
+        """The gradient chunks the step leaves on the device are there from now on (see [Note: what every step
+        keeps is there from the first])."""
         for g in self.manager.trainable_groups:
             if g.step_grad.state is ChunkState.RELEASED and self.policy.keep_grads_on_device(g):
                 g.step_grad.allocate(Tier.DEVICE)

@@ -69,8 +69,8 @@ class GeminiRuntime(IterationMeasurement):
     system: SystemMemory = field(default=None)  # host and whole-GPU readings; made in __post_init__ if not given
     unreported_plan: MemoryPlan | None = field(default=None, repr=False)  # made during this step
     _first_step_checked: bool = False
-    # The tracer resets the monitor's peak at each of its cuts: the warm-up step's peak is
-    # the trace's largest period peak, carried here into that step's report.
+    # The tracer resets the monitor's peak at each cut: the warm-up step's peak is the trace's largest period peak,
+    # carried here into that step's report.
     warmup_peak_bytes: int = 0
     traced_inputs: TracedInputs = field(default_factory=TracedInputs)  # the plan's, and which it covers
     _backward_passes_at_trace: int = 0
@@ -142,19 +142,19 @@ class GeminiRuntime(IterationMeasurement):
             self.activations.begin_forward()
 
     def on_root_forward_end(self) -> DeviceBudgetError | None:
-        """The root module's forward is over (also when it raised: always_call hooks run inside
-        torch's ``except``, where ``sys.exc_info()`` is the forward's error). Returns an evaluation
-        forward's budget error, for the hooks to raise once their state is consistent."""
+        """The root module's forward is over (also when it raised: always_call hooks run inside torch's ``except``,
+        where ``sys.exc_info()`` is the forward's error). Returns an evaluation forward's budget error, for the
+        hooks to raise once their state is consistent."""
         if torch.is_grad_enabled() and sys.exc_info()[1] is not None:
             self.forwards_raised += 1
         if self.activations is not None:
             self.activations.end_forward()
-        # [Note: an evaluation forward's window] A forward without grad between steps (a validation
-        # pass, each forward of generate()) is no part of the next training iteration: the window it
-        # opened closes with it (left open, what the loop allocated after it was charged to the next
-        # iteration), its peak checked against the budget as a step's is (on CUDA the allocator's cap
-        # does it; on the CPU stand-in an evaluation batch twice the budget passed unnoticed). A step
-        # with no forward after it has no peak of its own to check (``step_peak_bytes``).
+        # [Note: an evaluation forward's window] A forward without grad between steps (a validation pass, each
+        # forward of generate()) is no part of the next training iteration: the window it opened closes with it
+        # (left open, what the loop allocates after it would be charged to the next iteration), and its peak is
+        # checked against the budget as a step's is (on CUDA the allocator's cap enforces it too; on the CPU
+        # stand-in only this check does). A step with no forward after it has no peak of its own to check
+        # (``step_peak_bytes``).
         error = None
         if self._evaluation_window and not self.tracing:
             if self.config.device_memory is not None and self.memory.measuring:
@@ -174,9 +174,8 @@ class GeminiRuntime(IterationMeasurement):
         return error
 
     def _lend_margin(self, args: tuple, kwargs: dict) -> None:
-        """An evaluation forward between steps may borrow the room of auto's margin; the next
-        training forward gives it back ([Note: an evaluation beside the margin] in
-        gemini/engine/evaluation_room.py)."""
+        """An evaluation forward between steps may borrow the room of auto's margin; the next training forward gives
+        it back ([Note: an evaluation beside the margin] in gemini/engine/evaluation_room.py)."""
         placement = self.placement
         if not placement.has_margin or (self.config.device_memory is None and self.device.type != "cuda"):
             return
@@ -225,8 +224,8 @@ class GeminiRuntime(IterationMeasurement):
             self.residency.on_boundary(boundary)
 
     def _end_aborted_backward(self) -> None:
-        """A backward that raised ends here ([Note: a backward pass that raised]); in the warm-up
-        its trace is given up (a budget error stopped its monitor): the next one traces anew."""
+        """A backward that raised ends here ([Note: a backward pass that raised]); in the warm-up its trace is given
+        up (a budget error stopped its monitor): the next one traces anew."""
         if self.hooks.backward_aborted and self.tracing:
             self._abandon_trace()
         self.hooks.end_aborted_backward()
@@ -298,8 +297,8 @@ class GeminiRuntime(IterationMeasurement):
         self._apply_plan(step_follows=step_follows)
 
     def _apply_plan(self, *, step_follows: bool = False) -> None:
-        """ADOPTING -> PLANNED: groups moved where the plan wants them; a failed move (an NVMe
-        read error) stays ADOPTING, each group whole: the next step or forward tries again."""
+        """ADOPTING -> PLANNED: move groups where the plan wants them; a failed move (an NVMe read error) stays
+        ADOPTING, each group whole: the next step or forward tries again."""
         self.residency.apply_choice(step_follows=step_follows)
         self.residency.rebalance_nvme()
         self.hooks.follow_modules(self.placement.follows_modules)
@@ -332,14 +331,14 @@ class GeminiRuntime(IterationMeasurement):
 
     # ------------------------------------------------------------------ the optimizer's step
     def begin_step(self) -> None:
-        """The optimizer's step begins, before it changes any value: under auto the first step
-        ends the warm-up (may raise DeviceBudgetError), then the iteration's peak is checked."""
+        """The optimizer's step begins, before it changes any value: under auto the first step ends the warm-up
+        (may raise DeviceBudgetError), then the iteration's peak is checked."""
         self.residency.release_held()  # see [Note: parameters a create_graph pass saved]
         self.return_margin()  # a step after an evaluation, with no forward between
         if self.tracing:
             if self.hooks.backward_passes == self._backward_passes_at_trace:
-                # A forward whose backward was skipped (a NaN guard): torch's step is a no-op, and the
-                # trace, with no backward, plans nothing.
+                # A forward whose backward was skipped (a NaN guard): torch's step is a no-op, and the trace, with no
+                # backward, plans nothing.
                 logger.info("auto placement: step() with no backward pass since the traced forward; tracing again")
                 self._abandon_trace()
             else:
@@ -349,8 +348,8 @@ class GeminiRuntime(IterationMeasurement):
         self.check_step_peak()
 
     def after_commit(self, groups: Sequence[ChunkGroup], *, skipped: bool) -> None:
-        """What follows a landed step over ``groups`` and changes no value: other ranks' updated
-        ranges arrive, placements the step changed are restored."""
+        """What follows a landed step over ``groups`` and changes no value: other ranks' updated ranges arrive,
+        placements the step changed are restored."""
         if not skipped:
             self.gather_updated_params(groups)
             for g in groups:

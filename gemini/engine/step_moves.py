@@ -1,5 +1,5 @@
-"""`StepMoves`: the moves of chunk groups around the optimizer's step, a part of `Residency`
-(gemini/engine/residency.py) in a file of its own; ``Residency`` derives from it."""
+"""`StepMoves`: the moves of chunk groups around the optimizer's step, the part of `Residency`
+(gemini/engine/residency.py, which derives from it) kept in a file of its own."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ __all__ = ["StepMoves"]
 
 
 class StepMoves:
-    """The step's side of :class:`gemini.engine.residency.Residency`: gradients where the
-    backward writes them and the step reads them, gradients and optimizer states together
-    before the update, parameters from the masters after it."""
+    """The step's side of :class:`gemini.engine.residency.Residency`: gradients where the backward writes them and
+    the step reads them, gradients and optimizer states together before the update, parameters from the masters
+    after it."""
 
     manager: ChunkManager
     policy: PlacementPolicy
@@ -38,9 +38,9 @@ class StepMoves:
         if not grad.is_on(Tier.DEVICE):
             self.make_room(grad.nbytes, keep={group.index})
         if grad.state is ChunkState.RELEASED:
-            # Slots not marked ready are written with copy_ before they are ever read; zeros
-            # where whole-chunk reductions read what no slot writes: ZeRO's buckets (slots
-            # without a gradient in this pass, the padding) and the gaps between aligned slots.
+            # Slots not marked ready are written with copy_ before they are read; zeros where whole-chunk reductions
+            # read what no slot writes: ZeRO's buckets (slots without a gradient this pass, the padding) and the gaps
+            # between aligned slots.
             grad.allocate(Tier.DEVICE, zero=group.grad_shard is not None or grad.has_gaps)
         else:
             # see [Note: accumulated gradients stay on the device]
@@ -49,22 +49,19 @@ class StepMoves:
         return grad
 
     # [Note: accumulated gradients stay on the device]
-    # A group whose optimizer states update on the host sends its gradients there as soon as its
-    # backward is over ([Note: host groups updated as their gradients land] in
-    # gemini/optim/adam_batches.py). Under gradient accumulation the next backward of the same
-    # step then brought them back to add onto, a copy it waited for, group by group: each
-    # micro-batch but the first moved every gradient both ways (and the step used only the last
-    # copy). Where the policy has room for every gradient on the device (``resident_grads``: auto
-    # where its plan evicts nothing, which counted them), they stay there once a backward has
-    # added onto gradients sent away, and the step sends them, as it does those of groups updated
-    # on the device: one copy to the host a step, none back. Learnt from the first such backward
-    # (micro-batches a step rarely change), so a loop with one backward a step keeps its copies
-    # overlapping the backward and holds nothing on the device longer. ``p.grad`` views the device
-    # copy meanwhile, and clipping scales it, as under placement "cuda".
+    # A group whose optimizer states update on the host sends its gradients there as soon as its backward is over
+    # ([Note: host groups updated as their gradients land] in gemini/optim/adam_batches.py). Under gradient
+    # accumulation the next backward of the step must bring them back to add onto, waiting for each copy, so every
+    # micro-batch but the first would move every gradient both ways. Where the policy has room for every gradient
+    # on the device (``resident_grads``: auto where its plan evicts nothing, having counted them), they stay there
+    # once a backward has added onto gradients sent away (``grads_come_back``), and the step sends them as it does
+    # for groups updated on the device: one copy to the host a step, none back. This is learnt from the first such
+    # backward (micro-batches per step rarely change), so a loop with one backward a step keeps its copies
+    # overlapping the backward and holds nothing on the device longer. ``p.grad`` views the device copy meanwhile,
+    # and clipping scales it, as under placement "cuda".
     def grad_done(self, group: ChunkGroup) -> None:
-        """``group``'s gradients of this backward are in (no ZeRO): to the host where its
-        optimizer states update there, unless they stay ([Note: accumulated gradients stay on the
-        device])."""
+        """``group``'s gradients of this backward are in (no ZeRO): send them to the host where its optimizer
+        states update there, unless they stay ([Note: accumulated gradients stay on the device])."""
         if group.grad.state is ChunkState.RELEASED or self.policy.keep_grads_on_device(group):
             return
         if not (self.grads_come_back and group.index in self.policy.resident_grads()):
@@ -86,9 +83,9 @@ class StepMoves:
     def after_step(self, group: ChunkGroup) -> None:
         """Bring the parameters up to date with the masters (low precision only).
 
-        Under ZeRO the masters are this rank's range: with parameter sharding they refresh the
-        param shard; without, this rank's range of the param chunk's primary copy (the others
-        arrive by ``gemini.parallel.zero.gather_params`` once every group is updated).
+        Under ZeRO the masters are this rank's range: with parameter sharding they refresh the param shard;
+        without, this rank's range of the param chunk's primary copy (the other ranges arrive by
+        ``gemini.parallel.zero.gather_params`` once every group is updated).
         """
         if group.shard is not None and group.param_shard is None:
             param = group.param
@@ -106,33 +103,30 @@ class StepMoves:
             param.host_copy_pending(self._cast_master(group.master, n, param.payload(tier)[:n], tier))
 
     def after_commit(self, group: ChunkGroup) -> None:
-        """``group``'s update has landed (called once the step's every update has, or, for a
-        group updated on the host, right after its run: [Note: host groups updated as their
-        gradients land] in gemini/optim/adam_batches.py): parameters the policy keeps on the
-        device that the step left on the host (fp32 groups updated there drop their stale device
-        copy) come back. Must not raise (see [Note: a step is all or nothing] in
-        gemini/engine/transaction.py)."""
+        """``group``'s update has landed: bring back to the device parameters the policy keeps there that the step
+        left on the host (fp32 groups updated there drop their stale device copy). Called once every update of the
+        step has landed, or for a group updated on the host right after its run
+        ([Note: host groups updated as their gradients land] in gemini/optim/adam_batches.py). Must not raise
+        ([Note: a step is all or nothing] in gemini/engine/transaction.py)."""
         if group.index in self.policy.resident_params() and group.param.state is ChunkState.HOST:
             try:
                 group.param.fetch(keep_host=True)
             except (torch.OutOfMemoryError, DeviceBudgetError) as e:
-                # The step has landed: raising would invite a retry that steps twice. The
-                # next forward fetches the parameters (or says what is missing).
+                # The step has landed: raising would invite a retry that steps twice. The next forward fetches the
+                # parameters (or says what is missing).
                 logger.warning("parameters of chunk group %d stay in host memory after the step: %s", group.index, e)
 
     # [Note: edits of low-precision parameters]
-    # Under bf16/fp16 the parameters are the fp32 masters' cast, cast again after each step: an
-    # edit torch code made to a parameter (``p.mul_(0.5)``, ``nn.init.*``, an assigned ``p.data``)
-    # was overwritten by the next step as if it never happened. So a group whose parameters were
-    # written through ([Note: writes through the parameters] in chunks/edits.py) has its masters
-    # take the edit before the update: where a parameter differs from its master's cast the master
-    # becomes the parameter's value, and where it does not the master keeps its low bits (nothing
-    # was written there, or the value it had). Only an edited group pays (a compare over its
-    # range, and a copy across tiers when parameters and masters lie apart); the others cost a
-    # sum of version counters per step. A master on NVMe takes the edit when a step streams it.
+    # Under bf16/fp16 the parameters are the fp32 masters' cast, cast again after each step, so an edit torch code
+    # makes to a parameter (``p.mul_(0.5)``, ``nn.init.*``, an assigned ``p.data``) would be overwritten by the next
+    # step. So a group whose parameters were written through ([Note: writes through the parameters] in
+    # chunks/edits.py) has its masters take the edit before the update: where a parameter differs from its master's
+    # cast the master becomes the parameter's value; elsewhere the master keeps its low bits. Only an edited group
+    # pays (a compare over its range, and a copy across tiers when parameters and masters lie apart); the others
+    # cost a sum of version counters per step. A master on NVMe takes the edit when a step streams it.
     def merge_param_edits(self, groups) -> list[ChunkGroup]:
-        """Bring edits of ``groups``' low-precision parameters into their masters in memory (see
-        [Note: edits of low-precision parameters]); the groups that took one."""
+        """Bring edits of ``groups``' low-precision parameters into their masters in memory; return the groups that
+        took one ([Note: edits of low-precision parameters])."""
         if self.manager.param_dtype == torch.float32:
             return []
         return [g for g in groups if self._merge_edits(g)]

@@ -1,5 +1,5 @@
-"""The per-step `MemoryReport`: the engine's counters over one step, with what the optimizer's
-step alone knows (`StepOutcome`)."""
+"""The per-step `MemoryReport`: the engine's counters over one step, with what only the optimizer's step knows
+(`StepOutcome`)."""
 
 from __future__ import annotations
 
@@ -85,8 +85,7 @@ _KIND_NAMES = tuple((kind, kind.value) for kind in ChunkKind)
 
 
 def model_bytes_by_tier(ledger: MemoryLedger) -> dict[str, dict[str, int]]:
-    """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a file
-    counts on NVMe)."""
+    """Chunk payload bytes now, from the ledger: tier -> chunk kind -> bytes (a chunk in a file counts on NVMe)."""
     return {tier_name: {kind_name: ledger.kind_bytes(tier, kind) for kind, kind_name in _KIND_NAMES}
             for tier, tier_name in _TIER_NAMES}
 
@@ -101,9 +100,8 @@ def device_peak_bytes(rt: GeminiRuntime) -> int:
 
 
 def device_non_model_peak_bytes(rt: GeminiRuntime) -> int | None:
-    """The step's most device bytes besides model data: the warm-up's trace measured it for the
-    step that ended one (read before ``take_timeline`` hands that plan over); the device's meter
-    for every other step."""
+    """The step's most device bytes besides model data: from the warm-up's trace for the step that ended one
+    (read before ``take_timeline`` hands that plan over), from the device's meter for every other step."""
     if rt.unreported_plan is not None:
         return rt.unreported_plan.max_non_model_bytes
     return None if rt.evaluation_only else rt.memory.non_model_peak_bytes()

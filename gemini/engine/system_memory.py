@@ -1,9 +1,8 @@
 """Figures beyond the engine's own ledger: the host (psutil) and the whole GPU (NVML).
 
-The chunk ledger and the device monitor say what *this engine* holds; a person reading a
-report also wants what the machine sees: the process's resident memory, what the host can
-still give, and the GPU's used memory as nvidia-smi shows it (every process, the CUDA
-context, the caching allocator's blocks).
+The chunk ledger and the device monitor say what *this engine* holds; a report also gives what the machine sees:
+the process's resident memory, what the host can still give, and the GPU's used memory as nvidia-smi shows it
+(every process, the CUDA context, the caching allocator's blocks).
 """
 
 from __future__ import annotations
@@ -19,15 +18,12 @@ from tracer import NvmlMonitor
 
 logger = logging.getLogger(__name__)
 
-# [Note: host readings every step] Every step report reads the process's resident memory and
-# what the host can still give. psutil reads the same /proc files, but parses the whole of
-# /proc/meminfo and wraps each call: 9 and 24 us hot, ~0.1 ms each right after an optimizer
-# step has streamed its states through the caches, 0.7% of a 55M GPT's optimizer step on the
-# CPU. On Linux the two figures are read straight from /proc/self/statm (resident pages) and
-# /proc/meminfo's MemAvailable (what psutil's ``available`` is there); psutil elsewhere.
-# The files stay open and are read with pread at offset 0, which makes the kernel write them
-# afresh: open and close were most of the hot cost (statm 4.6 -> 1.0 us, meminfo 8.6 -> 5.3 us).
-# /proc/self is resolved at open, so a forked child opens its own.
+# [Note: host readings every step] Every step report reads the process's resident memory and what the host can
+# still give. psutil parses all of /proc/meminfo and wraps each call, a visible share of a small model's CPU step,
+# so on Linux the two figures are read straight from /proc/self/statm (resident pages) and /proc/meminfo's
+# MemAvailable (psutil's ``available`` there); psutil elsewhere. The files stay open, since open and close are most
+# of the cost, and are read with pread at offset 0, which makes the kernel write them afresh. /proc/self is
+# resolved at open, so a forked child opens its own.
 _PROC = os.path.exists("/proc/self/statm") and os.path.exists("/proc/meminfo")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if _PROC else 0
 
@@ -68,8 +64,8 @@ class SystemMemory:
             index = _nvml_index(device)
             if index is not None:
                 self._nvml = NvmlMonitor(index)
-                # Sampled all along (a thread reading NVML every few ms): a step's peak is the
-                # largest reading since the last reset.
+                # Sampled all along (a thread reads NVML every few ms): a step's peak is the largest reading since
+                # the last reset.
                 self._nvml.start()
 
     def host_rss_bytes(self) -> int:
@@ -105,8 +101,8 @@ def _close_all(*files: _ProcFile) -> None:
 
 
 def _nvml_index(device: torch.device) -> int | None:
-    """NVML's index of ``device``: matched by UUID, since NVML counts in PCI order and ignores
-    CUDA_VISIBLE_DEVICES while torch does neither. None when NVML cannot be used."""
+    """NVML's index of ``device``, matched by UUID: NVML counts in PCI order and ignores CUDA_VISIBLE_DEVICES,
+    torch does neither. None when NVML cannot be used."""
     if not NvmlMonitor.is_available():
         logger.info("NVML is unavailable: reports carry no whole-device figures")
         return None

@@ -1,32 +1,27 @@
-"""`StepTransaction`: the last good copies of what an optimizer step changes, kept until the
-whole step has succeeded.
+"""`StepTransaction`: the last good copies of what an optimizer step changes, kept until the whole step succeeded.
 
 [Note: a step is all or nothing]
-An optimizer step changes parameters, Adam's m and v and the step counts of every chunk group,
-and for groups whose states live on NVMe it reads and writes files while it goes. A read error,
-a full disk or an allocation that fails part-way must not leave some groups stepped and others
-not (a retry would step the first ones twice). So the step runs in an order where everything
-that can fail either happens before anything changes, or can be undone:
+An optimizer step changes the parameters, Adam's m and v and the step counts of every chunk group, and for groups
+whose states live on NVMe it reads and writes files as it goes. A read error, a full disk or a failed allocation
+part-way must not leave some groups stepped and others not (a retry would step the first ones twice). So the step
+runs in an order where everything that can fail either happens before anything changes, or can be undone:
 
-1. Checks and moves that change no value: the budget checks, every group's chunks brought
-   to the tier of its update, the gradient norm, and every temporary the in-memory update
-   needs (see gemini/optim/adam_batches.py).
-2. The groups on NVMe, streamed (gemini/engine/nvme_tier.py). Their files from before the step are
-   held (see [Note: file slots] in chunks/chunk_file.py): new bytes go to a second file. Before a
-   group is updated, its parameter chunk (the only in-memory data its update changes: under
-   fp32 the master, under bf16/fp16 the low-precision copy cast from the master) and its step
-   counts are copied aside in host memory. Any error here, or in phase 1 once the first reads
-   are in flight, restores those copies and the held files (a request still in flight ends
-   first), so every group is as before the step.
-3. The groups in memory, updated only once every NVMe write has been confirmed. Nothing in
-   this phase allocates or does I/O, so it cannot fail part-way; a Ctrl-C is held until the
-   step has completed ([Note: Ctrl-C during the in-memory update] in gemini/engine/interrupts.py).
+1. Checks and moves that change no value: the budget checks, every group's chunks brought to the tier of its
+   update, the gradient norm, and every temporary the in-memory update needs (see gemini/optim/adam_batches.py).
+2. The groups on NVMe, streamed (gemini/engine/nvme_tier.py). Their pre-step files are held, new bytes going to
+   a second file ([Note: file slots] in chunks/chunk_file.py). Before a group is updated, its parameter chunk (the
+   only in-memory data its update changes: under fp32 the master, under bf16/fp16 the low-precision copy cast from
+   the master) and its step counts are copied aside in host memory. Any error here, or in phase 1 once the first
+   reads are in flight, restores those copies and the held files (a request still in flight ends first), so every
+   group is as before the step.
+3. The groups in memory, updated only once every NVMe write is confirmed. Nothing here allocates or does I/O, so
+   it cannot fail part-way; a Ctrl-C is held until the step completes
+   ([Note: Ctrl-C during the in-memory update] in gemini/engine/interrupts.py).
 4. Commit: the held files and the copies aside are dropped.
 
-The copies aside use host memory (the parameter bytes of the groups on NVMe) for the length of
-the step; the ledger counts them under the kind ``"step_undo"``. Where ``cpu_memory`` cannot
-hold them next to everything else, they go to NVMe files instead, one in memory at a time
-(``NvmeLayout.undo_on_nvme``), and are read back only to undo a failed step.
+The copies aside use host memory (the parameter bytes of the groups on NVMe) for the step's length, counted in the
+ledger under the kind ``"step_undo"``. Where ``cpu_memory`` cannot hold them next to everything else, they go to
+NVMe files instead, one in memory at a time (``NvmeLayout.undo_on_nvme``), read back only to undo a failed step.
 """
 
 from __future__ import annotations
@@ -51,9 +46,9 @@ UNDO_KIND = "step_undo"  # the ledger's kind for the copies aside
 class StepTransaction:
     """What one step must be able to put back; see [Note: a step is all or nothing].
 
-    ``undo_on_nvme``: the copies aside go to NVMe files (``cpu_memory`` cannot hold them all,
-    see :class:`gemini.policies.nvme_choice.NvmeLayout`): one is in host memory at a time, while its write
-    runs behind the group's update; the files are read only to undo a failed step.
+    ``undo_on_nvme``: the copies aside go to NVMe files (``cpu_memory`` cannot hold them all, see
+    :class:`gemini.policies.nvme_choice.NvmeLayout`): one is in host memory at a time, while its write runs behind
+    the group's update; the files are read only to undo a failed step.
     """
 
     def __init__(self, storage: ChunkStorage, *, undo_on_nvme: bool = False) -> None:
@@ -75,8 +70,8 @@ class StepTransaction:
             self._held.append(c)
 
     def save_values(self, group: ChunkGroup, chunk: Chunk, start: int, numel: int) -> None:
-        """Before ``group`` is updated: copy its step counts, and elements ``start`` .. ``start +
-        numel`` of ``chunk`` (in memory: what the update changes there), aside."""
+        """Before ``group`` is updated, copy aside its step counts and elements ``start`` .. ``start + numel`` of
+        ``chunk`` (in memory: what the update changes there)."""
         observer = self._storage.observer  # host memory (see [Note: step counts are where the states are])
         with observer.quiet() if observer is not None else contextlib.nullcontext():
             self._steps.append((group, group.steps.clone(), group.steps_uniform))
@@ -101,8 +96,8 @@ class StepTransaction:
             self._saved.append(saved)
 
     def _finish_write(self) -> None:
-        """Wait for the copy being written; on success its memory is freed, on failure it stays
-        a copy in memory (and the error is raised: the step fails, and undoes itself from it)."""
+        """Wait for the copy being written; on success its memory is freed, on failure it stays a copy in memory
+        and the error is raised (the step fails, and undoes itself from it)."""
         if self._writing is None:
             return
         saved, future = self._writing
@@ -139,9 +134,9 @@ class StepTransaction:
     def rollback(self) -> None:
         """The step failed: every recorded value and file back as it was before the step.
 
-        Raises only if a copy aside in a file cannot be read back (a second fault): then the
-        parameters of that chunk are not restored, and the error says so. A Ctrl-C meanwhile
-        waits until everything is back ([Note: Ctrl-C during an undo] in gemini/engine/interrupts.py)."""
+        Raises only if a copy aside in a file cannot be read back (a second fault): then that chunk's parameters
+        are not restored, and the error says so. A Ctrl-C meanwhile waits until everything is back
+        ([Note: Ctrl-C during an undo] in gemini/engine/interrupts.py)."""
         self._check_open()
         interrupt = HeldInterrupt(said="received while a failed optimizer step or load was being undone: the undo "
                                        "was completed first (everything is as before it)")
@@ -175,8 +170,8 @@ class StepTransaction:
         self._free_saved()
         self._on_disk.clear()
         for c in self._held:
-            # A request the failed step left in flight (a prefetch before the stream began, a
-            # write behind it) ends first; whatever it read or wrote is dropped with the new file.
+            # A request the failed step left in flight (a prefetch before the stream began, a write behind it) ends
+            # first; whatever it read or wrote is dropped with the new file.
             with contextlib.suppress(Exception):
                 c.finish_io()
             c.restore_held_file()

@@ -23,23 +23,21 @@ __all__ = ["Warmup"]
 class Warmup:
     """Owns the tracer of the warm-up iteration and turns its records into a :class:`MemoryPlan`.
 
-    The trace begins when :meth:`begin` is called (in the root module's first forward
-    pre-hook, before the root's boundary) and ends at the first of: the next forward of the
-    root module after a backward pass (gradient accumulation), or ``optimizer.step()``. The
-    engine's hooks deliver each period boundary to the tracer (``runtime.on_boundary``).
-    Every chunk move in between is announced to the tracer through the storage
-    (``ChunkStorage.swap_move_watcher``), so model data is subtracted exactly where it changed.
+    The trace begins at :meth:`begin` (in the root module's first forward pre-hook, before the root's boundary)
+    and ends at the first of: the root's next forward after a backward (gradient accumulation), or
+    ``optimizer.step()``. The engine's hooks deliver each period boundary to the tracer (``runtime.on_boundary``),
+    and the storage announces every chunk move to it (``ChunkStorage.swap_move_watcher``), so model data is
+    subtracted exactly where it changed.
     """
 
     # [Note: the warm-up plans the prefetch]
-    # Under ZeRO-3 every iteration after the warm-up gathers the next group of the recorded
-    # order ahead of its use (gemini/parallel/zero.py's ParamGatherer); the warm-up records
-    # that order and gathers nothing ahead, so each of its decisions held one group less than
-    # the same decision will hold later. Whether a rank gathers ahead cannot depend on its own
-    # memory (the gathers are collectives: [Note: the order of collectives]), so the plan
-    # charges every later decision room for the largest group's parameters (``prefetch_bytes``,
-    # in ``MemoryPlan.planned_peak_bytes``): a budget that cannot hold them fails here, at the
-    # first step, not at the second step's backward, and the margin is what is left beside them.
+    # Under ZeRO-3 every iteration after the warm-up gathers the next group of the recorded order ahead of its use
+    # (gemini/parallel/zero.py's ParamGatherer); the warm-up records that order and gathers nothing ahead, so each
+    # of its decisions holds one group less than the same decision will later. Whether a rank gathers ahead cannot
+    # depend on its own memory (the gathers are collectives: [Note: the order of collectives]), so the plan charges
+    # every later decision room for the largest group's parameters (``prefetch_bytes``, in
+    # ``MemoryPlan.planned_peak_bytes``): a budget that cannot hold them fails here, at the first step, not at the
+    # second step's backward, and the margin is what is left beside them.
     def __init__(self, module: nn.Module, storage: ChunkStorage, memory: DeviceMemory, fixed_bytes: int, *,
                  prefetch_bytes: int = 0) -> None:
         if memory.monitor is None:
@@ -78,9 +76,8 @@ class Warmup:
             trace.__exit__(RuntimeError, RuntimeError("the traced iteration raised"), None)
 
     def end(self, *, agree: Callable[..., None] = lambda missing_bytes, *, what: None) -> MemoryPlan:
-        """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget
-        (``agree``: on every rank of a ZeRO group when one did, see [Note: ranks agree on the
-        budget] in gemini/parallel/zero.py)."""
+        """Stop tracing and build the plan; raises DeviceBudgetError if warm-up overran the budget (``agree``: on
+        every rank of a ZeRO group when one did, see [Note: ranks agree on the budget] in gemini/parallel/zero.py)."""
         assert self._trace is not None, "warm-up is not tracing"
         trace, self._trace = self._trace, None
         self.storage.swap_move_watcher(self._outer_watcher)
@@ -102,9 +99,8 @@ class Warmup:
             len(plan.keys), plan.warmup_peak_bytes, plan.warmup_model_peak_bytes, plan.max_non_model_bytes,
             plan.reserve_bytes, plan.budget_bytes, plan.margin_bytes,
         )
-        # Later iterations keep the reserve free on top of what the warm-up's schedule needs at
-        # each of its decisions (they can always fall back to that schedule: see
-        # MemoryPlan.planned_peak_bytes), so the promise is checked with both, here.
+        # Later iterations keep the reserve free on top of what the warm-up's schedule needs at each of its decisions
+        # (they can always fall back to that schedule: see MemoryPlan.planned_peak_bytes), so check both here.
         prefetch = (f" and room for the {plan.prefetch_bytes} bytes of parameters ZeRO-3 gathers ahead of their use "
                     f"from the next iteration on" if plan.prefetch_bytes else "")
         what = f"the warm-up iteration (with the {plan.reserve_bytes}-byte safety reserve{prefetch})"
@@ -117,10 +113,9 @@ class Warmup:
 
 def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
                chunk_peak_bytes: int | None = None, later: bool = False) -> None:
-    """Raise DeviceBudgetError when a measured peak went over the budget, with ``advice`` that
-    fits the placement in force (``PlacementPolicy.budget_advice``: a user already on 'auto' is
-    not told to use 'auto'); ``later``: an iteration after the first, where what the loop keeps
-    from earlier ones may be the cause."""
+    """Raise DeviceBudgetError when a measured peak went over the budget, with ``advice`` that fits the placement
+    in force (``PlacementPolicy.budget_advice``: a user already on 'auto' is not told to use 'auto'); ``later``:
+    an iteration after the first, where what the loop keeps from earlier ones may be the cause."""
     error = peak_error(peak_bytes, budget_bytes, what=what, advice=advice, chunk_peak_bytes=chunk_peak_bytes,
                        later=later)
     if error is not None:
@@ -129,9 +124,9 @@ def check_peak(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
 
 def peak_error(peak_bytes: int, budget_bytes: int, *, what: str, advice: str,
                chunk_peak_bytes: int | None = None, later: bool = False) -> DeviceBudgetError | None:
-    """:func:`check_peak`'s error, returned (to be raised once the caller's state is consistent). Made,
-    not raised and caught: a caught error's traceback holds this frame's callers, whose locals (the
-    error itself, a forward's inputs) it kept alive in a cycle until the garbage collector ran."""
+    """:func:`check_peak`'s error, returned (to be raised once the caller's state is consistent). Not raised and
+    caught here: a caught error's traceback holds the callers' frames, whose locals (the error itself, a forward's
+    inputs) would stay alive in a cycle until the garbage collector ran."""
     missing = missing_bytes(budget_bytes, peak_bytes)
     if not missing:
         return None

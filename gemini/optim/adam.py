@@ -1,8 +1,8 @@
 """The Adam / AdamW update as a pure function over flat tensors.
 
-Bookkeeping (which chunks, where they lie, step counts, loss scale, clipping) lives in
-:mod:`gemini.optim.hybrid_adam` and :mod:`gemini.optim.adam_batches`; here is only the math, delegated to torch's fused kernels, which run
-vectorised on the CPU (since torch 2.4) and as one multi-tensor launch on CUDA.
+Bookkeeping (which chunks, where, step counts, loss scale, clipping) is in :mod:`gemini.optim.hybrid_adam` and
+:mod:`gemini.optim.adam_batches`; here is only the math, in torch's fused kernels (vectorised on the CPU since torch
+2.4, one multi-tensor launch on CUDA).
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ def adam_update(
 ) -> None:
     """One Adam step over lists of same-device fp32 tensors, in place.
 
-    ``steps`` are 0-dim float32 tensors on the params' device, incremented here (torch's
-    convention). Gradients are divided by ``grad_scale`` when given: that folds the fp16 loss
-    scale and the clipping coefficient into the kernel, with no extra pass over the grads.
-    ``decoupled_weight_decay`` selects AdamW (decay applied to the weights) over Adam (decay
-    added to the gradient). Matches ``torch.optim.AdamW(fused=True)`` bit for bit.
+    ``steps`` are 0-dim float32 tensors on the params' device, incremented here (torch's convention). Gradients are
+    divided by ``grad_scale`` when given, which folds the fp16 loss scale into the kernel with no extra pass over the
+    grads. ``decoupled_weight_decay`` selects AdamW (decay applied to the weights) over Adam (decay added to the
+    gradient). Matches ``torch.optim.AdamW(fused=True)`` bit for bit.
     """
     if not params:
         return

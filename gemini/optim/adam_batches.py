@@ -1,6 +1,6 @@
-"""The fused Adam calls of a step over chunk groups: one per (tier, param group), prepared with
-every temporary they need before any runs (phase 1 of [Note: a step is all or nothing] in
-gemini/engine/transaction.py), so that running them allocates nothing and cannot fail part-way."""
+"""The fused Adam calls of a step over chunk groups, one per (tier, param group), prepared with every temporary
+before any runs (phase 1 of [Note: a step is all or nothing] in gemini/engine/transaction.py), so that running them
+allocates nothing and cannot fail part-way."""
 
 from __future__ import annotations
 
@@ -48,34 +48,27 @@ def _quiet(rt: GeminiRuntime, tier: Tier):
 
 
 # [Note: host groups updated as their gradients land]
-# A group whose optimizer states live on the host sends its gradients there as soon as its
-# backward is over (``Residency.after_backward``), an asynchronous copy, and the CPU launches
-# the backward's kernels ahead of the GPU, so ``step()`` may begin while the GPU still computes
-# the backward of the first layers: nothing in between waits for the copies (the no-op moves of
-# chunks already on the host do not; ``p.grad`` waits only when torch code touches it, [Note:
-# gradients still crossing to the host] in gemini/engine/grad_views.py; tests/test_host_step_runs.py
-# stands in for copies in flight on the CPU). The host's Adam is therefore one fused call per run of
-# consecutive groups holding at least HOST_BATCH_ELEMENTS, not one per param group; the runs go
-# from the last group to the first (the order a backward finishes them: groups are laid out in
-# the order the forward uses them); their views are cut without waiting for the copies
-# (``Chunk.payload(wait=False)``), each run waiting for its own groups' copies just before its
-# kernel (``run_batch``); and a run's parameters that live on the device start back just after
-# it (``HybridAdam._step``). On a GPU the CPU's Adam then overlaps the rest of the backward and
-# the copies both ways, as torchao's CPUOffloadOptimizer does per parameter, instead of waiting
-# for every gradient before the first update and sending every parameter after the last (the
-# order that left gemini, every optimizer state on the host, at 1.78x torchao's step time in
-# gpu_peers.md). A run under the size is not cut: a fused call costs tens of microseconds, and
-# smaller runs hide less than that. Elementwise arithmetic: the same bits however cut or ordered.
+# A group whose optimizer states live on the host sends its gradients there as soon as its backward is over
+# (``Residency.after_backward``, an asynchronous copy), and the CPU launches the backward's kernels ahead of the GPU,
+# so ``step()`` may begin while the GPU still computes the backward of the first layers (``p.grad`` waits only when
+# torch code touches it: [Note: gradients still crossing to the host] in gemini/engine/grad_views.py). So the host's
+# Adam is one fused call per run of consecutive groups holding at least HOST_BATCH_ELEMENTS, not one per param group;
+# the runs go from the last group to the first (the order a backward finishes them: groups follow the forward's
+# order); their views are cut without waiting for the copies (``Chunk.payload(wait=False)``), each run waiting for its
+# own groups' copies just before its kernel (``run_batch``); and a run's device parameters start back right after it
+# (``HybridAdam._step``). On a GPU the CPU's Adam then overlaps the rest of the backward and the copies both ways, as
+# torchao's CPUOffloadOptimizer does per parameter, instead of waiting for every gradient before the first update.
+# Runs are not cut smaller: a fused call costs tens of microseconds, more than a smaller run hides. Elementwise math
+# gives the same bits however the runs are cut.
 HOST_BATCH_ELEMENTS = 4 << 20  # 16 MiB of fp32
 
 
 def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int, Tier],
                     param_groups: list[dict[str, Any]], *, adamw_mode: bool, loss_scale: float,
                     clip_coef: torch.Tensor | None, keep_grads: bool) -> list[AdamBatch]:
-    """The fused Adam calls over ``groups`` (each updated on ``tiers[g.index]``), with every
-    temporary allocated: one per param group on the device, one per run of at least
-    HOST_BATCH_ELEMENTS on the host (see [Note: host groups updated as their gradients land]).
-    ``keep_grads``: clip into scratch, leaving the gradient chunks as they are (a streamed
+    """The fused Adam calls over ``groups`` (each updated on ``tiers[g.index]``), every temporary allocated: one per
+    param group on the device, one per run of at least HOST_BATCH_ELEMENTS on the host (see [Note: host groups updated
+    as their gradients land]). ``keep_grads``: clip into scratch, leaving the gradient chunks as they are (a streamed
     group's step may be undone and retried)."""
     by_key: dict[tuple[Tier, int], list[ChunkGroup]] = defaultdict(list)
     for g in groups:
@@ -93,8 +86,8 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
                 for members in cuts]
         scratch = max(_scratch_numel(b, keep_grads) for b in runs)
         if scratch:
-            # bf16/fp16 gradients become fp32 one tensor at a time, so the update holds at most
-            # one tensor of fp32 scratch (it may be on the device), shared by the runs in turn.
+            # bf16/fp16 gradients become fp32 one tensor at a time: at most one tensor of fp32 scratch (maybe on
+            # the device), shared by the runs in turn.
             with _quiet(rt, tier):
                 shared = torch.empty(scratch, dtype=torch.float32, device=rt.storage.tier_device(tier))
             for b in runs:
@@ -104,15 +97,15 @@ def prepare_batches(rt: GeminiRuntime, groups: list[ChunkGroup], tiers: dict[int
 
 
 def _scratch_numel(batch: AdamBatch, keep_grads: bool) -> int:
-    """The fp32 room ``batch`` needs for one gradient at a time: low-precision gradients, or
-    any one clipped aside (``keep_grads``); 0 when none."""
+    """The fp32 room ``batch`` needs for one gradient at a time (low-precision, or clipped aside under
+    ``keep_grads``); 0 when none."""
     low = [t.numel() for t in batch.grads if t.dtype != torch.float32 or (keep_grads and batch.coef is not None)]
     return max(low, default=0)
 
 
 def _host_runs(members: list[ChunkGroup], min_elements: int) -> list[list[ChunkGroup]]:
-    """``members`` cut into runs of consecutive groups holding at least ``min_elements`` each
-    (the last run takes what is left under the size)."""
+    """``members`` cut into runs of consecutive groups holding at least ``min_elements`` each (the last run takes
+    what is left)."""
     runs: list[list[ChunkGroup]] = [[]]
     held = 0
     for g in members:
@@ -126,8 +119,8 @@ def _host_runs(members: list[ChunkGroup], min_elements: int) -> list[list[ChunkG
 
 def _prepare(rt: GeminiRuntime, tier: Tier, members: list[ChunkGroup], hp: dict[str, Any], *, adamw_mode: bool,
              scalars: tuple[torch.Tensor | None, torch.Tensor | None]) -> AdamBatch:
-    """One batch over ``members`` on ``tier``; ``scalars``: (the loss scale, the clipping
-    coefficient) on the tier's device, or None."""
+    """One batch over ``members`` on ``tier``; ``scalars``: (loss scale, clipping coefficient) on the tier's device,
+    or None."""
     batch = AdamBatch(tier=tier, members=members)
     batch.grad_scale, batch.coef = scalars
     with _quiet(rt, tier):  # the host's step counts: see [Note: step counts are where the states are]
@@ -140,15 +133,12 @@ def _prepare(rt: GeminiRuntime, tier: Tier, members: list[ChunkGroup], hp: dict[
 
 
 # [Note: step counts are where the states are]
-# Adam's step counts (``ChunkGroup.steps``, a small tensor per group) live with the group's
-# optimizer states. On the CPU stand-in a tensor-accounting monitor counts, for good, every
-# device-type storage an operator touches while it runs; host-tier step counts are CPU tensors
-# too, so every operator on them (indexing, the increment, the uniformity check, the step's
-# copy aside) runs quiet, as host-tier payloads do, and those on the device tier are counted
-# from the first window on (``gemini.engine.memory.model_tensors_on``). Counted only once the first
-# step touched them, they were missing from the first iteration's peak and present in every
-# later one (see [Note: what every step keeps is there from the first] in
-# gemini/engine/residency.py).
+# Adam's step counts (``ChunkGroup.steps``, a small tensor per group) live with the group's optimizer states. On the
+# CPU stand-in the accounting monitor counts for good every device-type storage an operator touches, and host-tier
+# step counts are CPU tensors too, so every operator on them (indexing, increment, uniformity check, copy aside) runs
+# quiet, as host-tier payloads do. Device-tier ones are counted from the first window on
+# (``gemini.engine.memory.model_tensors_on``), so the first iteration's peak has them as every later one does (see
+# [Note: what every step keeps is there from the first] in gemini/engine/residency.py).
 def _add_member(batch: AdamBatch, g: ChunkGroup, tier: Tier) -> None:
     """``g``'s tensors and step counts into ``batch``, updated on ``tier``."""
     master = g.master_chunk
@@ -178,11 +168,10 @@ class AdamClock:
     """Seconds in the Adam kernels, per tier of the update.
 
     [Note: both halves of a hybrid step at once]
-    On CUDA the device's fused Adam is launched, not waited for: the step runs the device
-    batches first (``device_first``), and the host's kernels then run on the CPU while the
-    GPU is still busy with them, so a hybrid step costs about the longer half, not the sum.
-    The device half is timed by CUDA events, read once at the end of the step (:meth:`seconds`);
-    the host half, and every batch on the CPU stand-in, by the clock around the call.
+    On CUDA the device's fused Adam is launched, not waited for: the step runs the device batches first
+    (``device_first``) and the host's kernels then run on the CPU while the GPU is busy, so a hybrid step costs about
+    the longer half, not the sum. The device half is timed by CUDA events, read once at the end of the step
+    (:meth:`seconds`); the host half, and every batch on the CPU stand-in, by the clock around the call.
     """
 
     def __init__(self) -> None:
@@ -248,8 +237,8 @@ def run_batch(rt: GeminiRuntime, batch: AdamBatch, clock: AdamClock) -> None:
 
 
 def recheck_uniform(rt: GeminiRuntime, batch: AdamBatch) -> None:
-    """A group stepped in parts may have become uniform. Reading that waits for the kernel: on
-    CUDA, done once every batch is launched (see [Note: both halves of a hybrid step at once])."""
+    """A group stepped in parts may have become uniform. Reading that waits for the kernel: on CUDA, done once every
+    batch is launched (see [Note: both halves of a hybrid step at once])."""
     whole = set(batch.whole)
     with _quiet(rt, batch.tier):  # see [Note: step counts are where the states are]
         for g in batch.members:

@@ -1,8 +1,7 @@
 """Global gradient-norm clipping over chunk groups, with ``torch.nn.utils.clip_grad_norm_``'s arithmetic.
 
-Used by the optimizer's step (``GeminiConfig.clip_grad_norm``) and by
-``GeminiModel.clip_grad_norm_`` (the FSDP-style call a training loop makes between backward
-and step).
+Used by the optimizer's step (``GeminiConfig.clip_grad_norm``) and by ``GeminiModel.clip_grad_norm_`` (the FSDP-style
+call between backward and step).
 """
 
 from __future__ import annotations
@@ -24,15 +23,14 @@ CLIP_EPS = 1e-6
 
 def grad_norm(groups: Sequence[ChunkGroup], tiers: dict[int, Tier], param_order: dict[int, int], *,
               zero: Collectives | None = None, norm_type: float = 2.0) -> torch.Tensor:
-    """The ``norm_type`` norm (fp32, on the first gradient's device) of every gradient that
-    arrived since zero_grad, as stored (loss-scaled under fp16: divide by the scale).
+    """The ``norm_type`` norm (fp32, on the first gradient's device) of every gradient that arrived since zero_grad,
+    as stored (loss-scaled under fp16: divide by the scale).
 
     [Note: clipping like torch]
-    torch.nn.utils.clip_grad_norm_ takes one norm per parameter, in the model's parameter
-    order, and the norm of those. Doing the same (rather than one norm per chunk) costs
-    nothing extra and keeps results bit-identical to plain PyTorch: gradients that are
-    rounding noise (a key projection's bias has a zero gradient in exact arithmetic) would
-    otherwise differ in every bit and Adam would amplify the difference.
+    torch.nn.utils.clip_grad_norm_ takes one norm per parameter, in the model's parameter order, and the norm of
+    those. Doing the same (not one norm per chunk) costs nothing and keeps results bit-identical to PyTorch: gradients
+    that are rounding noise (a key projection's bias, zero in exact arithmetic) would otherwise differ in every bit,
+    and Adam would amplify the difference.
     """
     norm_type = float(norm_type)
     if zero is not None:  # over every rank's shards: the same on all ranks
@@ -62,8 +60,8 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None
 
 
 def scale_grads_(groups: Sequence[ChunkGroup], tiers: dict[int, Tier], coef: torch.Tensor) -> None:
-    """Multiply every stored gradient by ``coef`` in place (padding and slots without a
-    gradient hold zeros or are overwritten before they are read, so whole chunks are scaled)."""
+    """Multiply every stored gradient by ``coef`` in place (whole chunks: padding and slots without a gradient hold
+    zeros or are overwritten before they are read)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in groups:
         c = g.step_grad
@@ -75,11 +73,11 @@ def scale_grads_(groups: Sequence[ChunkGroup], tiers: dict[int, Tier], coef: tor
 
 
 def clip_model_grad_norm_(rt: GeminiRuntime, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``GeminiModel.clip_grad_norm_``: the total norm of the gradients in ``rt``'s chunks (of the
-    unscaled ones under fp16), and, above ``max_norm``, every gradient scaled down in place."""
+    """``GeminiModel.clip_grad_norm_``: the total norm of the gradients in ``rt``'s chunks (unscaled under fp16);
+    above ``max_norm``, every gradient is scaled down in place."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
         raise ValueError(f"max_norm={max_norm!r} is invalid: expected a number >= 0")
-    if rt.scaler is not None:  # fp16: a pass not through optimizer.backward would give a norm 65536x too small
+    if rt.scaler is not None:  # fp16: an unscaled pass's norm would be divided by a scale it never had
         rt.scaler.refuse_unscaled(rt.grads_cleared_at_pass)
     rt.grad_views.hide()  # what torch code did to p.grad counts
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """The param groups ``gemini.initialize`` takes, checked and split: torch-style groups for
-:class:`~gemini.optim.hybrid_adam.HybridAdam` and the trainable parameters of each, in the model's
-order, for the chunk layout (what the groups may become afterwards: :mod:`gemini.optim.param_groups`)."""
+:class:`~gemini.optim.hybrid_adam.HybridAdam`, and the trainable parameters of each in model order for the chunk
+layout (what the groups may become afterwards: :mod:`gemini.optim.param_groups`)."""
 
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ def split_param_groups(model: nn.Module, param_groups):
         specs: list[dict[str, Any]] = [{"params": [p for _, p in named]}]
     else:
         specs = _validate_group_specs(param_groups, order, name_of)
-        # The trainable parameters no group lists get one of their own; frozen ones none: as a torch
-        # optimizer built from the trainable parameters only (a LoRA recipe), whose checkpoints
-        # then load here and this optimizer's into it. They are in chunks all the same.
+        # Trainable parameters no group lists get a group of their own, frozen ones none: as a torch optimizer built
+        # from the trainable parameters only (a LoRA recipe), so checkpoints load both ways. All are in chunks.
         listed = {p for spec in specs for p in spec["params"]}
         rest = [p for _, p in named if p not in listed and p.requires_grad]
         if rest:
@@ -112,13 +111,10 @@ def _validate_group_specs(param_groups, order, name_of) -> list[dict[str, Any]]:
 
 
 # [Note: the keys of a param group]
-# torch keeps whatever keys a param group has: a name for logging, a recipe's "lr_scale" or
-# "layer_id" read by the user's own scheduler, "initial_lr" from a scheduler, torch's own flags
-# (amsgrad=False, foreach=None) in groups copied from a torch optimizer. So does gemini (refused,
-# such groups failed at initialize while the same keys set afterwards were kept). Two kinds are
-# refused: torch's flags that ask for math the update lacks (check_flags), and a key a letter or
-# two from a hyperparameter ("weight_decy") or another library's name for one ("epsilon"),
-# which torch would keep and ignore without a word.
+# torch keeps whatever keys a param group has (a name for logging, a recipe's "lr_scale" read by the user's scheduler,
+# "initial_lr", torch's own flags in groups copied from a torch optimizer), and so does gemini. Two kinds are refused:
+# torch's flags that ask for math the update lacks (check_flags), and a key a letter or two from a hyperparameter
+# ("weight_decy") or another library's name for one ("epsilon"), which torch would keep and silently ignore.
 def _refuse_misspelt_keys(spec: dict[str, Any], index: int) -> None:
     for key in spec:
         if key == "params" or key in _HYPERPARAMETERS or not isinstance(key, str):
@@ -131,9 +127,8 @@ def _refuse_misspelt_keys(spec: dict[str, Any], index: int) -> None:
 
 
 def _warn_mixed_dtypes(named: list[tuple[str, nn.Parameter]]) -> None:
-    """Chunks hold one dtype (GeminiConfig.precision's): a model whose parameters have several
-    (an fp16 part in an fp32 model) gets them all in that one, and a forward that relied on the
-    others may then fail with torch's dtype mismatch; say where it comes from."""
+    """Chunks hold one dtype (GeminiConfig.precision's): a model with several (an fp16 part in an fp32 model) gets
+    all in that one, and a forward relying on the others may fail with a dtype mismatch; warn where it comes from."""
     first: dict[torch.dtype, tuple[str, int]] = {}
     for n, p in named:
         name, count = first.get(p.dtype, (n, 0))

@@ -1,10 +1,9 @@
 """`HybridAdam`: Adam/AdamW over chunk groups, each updated on the tier where its states lie.
 
-The optimizer owns the update of values: the step's phases over the chunk groups, the param
-groups and the state_dict API. What a step means to the engine (the end of the warm-up, the
-budget check, ZeRO's gathers, the report) is the runtime's (``GeminiRuntime.begin_step`` and
-what follows); the fused Adam calls are in ``adam_batches``, the checkpoint formats in
-``state_dict``, fp16's checks in ``loss_scaler``.
+The optimizer owns the update of values: the step's phases over the chunk groups, the param groups and the state_dict
+API. What a step means to the engine (end of the warm-up, budget check, ZeRO's gathers, the report) is the runtime's
+(``GeminiRuntime.begin_step`` and what follows); the fused Adam calls are in ``adam_batches``, the checkpoint formats
+in ``state_dict``, fp16's checks in ``loss_scaler``.
 """
 
 from __future__ import annotations
@@ -44,11 +43,10 @@ __all__ = ["HybridAdam"]
 class HybridAdam(NotCopyable, torch.optim.Optimizer):
     """Adam / AdamW whose parameters, gradients and states live in chunks.
 
-    A ``torch.optim.Optimizer``, so learning-rate schedulers work on ``param_groups``; but
-    the parameters' gradients are kept in gradient chunks (``p.grad`` is a view of them after
-    backward), and the state lives in the chunk groups rather than ``self.state`` (read one
-    parameter's with ``param_state(p)``). ``state_dict()`` has
-    ``torch.optim.AdamW``'s format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``).
+    A ``torch.optim.Optimizer``, so learning-rate schedulers work on ``param_groups``; but gradients are kept in
+    gradient chunks (``p.grad`` is a view of them after backward), and the state lives in the chunk groups, not
+    ``self.state`` (read one parameter's with ``param_state(p)``). ``state_dict()`` has ``torch.optim.AdamW``'s
+    format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``).
     """
 
     _copied_as = "optimizer"  # NotCopyable's messages
@@ -76,9 +74,9 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         self.report: MemoryReport | None = None
         self.reports_made = 0
         self._step_started = time.perf_counter()
-        # The NVMe files hold the only copy of the optimizer's states and, under bf16/fp16, of the
-        # masters the model's state_dict reads: they go with the runtime, which the model (through
-        # its hooks) and this optimizer both hold, or at close().
+        # The NVMe files hold the only copy of the optimizer's states and, under bf16/fp16, of the masters the
+        # model's state_dict reads: they go with the runtime (held by the model's hooks and by this optimizer), or
+        # at close().
         self._finalizer = runtime.closer()
 
     # ------------------------------------------------------------------------------- API
@@ -88,20 +86,19 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
 
     @property
     def timeline(self) -> WarmupTimeline | None:
-        """The warm-up's per-period timeline in force (placement="auto", after the first step):
-        each period's non-model peak and chunk groups, against the budget and reserve. The
-        report of the step that ended the warm-up carries the same in ``report.timeline``."""
+        """The warm-up's per-period timeline in force (placement="auto", after the first step): each period's
+        non-model peak and chunk groups, against the budget and reserve (also ``report.timeline`` of the step that
+        ended the warm-up)."""
         plan = self._rt.plan
         return plan.timeline() if plan is not None else None
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool | None = None,
                  inputs: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
-        """``loss.backward(retain_graph=..., inputs=...)``, with the loss scaled under fp16; out
-        of the device budget, a ``DeviceBudgetError`` saying what is missing (as the model's
-        forward does). Parameters among ``inputs`` are given to autograd as the graph's own
-        accumulators of them, which a GPU's moves of ``p.data`` leave torch unable to find from
-        ``p`` (see ``graph_inputs``). (``create_graph`` through the parameters is not supported:
-        see README's input gradients.)"""
+        """``loss.backward(retain_graph=..., inputs=...)``, with the loss scaled under fp16; out of the device budget,
+        a ``DeviceBudgetError`` saying what is missing (as the model's forward does). Parameters among ``inputs`` are
+        given to autograd as the graph's own accumulators of them, which torch cannot find from ``p`` once ``p.data``
+        has moved (see ``graph_inputs``). ``create_graph`` through the parameters is not supported (README's input
+        gradients)."""
         if inputs is not None:  # the graph's own accumulators of parameters (see graph_inputs)
             inputs = graph_inputs(loss, [inputs] if isinstance(inputs, torch.Tensor) else list(inputs),
                                   [p for g in self._rt.manager.trainable_groups for p in g.params])
@@ -109,11 +106,9 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
             self.scaled_backwards.backward(loss, retain_graph=retain_graph, inputs=inputs)
 
     def param_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What ``optimizer.state[param]`` holds in ``torch.optim.AdamW``: ``step``, ``exp_avg`` and
-        ``exp_avg_sq``, as copies on the CPU (empty before the parameter's first step, or for a
-        frozen one). The states live in chunks, so writing into these changes nothing: use
-        ``load_state_dict``. Under ZeRO a collective (the group's ranges are gathered): every rank
-        calls it."""
+        """What ``optimizer.state[param]`` holds in ``torch.optim.AdamW``: ``step``, ``exp_avg`` and ``exp_avg_sq``,
+        as CPU copies (empty before the parameter's first step, or if frozen). Writing into them changes nothing: use
+        ``load_state_dict``. Under ZeRO a collective (the group's ranges are gathered): every rank calls it."""
         try:
             return formats.param_state(self._rt, param)
         except KeyError:
@@ -121,8 +116,8 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
                            f"of this optimizer's model") from None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Only ``torch.optim.Optimizer.__init__`` adds groups (those ``gemini.initialize`` made);
-        later a ``ValueError``: see [Note: param groups are fixed at initialize]."""
+        """Only ``torch.optim.Optimizer.__init__`` adds groups (those ``gemini.initialize`` made); later a
+        ``ValueError``: see [Note: param groups are fixed at initialize]."""
         if "_layout" not in self.__dict__:
             super().add_param_group(param_group)
             return
@@ -133,17 +128,16 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
             f"outside the model part of it (e.g. an nn.Parameter attribute of a submodule), then initialize again")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the accumulated gradients (the gradient chunks' storage is kept for reuse);
-        ``model.zero_grad()`` does the same."""
+        """Forget the accumulated gradients (the chunks' storage is kept for reuse); as ``model.zero_grad()``."""
         self._rt.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Adam step over every chunk group with gradients: all or nothing (see [Note: a step
-        is all or nothing] in gemini/engine/transaction.py). If it raises, parameters, m, v, step counts
-        and the loss scale are as before the call, and calling it again once the cause is fixed
-        gives the uninterrupted result. A Ctrl-C once the in-memory update has begun is raised
-        when the step has completed, saying so ([Note: Ctrl-C during the in-memory update])."""
+        """One Adam step over every chunk group with gradients, all or nothing (see [Note: a step is all or nothing]
+        in gemini/engine/transaction.py). If it raises, parameters, m, v, step counts and the loss scale are as before
+        the call, and calling it again once the cause is fixed gives the uninterrupted result. A Ctrl-C once the
+        in-memory update has begun is raised when the step has completed, saying so ([Note: Ctrl-C during the
+        in-memory update] in gemini/engine/interrupts.py)."""
         self._check_param_groups()  # before the closure: a refused step does no work
         loss = None
         if closure is not None:
@@ -176,14 +170,14 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         return loss
 
     def close(self) -> None:
-        """Delete the NVMe files (states only there are gone) and stop the I/O threads; also done when
-        the optimizer and the model are both garbage-collected, and at interpreter exit."""
+        """Delete the NVMe files (states only there are gone) and stop the I/O threads; also done when the optimizer
+        and the model are both garbage-collected, and at interpreter exit."""
         self._finalizer()
 
     # ------------------------------------------------------------------------- internals
     def _check_param_groups(self) -> None:
-        """O(param groups), at every step: the groups hold the parameters ``initialize`` gave them
-        and ask for no math the update lacks (see [Note: param groups are fixed at initialize])."""
+        """O(param groups), at every step: the groups hold the parameters ``initialize`` gave them and ask for no math
+        the update lacks (see [Note: param groups are fixed at initialize])."""
         self._layout.check(self.param_groups)
         check_frozen(self._rt.manager.groups)
         check_flags(self.param_groups, where="optimizer.param_groups",
@@ -192,8 +186,7 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
                                 advice=f"set it to {self.adamw_mode} or delete it (the step was not taken)")
 
     def _step(self, tx: StepTransaction, interrupt: HeldInterrupt) -> StepOutcome:
-        """The step's phases 1-3 of [Note: a step is all or nothing]; ``interrupt`` holds Ctrl-C
-        from phase 3 on."""
+        """The step's phases 1-3 of [Note: a step is all or nothing]; ``interrupt`` holds Ctrl-C from phase 3 on."""
         rt = self._rt
         zero = rt.zero
         if zero is not None:
@@ -213,8 +206,8 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         if rt.config.clip_grad_norm > 0 or self.scaler is not None:
             with trace_range("gemini::grad_norm"):
                 norm = grad_norm(groups, tiers, rt.param_order, zero=zero) / scale
-        # A step without gradients (before any backward, after a NaN guard skipped one) is a
-        # no-op: it counted as a good step, and growth_interval of them grew the scale.
+        # A step without gradients (before any backward, after a NaN guard skipped one) is a no-op for the scaler:
+        # counted as good steps, growth_interval of them would grow the scale.
         overflow = update_scale(self.scaler, norm, tx) if groups else False
         clock = AdamClock()
         norm_value = None if norm is None else norm.item()
@@ -257,8 +250,8 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         for batch in batches:
             run_batch(rt, batch, clock)
             if batch.tier is Tier.HOST and zero is None:
-                # This run's parameters start back now, under the next run's CPU work ([Note: host
-                # groups updated as their gradients land]); ZeRO's first gather all ranks' ranges.
+                # This run's parameters start back now, under the next run's CPU work ([Note: host groups updated as
+                # their gradients land]); not under ZeRO, whose parameters first need all ranks' updated ranges.
                 with trace_range("gemini::params_from_masters"):
                     for g in batch.members:
                         rt.residency.after_step(g)
@@ -274,9 +267,9 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
 
     @staticmethod
     def _changed_in_memory(g: ChunkGroup) -> tuple[Chunk, int, int]:
-        """(chunk, first element, elements) that a streamed group's update changes in memory:
-        the parameters it holds (under fp32 the masters themselves; under bf16/fp16 the copy
-        cast from the masters, which are on NVMe), this rank's range only under ZeRO-1/2."""
+        """(chunk, first element, elements) a streamed group's update changes in memory: its parameters (under fp32
+        the masters themselves; under bf16/fp16 the copy cast from the masters on NVMe), this rank's range only under
+        ZeRO-1/2."""
         if g.param_shard is not None:
             return g.param_shard, 0, g.param_shard.used_numel
         if g.shard is not None:
@@ -311,9 +304,9 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format: per-parameter step / exp_avg / exp_avg_sq, on the CPU.
 
-        Under ZeRO this is the consolidated state (every rank's shards gathered): call it on
-        every rank. It loads into any number of ranks, or into a plain ``torch.optim.AdamW``.
-        Hooks registered with ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch.
+        Under ZeRO this is the consolidated state (every rank's shards gathered): call it on every rank. It loads into
+        any number of ranks, or into a plain ``torch.optim.AdamW``. Hooks registered with
+        ``register_state_dict_pre_hook`` / ``_post_hook`` run as in torch.
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # torch's hooks, as its state_dict runs them
             pre_hook(self)
@@ -324,10 +317,10 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load ``state_dict()``'s format, or a ``torch.optim.AdamW`` / ``Adam`` state whose flags
-        this update implements (``ValueError`` for amsgrad, maximize, ... set, before any change).
-        Hooks registered with ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as torch's
-        own ``load_state_dict`` runs them (a pre-hook gets a shallow copy and may return another)."""
+        """Load ``state_dict()``'s format, or a ``torch.optim.AdamW`` / ``Adam`` state whose flags this update
+        implements (``ValueError`` for amsgrad, maximize, ... set, before any change). Hooks registered with
+        ``register_load_state_dict_pre_hook`` / ``_post_hook`` run as in torch (a pre-hook gets a shallow copy and
+        may return another)."""
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = _hook_result(pre_hook(self, state_dict), state_dict)
@@ -347,21 +340,21 @@ class HybridAdam(NotCopyable, torch.optim.Optimizer):
         formats.check_full_state_dict(self._rt, self.param_groups, state_dict)
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's part of the training state, with no communication: per chunk group this
-        rank's range of the fp32 masters (frozen groups too) and, for trainable groups, of m and
-        v, with the step counts. Loads (``load_sharded_state_dict``) only into the same world
-        size, rank and chunk layout; use ``state_dict()`` to change them."""
+        """This rank's part of the training state, with no communication: per chunk group this rank's range of the
+        fp32 masters (frozen groups too) and, for trainable groups, of m and v, with the step counts. Loads
+        (``load_sharded_state_dict``) only into the same world size, rank and chunk layout; use ``state_dict()`` to
+        change them."""
         return formats.sharded_state_dict(self._rt, self._hyper_state())
 
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``sharded_state_dict`` saved on this rank: masters (so the parameters too),
-        m, v and step counts. A collective under ZeRO-1/2 (the parameters are all-gathered)."""
+        """Restore what ``sharded_state_dict`` saved on this rank: masters (so the parameters too), m, v and step
+        counts. A collective under ZeRO-1/2 (the parameters are all-gathered)."""
         with LoadTransaction(self._rt) as tx:  # all or nothing: [Note: a load is all or nothing]
             self._load_sharded(state_dict, tx)
 
     def fits_sharded_state_dict(self, state_dict: dict[str, Any]) -> bool:
-        """Whether ``state_dict`` (``sharded_state_dict``'s) was saved with this run's ranks,
-        precision and chunk layout, so that it loads as it is."""
+        """Whether ``state_dict`` (``sharded_state_dict``'s) was saved with this run's ranks, precision and chunk
+        layout, so that it loads as it is."""
         return formats.same_layout(self._rt, state_dict)
 
     def check_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -18,15 +18,13 @@ __all__ = ["DynamicLossScaler", "ScaledBackwards", "loss_scaler_for", "update_sc
 
 @dataclass(kw_only=True)
 class DynamicLossScaler:
-    """Multiplies the loss so fp16 gradients neither underflow nor overflow.
+    """Multiplies the loss so fp16 gradients neither underflow nor overflow. Every overflow skips its step.
 
-    Every overflow skips its step.
-
-    [Note: hysteresis] The scale backs off only after
-    ``hysteresis`` overflows since the last growth (Megatron-LM's and DeepSpeed's rule), so one
-    stray spike does not halve the scale; a growth restores the full allowance. After
-    ``growth_interval`` consecutive good steps the scale grows, capped at ``max_scale``; it
-    never backs off below ``min_scale``.
+    [Note: hysteresis]
+    The scale backs off only after ``hysteresis`` overflows since the last growth (Megatron-LM's and DeepSpeed's
+    rule), so one stray spike does not halve the scale; a growth restores the full allowance. After
+    ``growth_interval`` consecutive good steps the scale grows, capped at ``max_scale``; it never backs off below
+    ``min_scale``.
     """
 
     initial_scale: float = 2.0**16
@@ -73,11 +71,10 @@ def loss_scaler_for(config: GeminiConfig) -> DynamicLossScaler | None:
     return DynamicLossScaler(**{f.name: getattr(config, f.name) for f in fields(DynamicLossScaler)})
 
 class ScaledBackwards:
-    """Under fp16 the step divides the gradients by the loss scale, so a backward pass that did
-    not go through ``optimizer.backward(loss)`` (an unscaled loss) would be silently wrong. This
-    records which of the hooks' backward passes ran scaled; each step checks that every pass
-    since the last step and the last ``zero_grad`` (which forgets the gradients of the passes
-    before it, scaled or not) was one of them."""
+    """Under fp16 the step divides the gradients by the loss scale, so a backward pass not through
+    ``optimizer.backward(loss)`` (an unscaled loss) would be silently wrong. This records which of the hooks' backward
+    passes ran scaled; each step checks that every pass since the last step and the last ``zero_grad`` (which forgets
+    earlier passes' gradients, scaled or not) was one of them."""
 
     def __init__(self, scaler: DynamicLossScaler | None, passes: Callable[[], int]) -> None:
         self._scaler = scaler
@@ -86,8 +83,7 @@ class ScaledBackwards:
         self._passes_at_step = 0
 
     def backward(self, loss: torch.Tensor, **backward_args: Any) -> None:
-        """``loss.backward(**backward_args)``, with ``loss`` scaled under fp16; the passes it
-        ran are recorded as scaled."""
+        """``loss.backward(**backward_args)``, with ``loss`` scaled under fp16; its passes are recorded as scaled."""
         if self._scaler is None:
             loss.backward(**backward_args)
             return
@@ -105,9 +101,8 @@ class ScaledBackwards:
         return self._scaler.scale
 
     def refuse_unscaled(self, cleared_at_pass: int) -> None:
-        """Raise if a pass whose gradients a step or ``model.clip_grad_norm_`` would use was not
-        scaled (the norm of such gradients, divided by the scale, came out 65536 times too
-        small). ``cleared_at_pass``: the pass count at the last ``zero_grad``."""
+        """Raise if a pass whose gradients a step or ``model.clip_grad_norm_`` would use was not scaled (they would be
+        divided by a scale they never had). ``cleared_at_pass``: the pass count at the last ``zero_grad``."""
         now = self._passes()
         since = max(self._passes_at_step, cleared_at_pass)
         unscaled = (now - since) - sum(n > since for n in self._scaled)
@@ -120,8 +115,8 @@ class ScaledBackwards:
             )
 
     def check(self, cleared_at_pass: int, tx: StepTransaction) -> None:
-        """Raise as :meth:`refuse_unscaled` does, before any change; then start a new count at this
-        step (undone with ``tx``)."""
+        """Raise as :meth:`refuse_unscaled` does, before any change; then start a new count at this step (undone with
+        ``tx``)."""
         self.refuse_unscaled(cleared_at_pass)
         saved = (self._passes_at_step, self._scaled)
 
@@ -133,8 +128,8 @@ class ScaledBackwards:
 
 
 def update_scale(scaler: DynamicLossScaler | None, norm: torch.Tensor | None, tx: StepTransaction) -> bool:
-    """Account for this step's gradients (``norm``: their unscaled norm, given under fp16) in the
-    scaler, undone with ``tx``; returns whether they overflowed (the step is then skipped)."""
+    """Account for this step's gradients (``norm``: their unscaled norm, given under fp16) in the scaler, undone with
+    ``tx``; returns whether they overflowed (the step is then skipped)."""
     if scaler is None:
         return False
     overflow = not math.isfinite(norm.item())

@@ -1,17 +1,16 @@
 """What ``HybridAdam.param_groups`` may and may not become after ``gemini.initialize``.
 
 [Note: param groups are fixed at initialize]
-``initialize`` lays the parameters out in chunk groups by param group (each chunk group records
-the index of its param group), so which parameters a group holds, and how many groups there are,
-cannot change afterwards: a parameter added later has no chunk to be updated in, and one removed
-would still be updated by its chunk group. The hyperparameters can change at any time (learning
-rate schedulers edit ``lr`` and ``betas``), since every step reads them afresh. Neither can the
-flags of ``torch.optim.Adam`` / ``AdamW`` that ask for math the fused update (adam.py) does not
-do, nor ``decoupled_weight_decay`` against ``adamw_mode`` (one kind of weight decay per optimizer):
-a step honouring none of them would train differently from torch without a word.
+``initialize`` lays the parameters out in chunk groups by param group (each chunk group records its param group's
+index), so which parameters a group holds, and how many groups there are, cannot change afterwards: a parameter added
+later has no chunk to be updated in, and one removed would still be updated by its chunk group. Hyperparameters may
+change at any time (schedulers edit ``lr`` and ``betas``): every step reads them afresh. Refused too are the flags of
+``torch.optim.Adam`` / ``AdamW`` that ask for math the fused update (adam.py) lacks, and a ``decoupled_weight_decay``
+against ``adamw_mode`` (one kind of weight decay per optimizer): a step ignoring them would silently train differently
+from torch.
 
-The checks here run at every step, so they cost O(number of param groups): the parameter lists
-are compared element by element only when a list is not the one ``initialize`` gave.
+The checks run at every step, so they cost O(param groups): parameter lists are compared element by element only when
+a list is not the one ``initialize`` gave.
 """
 
 from __future__ import annotations
@@ -21,15 +20,12 @@ from typing import Any
 
 __all__ = ["TORCH_FLAGS", "UNSUPPORTED_FLAGS", "GroupLayout", "check_flags", "check_frozen", "check_weight_decay_mode"]
 
-# torch.optim.Adam / AdamW options adam.py's update has no counterpart for (it passes them as
-# False): truthy, each would change the result (capturable and differentiable the graph or device
-# placement it is computed under). False or None, as torch writes them by default, are harmless.
+# torch.optim.Adam / AdamW options adam.py's update passes as False: truthy, each would change the result (capturable
+# and differentiable, the graph or device it is computed under). False or None, torch's defaults, are harmless.
 UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
-# The flag keys torch.optim.AdamW's param groups carry, as what gemini's update does: HybridAdam's
-# groups carry them too. ``fused`` chooses torch's kernel, and gemini's update is the fused one's
-# bits (gemini/optim/adam.py): with ``fused=None`` a torch AdamW(fused=True) loading the state took
-# None over its own True and went on with the foreach kernel, 1e-4 off the uninterrupted run after
-# two steps (torch's load_state_dict keeps the saved group's flags).
+# The flag keys torch.optim.AdamW's param groups carry, set to what gemini's update does. ``fused=True`` because the
+# update is the fused kernel's bits (adam.py), and torch's load_state_dict keeps the saved group's flags: a torch
+# AdamW(fused=True) loading ``fused=None`` would switch to the foreach kernel and drift from the uninterrupted run.
 TORCH_FLAGS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=True)
 
 _FIXED = ("the parameters of each param group are fixed at gemini.initialize (their chunks are laid out by "
@@ -37,8 +33,8 @@ _FIXED = ("the parameters of each param group are fixed at gemini.initialize (th
 
 
 def check_flags(groups: Sequence[dict[str, Any]], *, where: str, advice: str) -> None:
-    """Raise ``ValueError`` naming the first group of ``groups`` that sets an unsupported flag
-    truthy; ``where`` names the groups in the message (``"optimizer.param_groups"``)."""
+    """Raise ``ValueError`` naming the first group of ``groups`` that sets an unsupported flag truthy; ``where`` names
+    the groups in the message (``"optimizer.param_groups"``)."""
     for i, group in enumerate(groups):
         for key in UNSUPPORTED_FLAGS:
             value = group.get(key)
@@ -50,10 +46,9 @@ def check_flags(groups: Sequence[dict[str, Any]], *, where: str, advice: str) ->
 
 def check_weight_decay_mode(groups: Sequence[dict[str, Any]], *, adamw_mode: bool, where: str, advice: str,
                             saved_mode: bool | None = None) -> None:
-    """Raise ``ValueError`` naming the first group that asks for the other weight decay than
-    ``adamw_mode``'s where that changes the math (its weight_decay is not 0). torch.optim.Adam's
-    groups say ``decoupled_weight_decay=False``, AdamW's True (torch follows a loaded group's
-    value); gemini's own states say ``adamw_mode`` once, ``saved_mode`` here."""
+    """Raise ``ValueError`` naming the first group that asks for the other weight decay than ``adamw_mode``'s where
+    that changes the math (weight_decay not 0). torch.optim.Adam's groups say ``decoupled_weight_decay=False``, AdamW's
+    True (torch follows a loaded group's value); gemini's own states say ``adamw_mode`` once, ``saved_mode`` here."""
     key = "decoupled_weight_decay"
     for i, group in enumerate(groups):
         mode = group.get(key, saved_mode)
@@ -66,9 +61,8 @@ def check_weight_decay_mode(groups: Sequence[dict[str, Any]], *, adamw_mode: boo
 
 
 def check_frozen(chunk_groups: Sequence[Any]) -> None:
-    """Parameters frozen at initialize have no gradient chunk nor optimizer states: one made
-    trainable since would be trained by torch and silently not by the step (``chunk_groups``:
-    the manager's, whose ``trainable`` is False for the frozen ones)."""
+    """Parameters frozen at initialize have no gradient chunk nor optimizer states: one made trainable since would be
+    silently not stepped (``chunk_groups``: the manager's, ``trainable`` False for the frozen ones)."""
     for g in chunk_groups:
         if not g.trainable:
             for slot, p in zip(g.slots, g.params):
@@ -85,14 +79,13 @@ def _decay_kind(decoupled: bool) -> str:
 
 
 class GroupLayout:
-    """The parameters of each param group as ``initialize`` gave them, to tell cheaply that
-    ``optimizer.param_groups`` still holds exactly those (see [Note: param groups are fixed at
-    initialize])."""
+    """The parameters of each param group as ``initialize`` gave them, to tell cheaply that ``optimizer.param_groups``
+    still holds exactly those (see [Note: param groups are fixed at initialize])."""
 
     def __init__(self, param_groups: Sequence[dict[str, Any]]) -> None:
         self._params = [tuple(hp["params"]) for hp in param_groups]
-        # The list objects themselves: a group still holding its list at its length has had nothing
-        # removed or appended (an element replaced in place, which the step doesn't compare, aside).
+        # The list objects themselves: a group still holding its list at its length had nothing removed or appended
+        # (an element replaced in place is not caught by this cheap test).
         self._lists = [hp["params"] for hp in param_groups]
 
     def check(self, param_groups: Sequence[dict[str, Any]]) -> None:

@@ -1,15 +1,13 @@
 """HybridAdam's two checkpoint formats, as functions over the runtime's chunk groups.
 
-- **Full** (``state_dict`` / ``load_state_dict``): ``torch.optim.AdamW``'s format, per parameter
-  ``step``, ``exp_avg``, ``exp_avg_sq`` on the CPU. Under ZeRO it is consolidated (a collective),
-  so it loads into any number of ranks, or into a plain ``torch.optim.AdamW``.
-- **Sharded** (``sharded_state_dict`` / ``load_sharded_state_dict``): this rank's ranges of the
-  chunks as they are, with no communication; it loads only into the same layout, which its
-  ``layout`` signature records.
+- **Full** (``state_dict`` / ``load_state_dict``): ``torch.optim.AdamW``'s format, per parameter ``step``,
+  ``exp_avg``, ``exp_avg_sq`` on the CPU. Under ZeRO it is consolidated (a collective), so it loads into any number
+  of ranks, or into a plain ``torch.optim.AdamW``.
+- **Sharded** (``sharded_state_dict`` / ``load_sharded_state_dict``): this rank's ranges of the chunks as they are,
+  with no communication; it loads only into the same layout, which its ``layout`` signature records.
 
-Both carry the hyper-state: the param groups' values (learning rate, betas, ...) under
-``param_groups`` and, under ``gemini``, the precision, the AdamW mode and the loss scaler.
-Loading never changes a value before every check has passed.
+Both carry the hyper-state: the param groups' values (lr, betas, ...) under ``param_groups`` and, under ``gemini``,
+the precision, AdamW mode, loss scaler and step count. Loading changes no value before every check has passed.
 """
 
 from __future__ import annotations
@@ -48,8 +46,8 @@ HyperState = tuple[list[dict[str, Any]], dict[str, Any]]  # (param groups less "
 # --------------------------------------------------------------------------- hyper-state
 def hyper_state(param_groups: ParamGroups, *, precision: str, adamw_mode: bool,
                 scaler: DynamicLossScaler | None, steps_reported: int) -> HyperState:
-    """What both formats save besides the states: each param group's values, and the run's
-    precision, AdamW mode, loss scaler and count of steps taken (skipped ones included)."""
+    """What both formats save besides the states: each param group's values, and the run's precision, AdamW mode,
+    loss scaler and count of steps taken (skipped ones included)."""
     groups = [{k: v for k, v in hp.items() if k != "params"} for hp in param_groups]
     extra = {"precision": precision, "adamw_mode": adamw_mode, "steps_reported": steps_reported}
     if scaler is not None:
@@ -59,8 +57,8 @@ def hyper_state(param_groups: ParamGroups, *, precision: str, adamw_mode: bool,
 
 def load_hyper_state(param_groups: ParamGroups, scaler: DynamicLossScaler | None,
                      saved_groups: list[dict[str, Any]], extra: dict[str, Any]) -> None:
-    """Each param group's values replaced by the saved ones, as torch's ``load_state_dict`` does
-    (a key the state lacks is removed); the group dicts and their ``params`` stay the same objects."""
+    """Each param group's values replaced by the saved ones, as torch's ``load_state_dict`` does (a key the state
+    lacks is removed); the group dicts and their ``params`` stay the same objects."""
     for saved, hp in zip(saved_groups, param_groups):
         params = hp["params"]
         hp.clear()
@@ -71,9 +69,8 @@ def load_hyper_state(param_groups: ParamGroups, scaler: DynamicLossScaler | None
 
 
 def steps_reported(state_dict: dict[str, Any]) -> int:
-    """How many steps the run that saved ``state_dict`` had taken, so that a resumed run's
-    reports go on numbering from there, as DeepSpeed's global step does. A state saved by
-    torch's AdamW counts its updates: the largest per-parameter ``step``."""
+    """How many steps the run that saved ``state_dict`` had taken, so a resumed run's reports go on numbering from
+    there (as DeepSpeed's global step does). For a state saved by torch's AdamW: the largest per-parameter ``step``."""
     extra = state_dict.get("gemini", {})
     if "steps_reported" in extra:
         return int(extra["steps_reported"])
@@ -88,9 +85,8 @@ def _param_index(param_groups: ParamGroups) -> dict[int, int]:
 
 @contextlib.contextmanager
 def _group_states(rt: GeminiRuntime, g: ChunkGroup):
-    """Yields per slot of ``g`` a function giving its torch-format entry (None before its first
-    step, when torch has no state for it either), host copies; None in place of the function
-    when no slot has stepped. Under ZeRO a collective: every rank's ranges are gathered."""
+    """Yields a function giving a slot of ``g`` its torch-format entry as host copies (None before its first step,
+    when torch has no state either), or None when no slot has stepped. Under ZeRO a collective (ranges gathered)."""
     steps = rt.memory.to_host(g.steps)  # what is returned is host memory, also on the stand-in
     counts = steps.tolist()
     if not any(counts):
@@ -138,8 +134,8 @@ def full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, hyper: HyperSt
 
 def load_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any],
                          tx: LoadTransaction) -> None:
-    """Write m, v and the step counts from ``full_state_dict``'s format in ``tx`` (the hyper-state
-    is the caller's, see ``load_hyper_state``). A parameter without saved state starts afresh."""
+    """Write m, v and the step counts from ``full_state_dict``'s format in ``tx`` (the hyper-state is the caller's,
+    see ``load_hyper_state``). A parameter without saved state starts afresh."""
     saved_index = check_full_state_dict(rt, param_groups, state_dict)
     state = state_dict["state"]
     for g in rt.manager.trainable_groups:
@@ -149,9 +145,8 @@ def load_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dic
 
 
 def check_full_state_dict(rt: GeminiRuntime, param_groups: ParamGroups, state_dict: dict[str, Any]) -> dict[int, int]:
-    """Every check of :func:`load_full_state_dict`, before any write (a checkpoint's model is
-    loaded only once its optimizer state is known to fit); returns where each parameter's state
-    is in it."""
+    """Every check of :func:`load_full_state_dict`, before any write (a checkpoint's model is loaded only once its
+    optimizer state is known to fit); returns where each parameter's state is in it."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError(f"optimizer state has {len(saved_groups)} param group(s), this optimizer {len(param_groups)}")
@@ -213,8 +208,8 @@ def _master_range(g: ChunkGroup) -> torch.Tensor:
 
 
 def sharded_state_dict(rt: GeminiRuntime, hyper: HyperState) -> dict[str, Any]:
-    """Per chunk group this rank's range of the fp32 masters (frozen groups too) and, for
-    trainable groups, of m and v, with the step counts."""
+    """Per chunk group this rank's range of the fp32 masters (frozen groups too) and, for trainable groups, of m and
+    v, with the step counts."""
     groups = {}
     for g in rt.manager.groups:
         with rt.resident(g, modify=False) if g.trainable else contextlib.nullcontext():
@@ -233,15 +228,14 @@ _LAYOUT_KEYS = ("world", "rank", "precision", "capacities")
 
 
 def same_layout(rt: GeminiRuntime, state_dict: dict[str, Any]) -> bool:
-    """Whether ``sharded_state_dict``'s ranges fit this run as they are (else the checkpoint
-    must be made whole: gemini/consolidate.py)."""
+    """Whether ``sharded_state_dict``'s ranges fit this run as they are (else consolidate it: gemini/consolidate.py)."""
     saved, mine = state_dict["layout"], _layout_signature(rt)
     return all(saved[key] == mine[key] for key in _LAYOUT_KEYS)
 
 
 def check_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> None:
-    """Every check of :func:`load_sharded_state_dict`, before any write: the same ranks, precision
-    and chunk layout, and every group's entry with its ranges' sizes."""
+    """Every check of :func:`load_sharded_state_dict`, before any write: the same ranks, precision and chunk layout,
+    and every group's entry with its ranges' sizes."""
     saved, mine = state_dict["layout"], _layout_signature(rt)
     for key in _LAYOUT_KEYS:
         if saved[key] != mine[key]:
@@ -260,8 +254,8 @@ def check_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any]) -> N
 
 
 def load_sharded_state_dict(rt: GeminiRuntime, state_dict: dict[str, Any], tx: LoadTransaction) -> None:
-    """Write what ``sharded_state_dict`` saved on this rank in ``tx``: masters (so the parameters
-    too), m, v and step counts (the hyper-state is the caller's). A collective under ZeRO-1/2."""
+    """Write what ``sharded_state_dict`` saved on this rank in ``tx``: masters (so the parameters too), m, v and step
+    counts (the hyper-state is the caller's). A collective under ZeRO-1/2."""
     check_sharded_state_dict(rt, state_dict)
     for g in rt.manager.groups:
         # Every element of its NVMe chunks is written: their files (maybe lost or corrupted) are not read.

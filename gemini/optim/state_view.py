@@ -1,9 +1,8 @@
 """``optimizer.state`` of gemini's optimizer: the states live in chunks, not in this dict.
 
-torch code iterates ``optimizer.state`` (empty here, as an optimizer without states of its own
-has it), tests its truth (torch.distributed.checkpoint's state_dict helpers: whether the
-optimizer was ever stepped), or reads ``optimizer.state[p]["exp_avg"]`` (a KeyError naming
-``optimizer.param_state(p)``, which gives the copies).
+torch code iterates ``optimizer.state`` (empty here, as for an optimizer without states of its own), tests its truth
+(torch.distributed.checkpoint's state_dict helpers: was the optimizer ever stepped), or reads
+``optimizer.state[p]["exp_avg"]`` (a KeyError naming ``optimizer.param_state(p)``, which gives copies).
 """
 
 from __future__ import annotations
@@ -25,11 +24,10 @@ class _NoStateHere(dict):
 
 
 class StatesInChunks(collections.defaultdict):
-    """``optimizer.state``: empty, as torch code that iterates it expects of an optimizer without
-    states of its own; an entry read is a :class:`_NoStateHere`. Its truth says whether any
-    parameter has a state (``has_states()``), as a torch optimizer's: torch.distributed.checkpoint's
-    get/set_state_dict take a false one for a fresh optimizer and initialise it with a step on
-    zero gradients, which stepped the trained states of gemini's (step + 1, m and v decayed)."""
+    """``optimizer.state``: empty, as torch code expects of an optimizer without states of its own; an entry read is
+    a :class:`_NoStateHere`. Its truth says whether any parameter has a state (``has_states()``), as a torch
+    optimizer's does: torch.distributed.checkpoint's get/set_state_dict take a false one for a fresh optimizer and
+    initialise it with a step on zero gradients, which would step trained states (step + 1, m and v decayed)."""
 
     def __init__(self, has_states: Callable[[], bool]) -> None:
         super().__init__(dict)

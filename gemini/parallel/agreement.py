@@ -1,22 +1,18 @@
 """What the ranks of a ZeRO group must agree on before the first chunk-sized collective.
 
 [Note: ranks agree at initialize]
-Every collective of ZeRO is sized by the chunk layout and matched across ranks by the order it
-is issued in ([Note: the order of collectives] in gemini/parallel/zero.py). Ranks that build a
-different layout (another ``chunk_size``, precision or ``shard_params``, a model with one more
-layer) would pair buffers of different sizes: gloo aborts the process from C++ and NCCL hangs
-or reads past the end. So ``initialize`` first all-gathers a fixed-size digest of what decides
-the layout and the collectives (:func:`describe`: one 64-bit hash per entry, the same number of
-entries on every rank, so this collective always matches) and every rank raises the same
-``ValueError`` when one differs; only then, to say what differs, do the ranks exchange the full
-descriptions. What is checked is what the ranks must share to train one model: settings that
-only place chunks on this rank (placement, budgets, NVMe) may differ.
+Every ZeRO collective is sized by the chunk layout and matched across ranks by issue order ([Note: the order of
+collectives] in gemini/parallel/zero.py). Ranks that build different layouts (another ``chunk_size``, precision or
+``shard_params``, one more layer) would pair buffers of different sizes: gloo aborts the process from C++, NCCL hangs
+or reads past the end. So ``initialize`` first all-gathers a fixed-size digest of what decides the layout and the
+collectives (:func:`describe`: one 64-bit hash per entry, the same entries on every rank, so this collective always
+matches), and every rank raises the same ``ValueError`` when one differs; only then are the full descriptions
+exchanged, to say what differs. Settings that only place chunks on this rank (placement, budgets, NVMe) may differ.
 
-The values are then made equal as DDP's ``_sync_module_states`` makes them: each chunk group's
-first values (``ChunkManager.register``'s ``sync``: ``Collectives.broadcast``) and each buffer
-(:func:`sync_buffers`) are rank 0's, so ranks whose models were
-initialized from different seeds train rank 0's model, not a splice of every rank's ranges.
-Values read from a ``weights`` file are the same file on every rank and are not sent.
+Then, as DDP's ``_sync_module_states``, each chunk group's first values (``ChunkManager.register``'s ``sync``:
+``Collectives.broadcast``) and each buffer (:func:`sync_buffers`) are rank 0's, so ranks initialized from different
+seeds train rank 0's model, not a splice of every rank's ranges. Chunk values read from a ``weights`` file are the
+same on every rank and are not sent.
 """
 
 from __future__ import annotations
@@ -91,8 +87,8 @@ def _difference(key: str, descriptions: list[dict[str, Any]]) -> str:
 
 @torch.no_grad()
 def sync_buffers(comm: Collectives, model: nn.Module) -> None:
-    """Every buffer of ``model`` becomes rank 0's, in the order ``named_buffers`` gives (the
-    same on every rank: the check above compared them)."""
+    """Every buffer of ``model`` becomes rank 0's, in ``named_buffers`` order (the same on every rank: checked by
+    :func:`check_ranks_agree`)."""
     for _, buf in model.named_buffers():
         staged = buf if buf.is_contiguous() else buf.contiguous()
         comm.broadcast(staged)

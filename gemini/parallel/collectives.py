@@ -1,14 +1,12 @@
 """`Collectives`: the few torch.distributed collectives ZeRO needs, on tensors of any tier.
 
 [Note: which tensors a backend takes]
-NCCL moves CUDA tensors only; gloo moves CPU tensors (and, for reduce-scatter and all-gather,
-not CUDA ones). Chunks live on the device or in host memory depending on the placement, so a
-collective on a tensor the backend cannot take goes through a staging copy on the backend's
-side: copied there before, and copied back when the caller waits. On NCCL the collectives are
-launched with ``async_op=True`` on NCCL's own stream; ``Pending.wait()`` makes the current
-stream wait for it (the host does not block), and the tensors stay referenced by ``Pending``
-until then so that no buffer the collective still reads or writes is freed or reused. On gloo
-an asynchronous collective runs on gloo's thread and ``wait()`` blocks the host.
+NCCL moves CUDA tensors only; gloo moves CPU tensors (and, for reduce-scatter and all-gather, not CUDA ones). Chunks
+live on the device or in host memory depending on placement, so a tensor the backend cannot take goes through a
+staging copy on the backend's side, copied back when the caller waits. On NCCL collectives run with
+``async_op=True`` on NCCL's stream; ``Pending.wait()`` makes the current stream wait (the host does not block), and
+``Pending`` keeps the tensors referenced until then so that no buffer still in use is freed or reused. On gloo an
+asynchronous collective runs on gloo's thread and ``wait()`` blocks the host.
 """
 
 from __future__ import annotations

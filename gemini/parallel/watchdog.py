@@ -1,17 +1,14 @@
 """`Watchdog`: a warning when this rank has waited long in one of gemini's collectives.
 
 [Note: a collective some ranks never call]
-Under ZeRO, ``state_dict()``, ``load_state_dict()``, ``step()``, the checkpoints and, under
-``shard_params=True``, every forward are collectives: every rank of the process group calls
-them. Code written for DDP calls some on one rank only (``if rank == 0:
-torch.save(optimizer.state_dict(), f)``, an evaluation on rank 0 under ZeRO-3); that rank then
-waits inside the backend until its timeout (30 minutes on gloo) with nothing said, and the
-others wait at their next collective. gemini cannot end such a wait (it is in the backend's C++
-code, with the GIL released), but it can say what it is: a daemon thread per process group looks
-at the wait in progress every few seconds and, once one has lasted ``GEMINI_COLLECTIVE_WARN_SECONDS``
-(60 by default), logs one warning naming the user's line that led to it. A wait costs two
-attribute writes. On NCCL the host does not wait in the collective itself (the stream does), so
-the warning comes only where gemini blocks on a result; NCCL's own watchdog ends the rest.
+Under ZeRO, ``state_dict()``, ``load_state_dict()``, ``step()``, the checkpoints and (with ``shard_params=True``)
+every forward are collectives that every rank must call. Code written for DDP may call one on one rank only (``if rank
+== 0: torch.save(optimizer.state_dict(), f)``); that rank then waits silently inside the backend until its timeout (30
+minutes on gloo), and the others at their next collective. gemini cannot end that wait (it is in C++, GIL released),
+but it can name it: a daemon thread per process group looks every few seconds and, once a wait has lasted
+``GEMINI_COLLECTIVE_WARN_SECONDS`` (default 60), logs one warning naming the user's line. A wait costs a few
+attribute writes. On NCCL the host does not wait in the collective (the stream does), so the warning comes only where
+gemini blocks on a result; NCCL's own watchdog ends the rest.
 """
 
 from __future__ import annotations
@@ -58,8 +55,8 @@ def warn_after_seconds() -> float:
 
 
 class Watchdog:
-    """Watches one rank's waits in its process group's collectives (see [Note: a collective some
-    ranks never call]); ``waiting(what)`` brackets each wait."""
+    """Watches one rank's waits in its process group's collectives (see [Note: a collective some ranks never call]);
+    ``waiting(what)`` brackets each wait."""
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world

@@ -1,45 +1,37 @@
 """ZeRO across data-parallel ranks: gradient reduce-scatter, parameter all-gather, agreement.
 
-Each rank owns one range of every chunk (see [Note: ZeRO shards of a chunk] in
-chunks/shard.py). The pieces here move data between ranks; where chunks live on a rank is
-the placement policy's choice: the engine (gemini/engine/residency.py) drives these pieces as
-it moves chunks, and they know of the policy only the callables they are given.
+Each rank owns one range of every chunk ([Note: ZeRO shards of a chunk] in chunks/shard.py). These pieces move data
+between ranks; where chunks live is the placement's choice: the engine (gemini/engine/residency.py) drives them as it
+moves chunks, and they know of the policy only the callables they are given.
 
 [Note: the order of collectives]
-Collectives are matched across ranks by the order they are issued in, so every rank must
-issue the same ones in the same order, whatever its data, its timing or its memory.
-- Gradients: each backward pass reduce-scatters every trainable chunk group, in one fixed
-  order (descending group index, about the order backward finishes them). A group is launched
-  once its own backward is done and every group before it in that order has been launched; a
-  group that got no gradient on this rank (an unused parameter, a branch not taken) is
-  launched at the end of the backward pass with zeros, so no rank waits for a reduction another
-  rank never starts. At most ``max_in_flight`` reductions are outstanding, finished oldest
-  first, so device memory for full-size gradient buckets stays bounded (and the same on every
-  rank).
-- Which tensors had a gradient since ``zero_grad`` is agreed at the step (an all-reduce of
-  per-tensor flags), so every rank updates, counts steps for, and gathers the same tensors.
-- A rank that runs no backward pass between two steps (it skipped its batch) reduces zeros for
-  every group when its step (or ``model.clip_grad_norm_``) comes, so that its collectives pair
-  with the other ranks' backward: it contributes a zero gradient to the mean, as an unused
-  parameter does. See [Note: ranks out of step] for what cannot pair.
-- Parameters (ZeRO-3) are gathered in the order modules ask for them (the same on every rank:
-  the same model runs the same modules) and prefetched one group ahead in the order recorded
-  in the first iteration. Gathered parameters are never evicted by memory pressure, only
+Collectives are matched across ranks by issue order, so every rank must issue the same ones in the same order,
+whatever its data, timing or memory.
+- Gradients: each backward pass reduce-scatters every trainable chunk group in one fixed order (descending group
+  index, about the order backward finishes them). A group is launched once its backward is done and every group
+  before it in that order has been launched; a group with no gradient on this rank (an unused parameter, a branch not
+  taken) is launched with zeros at the end of backward, so no rank waits for a reduction another never starts. At
+  most ``max_in_flight`` reductions are outstanding (finished oldest first), so device memory for full-size gradient
+  buckets stays bounded and the same on every rank.
+- Which tensors had a gradient since ``zero_grad`` is agreed at the step (an all-reduce of per-tensor flags), so every
+  rank updates, counts steps for, and gathers the same tensors.
+- A rank that ran no backward since the last step (it skipped its batch) reduces zeros for every group at its step
+  (or ``model.clip_grad_norm_``), pairing with the others' backward: it contributes a zero gradient to the mean, as an
+  unused parameter does. See [Note: ranks out of step] for what cannot pair.
+- Parameters (ZeRO-3) are gathered in the order modules ask for them (the same on every rank) and prefetched one group
+  ahead in the order recorded in the first iteration. Gathered parameters are never evicted by memory pressure, only
   released after use, so whether a gather happens never depends on a rank's own memory.
 
 [Note: ranks out of step]
-Collectives pair by order, not by iteration, so a rank that drops an iteration the others run
-is one iteration behind from then on: its batches are reduced with the others' next ones, and
-the run hangs (or gloo reports a mismatch) only when the first rank ends. What is cheap to see
-is checked in the step's agreement all-reduce, which runs anyway: each rank's count of training
-forward passes that raised (a rank recovering from its own error in forward: under ZeRO-1/2
-the forward has no collective, so nothing else notices). Counts that differ raise the same
-RuntimeError on every rank at that step and at each one after it, instead of training on. Not
-seen: an iteration a rank skips before calling the model, a backward that raises half-way or a
-different number of backward passes per step (their reductions already paired wrongly), and
-under ZeRO-3 the forward's gathers of the other ranks after an error in forward, or while a rank
-skips its forward (they hang). Under ZeRO every rank must skip
-the same iterations: agree on an error (e.g. ``all_reduce`` a flag) before skipping.
+Collectives pair by order, not by iteration, so a rank that drops an iteration the others run is one behind from then
+on: its batches are reduced with the others' next ones, and the run hangs (or gloo reports a mismatch) only when the
+first rank ends. The step's agreement all-reduce, which runs anyway, also compares each rank's count of training
+forward passes that raised (under ZeRO-1/2 forward has no collective, so nothing else would notice a rank recovering
+from its own error). Counts that differ raise the same RuntimeError on every rank at that step and every later one.
+Not seen: an iteration skipped before calling the model, a backward that raises half-way or a different number of
+backward passes per step (their reductions already paired wrongly), and under ZeRO-3 the other ranks' forward gathers
+after an error in forward or while a rank skips its forward (they hang). Under ZeRO every rank must skip the same
+iterations: agree on an error (e.g. ``all_reduce`` a flag) before skipping.
 """
 
 from __future__ import annotations
@@ -64,8 +56,8 @@ __all__ = ["GradReducer", "ParamGatherer", "agree_grad_ready", "agree_on_budget"
 
 
 def resolve_group(process_group) -> Collectives | None:
-    """``GeminiConfig.process_group`` as collectives: None means WORLD when torch.distributed
-    is initialized with more than one rank, else no sharding."""
+    """``GeminiConfig.process_group`` as collectives: None means WORLD when torch.distributed is initialized with more
+    than one rank, else no sharding."""
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
@@ -83,13 +75,13 @@ def resolve_group(process_group) -> Collectives | None:
 
 
 class GradReducer:
-    """Reduce-scatters each group's gradient bucket into this rank's gradient shard, averaged
-    over ranks, during backward; see [Note: the order of collectives]."""
+    """Reduce-scatters each group's gradient bucket into this rank's gradient shard, averaged over ranks, during
+    backward; see [Note: the order of collectives]."""
 
     def __init__(self, comm: Collectives, manager: ChunkManager, *, optimizer_tier: Callable[[ChunkGroup], Tier],
                  quiet: Callable[[], AbstractContextManager], max_in_flight: int = 2) -> None:
-        """``optimizer_tier(group)``: where the placement updates ``group``, so where its shard goes;
-        ``quiet()``: the context in which host-side temporaries are not device memory."""
+        """``optimizer_tier(group)``: where the placement updates ``group``, so where its shard goes; ``quiet()``: the
+        context in which host-side temporaries are not device memory."""
         self.comm = comm
         self.manager = manager
         self._optimizer_tier = optimizer_tier
@@ -122,8 +114,8 @@ class GradReducer:
         self.rounds += 1
 
     def reduce_if_idle(self) -> None:
-        """Before the step's agreement: no backward since the last step on this rank, so zeros
-        for every group (see [Note: the order of collectives])."""
+        """Before the step's agreement: no backward since the last step on this rank, so zeros for every group (see
+        [Note: the order of collectives])."""
         if self.rounds == self.rounds_at_step:
             self.end_backward()
 
@@ -162,8 +154,8 @@ class GradReducer:
 
 
 class ParamGatherer:
-    """ZeRO-3: gathers each group's parameters from the ranks' shards into its (full) param
-    chunk on the device for compute, prefetching one group ahead in the recorded order."""
+    """ZeRO-3: gathers each group's parameters from the ranks' shards into its (full) param chunk on the device for
+    compute, prefetching one group ahead in the recorded order."""
 
     def __init__(self, comm: Collectives, manager: ChunkManager) -> None:
         self.comm = comm
@@ -192,8 +184,8 @@ class ParamGatherer:
 
     def gather(self, groups: Sequence[ChunkGroup]) -> None:
         """Every group of ``groups`` gathered (waiting for prefetched ones), then prefetch."""
-        # Unseen by dispatch modes, as chunk moves are: selective checkpointing's numbers the
-        # collectives and views of the forward and looks them up in the recompute.
+        # Unseen by dispatch modes, as chunk moves are: selective checkpointing numbers the forward's collectives and
+        # views and looks them up in the recompute.
         with trace_range("gemini::all_gather_params"), self.manager.storage.unseen():
             for g in groups:
                 if not self.gathered(g):
@@ -223,12 +215,10 @@ class ParamGatherer:
         g.param.allocate(Tier.DEVICE, zero=False)
         shard = g.param_shard
         self._pending[g.index] = self.comm.all_gather(g.param.payload(Tier.DEVICE), shard.payload())
-        # [Note: what a gather counts] The report's param_gathers and param_gather_bytes count
-        # every gathered chunk (prefetches too), whole; h2d_bytes this rank's range where its
-        # shard is in host memory: it crosses to the device (NCCL's staging copy on CUDA, the
-        # collective's own copy on the CPU stand-in), the other ranks' ranges arrive over the
-        # network. Staging copies a backend needs beyond that (gloo with CUDA tensors: [Note:
-        # which tensors a backend takes]) are not counted.
+        # [Note: what a gather counts] The report's param_gathers and param_gather_bytes count every gathered chunk
+        # (prefetches too), whole; h2d_bytes counts this rank's range where its shard is in host memory, as it crosses
+        # to the device (the other ranks' ranges arrive over the network). Other staging copies a backend needs (gloo
+        # with CUDA tensors: [Note: which tensors a backend takes]) are not counted.
         ledger = self.manager.storage.ledger
         ledger.count_gather(g.param.nbytes)
         if not shard.is_on(Tier.DEVICE):
@@ -249,9 +239,8 @@ class ParamGatherer:
                 g.param.release()
 
     def _keep_edits(self, g: ChunkGroup) -> None:
-        """Torch code wrote into the gathered parameters (``nn.Embedding(max_norm=...)`` in
-        forward): this rank's range of them goes into its shard, as every rank's does ([Note:
-        writes through the parameters] in chunks/edits.py)."""
+        """Torch code wrote into the gathered parameters (``nn.Embedding(max_norm=...)`` in forward): this rank's
+        range goes into its shard, as every rank's does ([Note: writes through the parameters] in chunks/edits.py)."""
         if not g.param.edits.new():
             return
         gathered = g.param.payload(Tier.DEVICE)[g.shard.start : g.shard.end]
@@ -264,8 +253,8 @@ class ParamGatherer:
                 g.param_shard.host_copy_pending(storage.copy_(out, gathered, src=Tier.DEVICE, dst=tier))
 
     def release_all(self, busy: set[int]) -> None:
-        """End of a backward pass: free every gathered group not in use (prefetched ones too:
-        the step is next, and it makes them stale)."""
+        """End of a backward pass: free every gathered group not in use (prefetched ones too: the step is next, and
+        it makes them stale)."""
         for g in self.manager.groups:
             if g.index not in busy and self.gathered(g):
                 self.release(g)
@@ -273,10 +262,9 @@ class ParamGatherer:
 
 def agree_grad_ready(comm: Collectives, groups: Sequence[ChunkGroup], reducer: GradReducer, *, forwards_raised: int,
                      step: bool) -> None:
-    """Make each tensor's "had a gradient since zero_grad" flag the OR over ranks, after this
-    rank's zeros if it ran no backward since the last step; check that no rank's training forward
-    raised where another's did not ([Note: ranks out of step]). ``step``: the step's agreement
-    (``model.clip_grad_norm_`` agrees too, before it)."""
+    """Make each tensor's "had a gradient since zero_grad" flag the OR over ranks, after this rank's zeros if it ran
+    no backward since the last step; check that no rank's training forward raised where another's did not ([Note:
+    ranks out of step]). ``step``: the step's agreement (``model.clip_grad_norm_`` agrees too, before it)."""
     reducer.reduce_if_idle()
     if step:
         reducer.rounds_at_step = reducer.rounds
@@ -300,8 +288,8 @@ def agree_grad_ready(comm: Collectives, groups: Sequence[ChunkGroup], reducer: G
 
 def sharded_grad_norm(comm: Collectives, groups: Sequence[ChunkGroup], tiers: dict[int, Tier],
                       param_order: dict[int, int]) -> torch.Tensor:
-    """The L2 norm (fp32, CPU) over every rank's gradient shards: each tensor's norm from its
-    pieces' squared sums over ranks, then the norm of those (torch's clip_grad_norm_ order)."""
+    """The L2 norm (fp32, CPU) over every rank's gradient shards: each tensor's norm from its pieces' squared sums
+    over ranks, then the norm of those (torch's clip_grad_norm_ order)."""
     sq = torch.zeros(len(param_order), dtype=torch.float64)
     index, views = [], []
     for g in groups:
@@ -320,9 +308,8 @@ def sharded_grad_norm(comm: Collectives, groups: Sequence[ChunkGroup], tiers: di
 def gather_params(comm: Collectives, groups: Sequence[ChunkGroup], storage, *, max_in_flight: int = 2) -> None:
     """ZeRO-1/2 after the step: every rank's updated range of each param chunk to every rank.
 
-    Each rank has written its own range (``PlacementPolicy.after_step``) into the param chunk's
-    primary copy (the device copy if any); the gather fills the rest in place, and a second
-    copy, if the chunk has one, is refreshed from it.
+    Each rank has written its own range (``PlacementPolicy.after_step``) into the param chunk's primary copy (the
+    device copy if any); the gather fills the rest in place, and a second copy, if any, is refreshed from it.
     """
     in_flight: deque[tuple[ChunkGroup, Tier, Pending]] = deque()
 
@@ -346,8 +333,8 @@ def gather_params(comm: Collectives, groups: Sequence[ChunkGroup], storage, *, m
 
 
 def gather_state(comm: Collectives, g: ChunkGroup, chunk, offset: int = 0) -> torch.Tensor:
-    """``chunk``'s ranges from every rank as one CPU tensor of the group's capacity (checkpoints).
-    ``offset``: where this rank's range starts inside ``chunk`` (see ``ChunkGroup.master_offset``)."""
+    """``chunk``'s ranges from every rank as one CPU tensor of the group's capacity (checkpoints). ``offset``: where
+    this rank's range starts inside ``chunk`` (see ``ChunkGroup.master_offset``)."""
     mine = chunk.payload()[offset : offset + g.shard.numel]
     full = torch.empty(g.shard.numel * comm.world, dtype=chunk.dtype, device=mine.device)
     comm.all_gather(full, mine).wait()
@@ -355,20 +342,17 @@ def gather_state(comm: Collectives, g: ChunkGroup, chunk, offset: int = 0) -> to
 
 
 # [Note: ranks agree on the budget]
-# Each rank checks its own measured peak against its own budget, at the warm-up's end and at
-# every step. The peaks differ between ranks by a few hundred bytes to a few KB (gloo frees its
-# buffers on its own thread), so a budget near the need could be refused on one rank and pass on
-# the other: the refusing rank left the step while the other went on into its collectives, and
-# both hung (the ZeRO-3 budget test, about once in ten CI runs). So the ranks all-reduce how many
-# bytes each is missing before any of them raises: a rank short of its budget raises its own
-# error, every other rank one saying another rank was short, and nothing is updated anywhere.
-# One 8-byte all-reduce per check, every step under ZeRO (budget or not: ranks may differ there),
-# after a rank with no backward since the last step has reduced its zeros (the other ranks'
-# backward reduced theirs before: see [Note: the order of collectives]).
+# Each rank checks its own measured peak against its own budget, at the warm-up's end and at every step. Peaks differ
+# slightly between ranks (gloo frees its buffers on its own thread), so a budget near the need could fail on one rank
+# and pass on another: the failing rank would leave the step while the others go on into collectives: all hang.
+# So the ranks all-reduce how many bytes each is missing before any raises: a short rank raises its own error, every
+# other rank one saying another rank was short, and nothing is updated anywhere. One 8-byte all-reduce per check,
+# every step under ZeRO (budget or not: ranks may differ there), after a rank with no backward since the last step has
+# reduced its zeros (the others' backward reduced theirs before: see [Note: the order of collectives]).
 def agree_on_budget(zero: Collectives | None, missing_bytes: int, *, what: str,
                     reducer: GradReducer | None = None) -> None:
-    """Raise DeviceBudgetError on this rank when another rank of ``zero`` is short of its budget
-    for ``what`` (this rank's own shortfall is its caller's to raise, after this returns)."""
+    """Raise DeviceBudgetError on this rank when another rank of ``zero`` is short of its budget for ``what`` (this
+    rank's own shortfall is its caller's to raise, after this returns)."""
     if zero is None:
         return
     if reducer is not None:
@@ -382,14 +366,12 @@ def agree_on_budget(zero: Collectives | None, missing_bytes: int, *, what: str,
 
 
 # [Note: ranks trace together]
-# Auto traces an iteration again when its inputs are larger than the traced ones ([Note: a trace
-# covers smaller inputs] in tracer/signature.py), and ranks see different inputs: with dynamic
-# padding one rank's batch is longer than its trace while another's is not. A rank that traces
-# agrees on the warm-up's budget with the others at the step, a collective the others did not
-# call: gloo aborted on the mismatched sizes (two ranks, batches of 4 and 2 rows in turn). So
-# before each training forward of a plan, the ranks all-reduce whether any needs a trace, and all
-# trace together, each on its own inputs. One 8-byte all-reduce per training forward under
-# ZeRO with placement auto.
+# Auto traces an iteration again when its inputs are larger than the traced ones ([Note: a trace covers smaller
+# inputs] in tracer/signature.py), and ranks see different inputs (with dynamic padding one rank's batch may outgrow
+# its trace while another's does not). A rank that traces agrees on the warm-up's budget at the step, a collective
+# the others would not call (gloo aborts on the mismatch). So before each training forward the ranks all-reduce
+# whether any needs a trace, and all trace together, each on its own inputs. One 8-byte all-reduce per training
+# forward under ZeRO with placement auto.
 def agree_on_trace(zero: Collectives | None, mine: bool) -> bool:
     """Whether any rank of ``zero`` needs to trace this iteration (``mine``: this rank does)."""
     if zero is None:

@@ -1,17 +1,16 @@
 """Placement policies: where each chunk group lives, one class per ``GeminiConfig.placement``.
 
-- ``base``: ``PlacementPolicy``, the questions every policy answers (a policy decides; the
-  engine's ``Residency`` makes the moves)
+- ``base``: ``PlacementPolicy``, the questions every policy answers (a policy decides; the engine's ``Residency``
+  makes the moves)
 - ``fixed``: ``cuda``, ``cpu`` and ``static``
 - ``auto``: ``AutoPlacement``, planned from the warm-up under a device budget
 - ``plan``: ``MemoryPlan``, what the warm-up measured, as the auto policy decides with it
 - ``footprint``: the bytes a placement needs and the margin rules shared with the planner
 - ``nvme_choice``: which optimizer-state groups live in NVMe files
 
-``placement_type`` is the one place a ``GeminiConfig.placement`` name becomes a policy class;
-``make_placement`` builds the policy a config names, ``device_groups`` asks its class what it
-keeps on the device. Policies import nothing of the engine (gemini/engine/), of data parallelism
-(gemini/parallel/) or of the tools (gemini/tools/).
+``placement_type`` is the one place a ``GeminiConfig.placement`` name becomes a policy class; ``make_placement``
+builds the policy a config names, ``device_groups`` asks its class what it keeps on the device. Policies import
+nothing of gemini/engine/, gemini/parallel/ or gemini/tools/.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ def placement_type(name: str) -> type[PlacementPolicy]:
 
 
 def check_supported(config: GeminiConfig) -> None:
-    """A field only another placement reads, set, fails loudly rather than being ignored (the
-    planner and ``initialize`` both ask)."""
+    """Raise if a field only another placement reads is set, rather than ignore it (the planner and ``initialize``
+    both ask)."""
     own = placement_type(config.placement)
     for cls in _TYPES.values():
         for name in cls.own_fields:
@@ -55,14 +54,13 @@ def check_supported(config: GeminiConfig) -> None:
 
 def make_placement(config: GeminiConfig, manager: ChunkManager, *, budget_bytes: int,
                    fixed_bytes: int) -> PlacementPolicy:
-    """The policy ``config.placement`` names, under a device budget of ``budget_bytes`` with
-    ``fixed_bytes`` of buffers on the device."""
+    """The policy ``config.placement`` names, under a device budget of ``budget_bytes`` with ``fixed_bytes`` of
+    buffers on the device."""
     return placement_type(config.placement).from_config(config, manager, budget_bytes=budget_bytes,
                                                         fixed_bytes=fixed_bytes)
 
 
 def device_groups(config: GeminiConfig, layout: Layout) -> DeviceGroups:
-    """What ``config.placement`` keeps on the device for good, from the layout alone: everything
-    under "cuda", the fractions' groups under "static", nothing under "cpu" (and under "auto"
-    before its warm-up decides)."""
+    """What ``config.placement`` keeps on the device for good, from the layout alone: everything under "cuda", the
+    fractions' groups under "static", nothing under "cpu" (nor under "auto", before its warm-up decides)."""
     return placement_type(config.placement).layout_choice(config, layout)

@@ -24,28 +24,25 @@ __all__ = ["AccessTrace", "AutoPlacement"]
 
 
 class AccessTrace(Protocol):
-    """What the warm-up learns from the policy (``tracer.RuntimeTracer``): the chunk groups each
-    period uses, and the decision points inside a period."""
+    """What the warm-up learns from the policy (``tracer.RuntimeTracer``): the chunk groups each period uses, and the
+    decision points inside a period."""
 
     def record_access(self, group_index: int) -> None: ...
     def mark(self) -> None: ...
 
 
 class AutoPlacement(PlacementPolicy):
-    """Traced, budgeted placement; see the module notes and [Note: auto placement].
+    """Traced, budgeted placement.
 
     [Note: auto placement]
-    - Warm-up (no plan yet): like "cpu" — chunks start on the host, are fetched for compute
-      and dropped after use — while the tracer measures each period's non-model peak and
-      records which chunk groups each period uses.
-    - Steady state: at each period boundary the device must hold the period's non-model peak
-      on top of the resident chunks, under ``budget - reserve``; when it cannot, the resident
-      chunk groups whose next use is furthest away are evicted (Belady, from the recorded
-      order). Fetched chunks stay until pressure evicts them, and the next period's chunks
-      are prefetched when they fit next to both periods' non-model peaks.
-    - Margin: ``budget - reserve - the warm-up's planned peak`` (see ``MemoryPlan.margin_bytes``);
-      ``gpu_margin_mem_ratio`` of it holds whole chunk groups (params, grads, master, m, v)
-      on the device for good, updated there by the device Adam.
+    - Warm-up (no plan yet): like "cpu" (chunks start on the host, are fetched for compute and dropped after use),
+      while the tracer measures each period's non-model peak and records which chunk groups each period uses.
+    - Steady state: at each period boundary the device must hold the period's non-model peak on top of the resident
+      chunks, under ``budget - reserve``; when it cannot, the resident groups whose next use is furthest away are
+      evicted (Belady, from the recorded order). Fetched chunks stay until pressure evicts them, and the next
+      period's chunks are prefetched when they fit next to both periods' non-model peaks.
+    - Margin: ``budget - reserve - the warm-up's planned peak`` (``MemoryPlan.margin_bytes``); ``gpu_margin_mem_ratio``
+      of it holds whole chunk groups (params, grads, master, m, v) on the device for good, updated by the device Adam.
     """
 
     name = "auto"
@@ -75,8 +72,8 @@ class AutoPlacement(PlacementPolicy):
         self._settled = False  # the plan keeps every chunk on the device for good (see adopt)
         self._resident: set[int] = set()  # resident_params(), decided by adopt
         self.activation_bytes = 0  # saved activations the plan keeps on the device (see adopt)
-        # Groups read outside their modules in the warm-up's forward, and the uses of their host
-        # copies' storage when a forward of it began (see [Note: parameters read outside their modules]).
+        # Groups read outside their modules in the warm-up's forward, and the uses of host copies' storage when that
+        # forward began (see [Note: parameters read outside their modules]).
         self._read_outside: set[int] = set()
         self._host_uses: dict[int, int] | None = None
         self.lent: set[int] = set()  # the margin's groups, on the host while an evaluation borrows their room
@@ -111,8 +108,8 @@ class AutoPlacement(PlacementPolicy):
 
     # -------------------------------------------------------------------------- planning
     def activation_room_bytes(self, plan: MemoryPlan) -> int:
-        """The part of ``plan``'s margin that optimizer states leave to saved activations kept on
-        the device ([Note: activation offload] in gemini/engine/activations.py)."""
+        """The part of ``plan``'s margin that optimizer states leave to saved activations kept on the device ([Note:
+        activation offload] in gemini/engine/activations.py)."""
         margin = max(0, plan.margin_bytes)
         return margin - int(self.margin_ratio * margin)
 
@@ -120,8 +117,8 @@ class AutoPlacement(PlacementPolicy):
         return dataclasses.replace(plan, read_outside=frozenset(self._read_outside))
 
     def adopt(self, plan: MemoryPlan, *, activation_bytes: int = 0) -> None:
-        """Take a warm-up's plan (or a kept one: [Note: plans kept per input signature]): choose the
-        optimizer-state groups on the device, next to ``activation_bytes`` of saved activations."""
+        """Take a warm-up's plan (or a kept one: [Note: plans kept per input signature] in tracer/signature.py):
+        choose the optimizer-state groups on the device, next to ``activation_bytes`` of saved activations."""
         self.plan = plan
         self._read_outside = set(plan.read_outside)
         margin = max(0, plan.margin_bytes)
@@ -132,20 +129,19 @@ class AutoPlacement(PlacementPolicy):
                                  largest_capacity=max((g.param.capacity for g in trainable), default=0))
         self.lent, self.os_on_device = set(), set(margin_choice([(g.index, self.group_device_bytes(g))
                                                                 for g in trainable], room))
-        # If every chunk that can be on the device fits there at once next to the largest
-        # non-model peak, nothing will ever be evicted: periods need not be followed, and
-        # the iteration runs without per-module boundary hooks (as fast as "cuda").
+        # If every chunk that can be on the device fits there at once next to the largest non-model peak, nothing will
+        # ever be evicted: periods need not be followed, and the iteration runs without per-module boundary hooks.
         most = sum(self.group_device_bytes(g) if g.index in self.os_on_device
                    else g.param.nbytes + (g.grad.nbytes if g.grad is not None else 0) for g in self.manager.groups)
         self.track_periods = not fits(plan.budget_bytes, most, self.fixed_bytes, plan.max_non_model_bytes,
                                       self.activation_bytes, plan.reserve_bytes)
-        # [Note: parameters stay where nothing is evicted] Then (unless ZeRO-3 gathers them) a
-        # group updated on the host gets its parameters back right after its update, inside the
-        # step (on CUDA beside the host's next runs, as torchao's offload does), rather than from
-        # the next forward: the device holds no more than ``fits`` counted.
-        # [Note: auto settled on the device] When, besides, every group's optimizer states are
-        # on the device, no chunk will ever move: the iteration runs as under "cuda", without
-        # module hooks and with autograd accumulating into the gradient chunks.
+        # [Note: parameters stay where nothing is evicted]
+        # Then (unless ZeRO-3 gathers them) a group updated on the host gets its parameters back right after its
+        # update, inside the step (on CUDA beside the host's next runs, as torchao's offload does), not at the next
+        # forward: the device holds no more than ``fits`` counted.
+        # [Note: auto settled on the device]
+        # When, besides, every group's optimizer states are on the device, no chunk will ever move: the iteration
+        # runs as under "cuda", without module hooks and with autograd accumulating into the gradient chunks.
         evicts_nothing = not self.track_periods and not self.gathers_params
         self._resident = {g.index for g in self.manager.groups} if evicts_nothing else set()
         self._settled = evicts_nothing and len(self.os_on_device) == len(trainable)
@@ -153,8 +149,8 @@ class AutoPlacement(PlacementPolicy):
                     "device", plan.margin_bytes, self.margin_ratio, len(self.os_on_device), len(trainable))
 
     def lend_margin(self, lend: bool) -> None:
-        """The margin's groups to the host while an evaluation forward borrows their room, or back
-        ([Note: an evaluation beside the margin] in gemini/engine/evaluation_room.py)."""
+        """The margin's groups to the host while an evaluation forward borrows their room, or back ([Note: an
+        evaluation beside the margin] in gemini/engine/evaluation_room.py)."""
         if lend:
             self.lent, self.os_on_device = self.os_on_device, set()
         else:
@@ -181,9 +177,8 @@ class AutoPlacement(PlacementPolicy):
 
     # ------------------------------------------------------------------------ hooks' side
     def begin_forward(self) -> None:
-        # Periods count from the first forward of an iteration: a second forward before the
-        # backward (a loss over two half batches) continues the traced sequence, as in the
-        # warm-up. A forward without grad (evaluation) ends no iteration of its own.
+        # Periods count from the first forward of an iteration: a second forward before the backward (a loss over two
+        # half batches) continues the traced sequence, as in the warm-up. A forward without grad ends no iteration.
         if not self._iteration_open:
             self.period = -1
             self._segment = 0
@@ -193,22 +188,18 @@ class AutoPlacement(PlacementPolicy):
             self._host_uses = self._host_storage_uses()
 
     # [Note: parameters read outside their modules]
-    # The hooks fetch a group's parameters around the calls of the modules that own them, but code outside those calls
-    # may read a parameter too (a root that reuses another module's weight with F.linear); it reads whichever copy the
-    # parameter shows then, and autograd may save a view of that copy for backward. The warm-up drops a group after
-    # its last use, so such a read saw the host copy, which stays put until the step. Later iterations keep fetched
-    # groups on the device until evicted: the read saw the device copy, and an eviction before backward read it (at an
-    # evaluation forward between the forward and its backward, or at the backward's first boundary) freed that storage
-    # in place, so backward failed ("setStorage: ... storage of size 0"): no call of a module owning the group had
-    # begun its backward to fetch it back. So the warm-up's forward finds such groups, those whose host copy gained
-    # uses of its storage (views kept past the forward) while the forward ran, and later iterations drop them after
-    # each use as the warm-up did: what the plan charged, at no more traffic than the warm-up's for them. Where
-    # nothing is ever evicted (periods not followed) they stay. The first forward of each kind (the warm-up's among
-    # them) finds such reads and has the reading ancestor's calls fetch the group from then on ([Note: parameters of a
-    # descendant read by its ancestor] in gemini/engine/descendant_reads.py); left for here are reads that search does
-    # not see (a branch the searched forward did not take, a root called inside a compiled frame), which on CUDA fail
-    # as torch's device mismatch. Reads after the forward (a penalty in the loss): [Note: read twice] in
-    # gemini/engine/backward_hooks.py.
+    # Code outside the calls of a group's modules may read a parameter too (a root reusing another module's weight
+    # with F.linear), and autograd may save a view of whichever copy it reads for backward. The warm-up drops groups
+    # after their last use, so there it reads the host copy, which stays put until the step; later iterations keep
+    # fetched groups until evicted, so it reads the device copy, and an eviction before backward (an evaluation
+    # forward in between, the backward's first boundary) frees that storage in place: backward fails ("setStorage:
+    # ... storage of size 0"), as no module owning the group began its backward to fetch it back. So the warm-up's
+    # forward finds such groups (their host copy's storage gained uses while it ran), and later iterations drop them
+    # after each use as the warm-up did and the plan charged; where nothing is ever evicted they stay. Most such reads
+    # are caught earlier, the reading ancestor's calls fetching the group ([Note: parameters of a descendant read by
+    # its ancestor] in gemini/engine/descendant_reads.py); this covers what that search misses (a branch not taken, a
+    # root called inside a compiled frame), which on CUDA fail as torch's device mismatch. Reads after the forward (a
+    # penalty in the loss): [Note: read twice] in gemini/engine/backward_hooks.py.
     def end_forward(self) -> None:
         if self._host_uses is not None:
             before, self._host_uses = self._host_uses, None
@@ -264,18 +255,13 @@ class AutoPlacement(PlacementPolicy):
                 self.period = self.period if later is None else later
 
     # [Note: every mark decides]
-    # The plan charges each segment of a period the model data the warm-up held at its mark
-    # plus the segment's non-model peak ([Note: segments of a period] in tracer/runtime.py), so
-    # every mark must be a decision: evict for the new segment's peak. The engine made room at
-    # a mark only when something landed (a gradient chunk) or a module's backward released
-    # groups. A group whose gradients were all in before its module's backward was done had
-    # gone already (after_backward: dropped in the warm-up, cached after it), so that mark
-    # released nothing and decided nothing; the warm-up held no chunk there and met its
-    # largest non-model peak (GELU's backward on an activation copied back from the host),
-    # while later steps held the cached groups too: with the margin's groups filling what
-    # the plan leaves (ratio 1, offload_activations, 8 MB on the tests' GPT) the second step
-    # needed 8.36 MB, 0.42 MB over budget - reserve. Cost: one budget check per mark (a sum
-    # of a few integers), in iterations whose periods are followed.
+    # The plan charges each segment of a period the model data the warm-up held at its mark plus the segment's
+    # non-model peak ([Note: segments of a period] in tracer/runtime.py), so every mark must be a decision that
+    # evicts for the new segment's peak, not only marks where something lands or a module's backward releases
+    # groups. At a mark that does neither (after a group whose gradients were all in before its module's backward
+    # was done: dropped in the warm-up, cached after it) the warm-up may hold no chunk and meet its largest non-model
+    # peak, while later steps hold the cached groups too, over budget - reserve once the margin fills what the plan
+    # leaves. Cost: one budget check per mark (a sum of a few integers), in iterations whose periods are followed.
     def needed_now(self) -> set[int] | None:
         # The rest of the period may need the cached groups' room (the warm-up had dropped them).
         if self.plan is not None and not self._diverged and 0 <= self.period < len(self.plan.access):
@@ -290,41 +276,34 @@ class AutoPlacement(PlacementPolicy):
             self._used_in_period.update(g.index for g in groups)
 
     def track_backward_uses(self, groups: list[ChunkGroup]) -> bool:
-        # Released groups are dropped in the warm-up and evictable after it; with nothing ever
-        # evicted (periods not followed) there is nothing to gain. Under ZeRO-3 a released group's
-        # gathered parameters are freed and gathered again at its next use: a collective, so
-        # the choice cannot follow this rank's own plan (each rank measures its own; ranks that
-        # chose differently issued gathers and reductions in different orders and hung), and it
-        # is the warm-up's choice, which the plan charged.
+        # Released groups are dropped in the warm-up and evictable after it; with nothing ever evicted (periods not
+        # followed) there is nothing to gain. Under ZeRO-3 a released group is gathered again at its next use, a
+        # collective, so the choice must not follow this rank's own plan (ranks choosing differently would issue
+        # collectives in different orders and hang); it stays the warm-up's choice, which the plan charged.
         return self.plan is None or self.track_periods or self.gathers_params
 
     # ------------------------------------------------------------------------- eviction
     # [Note: what a decision keeps]
-    # The plan charges each decision of a period (its boundary, each mark) the model data the warm-up held at that
-    # point plus the segment's non-model peak (planned_peak_bytes). The warm-up fetches a group at its first use and
-    # drops it after its last, so at a decision it held the groups in use and little else: a group the period uses
-    # only later (the next module's in a backward period, a recomputed block's under reentrant checkpointing, a weight
-    # used outside its module) came later, charged in a later segment. The policy kept every group of the period
-    # (plan.access[period]) at each of its decisions, more than the plan charged there: a budget the warm-up accepted
-    # raised DeviceBudgetError in the next iteration. Charging each decision the whole period's groups would refuse
-    # budgets the warm-up itself ran and shrink the margin; instead the period's groups are ``wanted``, evicted only
-    # when every other group is not enough, those the period is done with first, then those it has yet to use, the
-    # last used first; one evicted is fetched again at its use, as in the warm-up. So a decision keeps the groups in
-    # use (the warm-up held them too) and the margin's, and evicts exactly what the old policy did wherever that made
-    # room.
+    # The plan charges each decision of a period (its boundary, each mark) the model data the warm-up held there plus
+    # the segment's non-model peak (planned_peak_bytes). The warm-up fetches a group at its first use and drops it
+    # after its last, so at a decision it held the groups in use and little else: a group the period uses only later
+    # (the next module's in a backward period, a recomputed block's under reentrant checkpointing) is charged in a
+    # later segment. Keeping all the period's groups (plan.access[period]) at each decision would exceed that and fail
+    # budgets the warm-up accepted (charging each decision the whole period instead would refuse budgets the warm-up
+    # ran). So they are ``wanted``: evicted only when other groups are not enough, those the period is done with
+    # first, then those it has yet to use, the last used first (``_soonest_first``); one evicted is fetched again at
+    # its use, as in the warm-up.
     def _missing_bytes(self, nbytes: int, non_model: int) -> int:
-        """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the
-        buffers, ``non_model`` bytes of activations and workspaces, the plan's safety reserve
-        and (ZeRO-3) a prefetched group's parameters."""
+        """What the budget lacks for ``nbytes`` more chunk bytes next to what is resident, the buffers, ``non_model``
+        bytes of activations and workspaces, the plan's safety reserve and (ZeRO-3) a prefetched group's parameters."""
         reserve = self.plan.reserve_bytes if self.plan is not None else 0
         return missing_bytes(self.budget_bytes, self.manager.storage.ledger.bytes_on(Tier.DEVICE),
                              self.fixed_bytes, nbytes, non_model, reserve, self.activation_bytes,
                              self._prefetch_room_bytes())
 
     def _prefetch_room_bytes(self) -> int:
-        """ZeRO-3: the room the next gather ahead needs beyond what the device holds now (a group
-        gathered ahead and not used yet is in the ledger already: counted twice, a later
-        iteration raised DeviceBudgetError under a budget the warm-up had accepted)."""
+        """ZeRO-3: the room the next gather ahead needs beyond what the device holds now (a group gathered ahead and
+        not used yet is in the ledger already, and must not be counted twice)."""
         if not self.prefetch_reserve_bytes:
             return 0
         ahead = sum(self.manager.groups[i].param.nbytes for i in self.prefetched)
@@ -335,9 +314,8 @@ class AutoPlacement(PlacementPolicy):
         over = self._missing_bytes(nbytes, self._non_model_now())
         if not over:
             return []
-        # Groups in use were kept by the warm-up too, so the plan has room for them; the
-        # margin's groups live on the device for good. ``wanted`` ones may go, last (see
-        # [Note: what a decision keeps]).
+        # Groups in use were kept by the warm-up too, so the plan has room for them; the margin's groups live on the
+        # device for good. ``wanted`` ones may go, last (see [Note: what a decision keeps]).
         busy = keep | in_use() | self.os_on_device
         candidates = {g.index: self._evictable_bytes(g) for g in self.manager.groups if g.index not in busy}
         candidates = {i: b for i, b in candidates.items() if b > 0}
@@ -353,10 +331,9 @@ class AutoPlacement(PlacementPolicy):
         except EvictionError as e:
             short = over - sum(candidates.values())
             held = self.manager.storage.ledger.bytes_on(Tier.DEVICE)
-            # Raised in forward or backward, before the step: parameters, optimizer states and
-            # step counts are untouched; only this iteration's gradients are partial. What the
-            # device holds is said whole: the candidates exclude what is in use, so their count
-            # alone ("0 chunks hold 0 bytes") read as if the device were empty.
+            # Raised in forward or backward, before the step: parameters, optimizer states and step counts are
+            # untouched; only this iteration's gradients are partial. The message says what the device holds in all:
+            # the candidates exclude what is in use, so their bytes alone could read as an empty device.
             at_least = "at least " if self.plan is None else ""  # the warm-up's non-model bytes: unknown yet
             raise DeviceBudgetError(
                 f"the device budget cannot hold this period: {at_least}{short} bytes are missing even after "
@@ -371,8 +348,8 @@ class AutoPlacement(PlacementPolicy):
         return victims
 
     def _soonest_first(self, wanted: set[int]) -> list[int]:
-        """``wanted`` by next use: those the current period has yet to use in the order it first
-        used them in the warm-up, then those it is done with by their next use after it."""
+        """``wanted`` by next use: those the current period has yet to use, in the order it first used them in the
+        warm-up, then those it is done with, by their next use after it."""
         period = max(self.period, 0)
         access = self.plan.access[period] if period < len(self.plan.access) else ()
         upcoming = [i for i in access if i in wanted and i not in self._used_in_period]

@@ -1,5 +1,5 @@
-"""The placements that need no warm-up: ``cuda`` (everything on the device), ``cpu`` (everything
-on the host) and ``static`` (fixed fractions)."""
+"""The placements that need no warm-up: ``cuda`` (everything on the device), ``cpu`` (everything on the host) and
+``static`` (fixed fractions)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,11 @@ class CudaPlacement(PlacementPolicy):
 class CpuPlacement(PlacementPolicy):
     """Everything on the host; parameters visit the device for compute, CPU Adam steps.
 
-    The device holds only the param chunks of the modules running now and the gradient chunks
-    being filled by the backward pass.
+    The device holds only the param chunks of the running modules and the gradient chunks the backward is filling.
     """
 
     name = "cpu"
-    # Only the chunks of the running modules are on the device: what is left to cut is that
-    # working set and the non-model memory.
+    # Only the running modules' chunks are on the device: what is left to cut is that working set and non-model memory.
     budget_advice = ("try a smaller chunk_size (fewer parameter bytes fetched per module), a smaller batch or "
                      "sequence, activation checkpointing (less activation memory), or offload_activations=True "
                      "(saved activations wait in host memory)")
@@ -63,10 +61,9 @@ class CpuPlacement(PlacementPolicy):
 class StaticPlacement(PlacementPolicy):
     """Fixed fractions, no warm-up heuristics.
 
-    The first ``param_device_fraction`` of the chunk groups keep their parameters on the
-    device for good; the last ``optimizer_offload_fraction`` of the trainable groups keep their
-    optimizer states on the host (CPU Adam) and the others keep theirs — and so the whole group
-    — on the device.
+    The first ``param_device_fraction`` of the chunk groups keep their parameters on the device for good; the last
+    ``optimizer_offload_fraction`` of the trainable groups keep their optimizer states on the host (CPU Adam), and the
+    others keep theirs, and so the whole group, on the device.
     """
 
     name = "static"

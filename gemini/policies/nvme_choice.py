@@ -1,10 +1,9 @@
 """Which optimizer-state chunk groups live in NVMe files, and the host memory that leaves.
 
 [Note: what goes to NVMe]
-The chunks of a group that only the optimizer reads go to NVMe: Adam's ``exp_avg`` and
-``exp_avg_sq``, and the fp32 master under bf16/fp16. Under fp32 the param chunk is the
-master, and forward and backward need it every iteration, so it stays in memory: NVMe then
-holds 8 of the 16 bytes per parameter, under bf16/fp16 12 of 16.
+The chunks of a group that only the optimizer reads go to NVMe: Adam's ``exp_avg`` and ``exp_avg_sq``, and the fp32
+master under bf16/fp16. Under fp32 the param chunk is the master, which forward and backward need every iteration, so
+it stays in memory: NVMe then holds 8 of the 16 bytes per parameter, under bf16/fp16 12 of 16.
 """
 
 from __future__ import annotations
@@ -28,9 +27,8 @@ def offloaded_bytes_per_element(param_dtype: torch.dtype) -> int:
 
 def offloaded_bytes(layout: Sequence[tuple[list[int], int, int]], indices: Iterable[int],
                     param_dtype: torch.dtype, *, world: int = 1) -> list[tuple[int, int]]:
-    """(group index, bytes of its offloadable chunks) for ``indices`` of a chunk layout
-    (``ChunkManager.layout``): the input of :func:`choose_nvme_groups` before chunks exist.
-    Under ZeRO over ``world`` ranks a rank keeps 1/world of each."""
+    """(group index, bytes of its offloadable chunks) for ``indices`` of a chunk layout (``ChunkManager.layout``): the
+    input of :func:`choose_nvme_groups` before chunks exist. Under ZeRO a rank keeps 1/``world`` of each."""
     per_element = offloaded_bytes_per_element(param_dtype)
     return [(i, layout[i][2] // world * per_element) for i in indices]
 
@@ -44,9 +42,9 @@ class NvmeLayout:
     nvme_bytes: int  # offloadable chunks in NVMe files
     staging_bytes: int  # host memory the pipeline uses at most while streaming
     depth: int = 1  # the pipeline's depth: nvme_pipeline_depth, or less where cpu_memory is small
-    # The step's copies aside of the streamed groups' parameters (see [Note: a step is all or
-    # nothing] in gemini/engine/transaction.py): host bytes they take, and whether they go to NVMe
-    # files (one copy in host memory at a time) because cpu_memory cannot hold them all.
+    # The step's copies aside of the streamed groups' parameters (see [Note: a step is all or nothing] in
+    # gemini/engine/transaction.py): host bytes they take, and whether they go to NVMe files (one copy in host memory
+    # at a time) because cpu_memory cannot hold them all.
     undo_bytes: int = 0
     undo_on_nvme: bool = False
 
@@ -62,13 +60,12 @@ def choose_nvme_groups(
 ) -> NvmeLayout:
     """Choose the groups whose optimizer states live on NVMe.
 
-    ``os_bytes``: (group index, bytes of its offloadable chunks) of the trainable groups whose
-    optimizer states are on the host tier, in model order. The last :func:`forced_count` of
-    them go to NVMe always; of the others, the first ones stay in host memory while they fit in
-    ``cpu_memory`` next to the pipeline's staging, and the rest go to NVMe too.
-    ``undo_ratio``: bytes a step copies aside per offloadable byte of a streamed group (its
-    parameters'; see :func:`undo_ratio`). The copies stay in host memory if ``cpu_memory``
-    holds them after everything else, else they go to NVMe files, one in memory at a time.
+    ``os_bytes``: (group index, bytes of its offloadable chunks) of the trainable groups whose optimizer states are on
+    the host tier, in model order. The last :func:`forced_count` of them always go to NVMe; of the others, the first
+    ones stay in host memory while they fit in ``cpu_memory`` next to the pipeline's staging, and the rest go to NVMe.
+    ``undo_ratio``: bytes a step copies aside per offloadable byte of a streamed group (see :func:`undo_ratio`). The
+    copies stay in host memory if ``cpu_memory`` holds them after everything else, else they go to NVMe files, one in
+    memory at a time.
     """
     undo_of = {i: math.ceil(b * undo_ratio) for i, b in os_bytes}
     n_forced = forced_count(fraction, len(os_bytes))
@@ -80,10 +77,9 @@ def choose_nvme_groups(
         staging = 0
         undo_room = 0  # unused: with no budget the copies stay in memory, with nothing streamed there are none
     else:
-        # The pipeline needs room for 2 * depth + 1 groups as soon as anything streams; a small
-        # budget gets a shallower pipeline (depth 0: one group at a time, no overlap) before
-        # it is refused. (So the depth asked for goes first: a budget that just holds its staging
-        # keeps fewer groups in memory than a smaller one that runs shallower.)
+        # The pipeline needs room for 2 * depth + 1 groups as soon as anything streams; a small budget gets a
+        # shallower pipeline (depth 0: one group at a time, no overlap) before it is refused. The depth asked for
+        # comes first, so a budget that just holds its staging keeps fewer groups in memory than a smaller one.
         largest = max(b for _, b in os_bytes)
         largest_undo = max(undo_of.values())  # the one copy aside in memory when they go to NVMe
         while depth > 0 and (2 * depth + 1) * largest + largest_undo > cpu_memory:
@@ -122,22 +118,20 @@ def choose_nvme_groups(
 
 
 def forced_count(fraction: float, groups: int) -> int:
-    """How many of ``groups`` chunk groups ``nvme_offload_fraction=fraction`` sends to NVMe: whole
-    groups, the nearest count, halves up (Python's ``round`` took 0.5 of one group, and 0.25 of
-    two, to none, and 0.75 of two to both)."""
+    """How many of ``groups`` chunk groups ``nvme_offload_fraction=fraction`` sends to NVMe: the nearest whole count,
+    halves up (not Python's ``round``, which rounds 0.5 of one group to none)."""
     return math.floor(fraction * groups + 0.5)
 
 
 def undo_ratio(param_dtype: torch.dtype) -> float:
-    """Bytes a step copies aside per offloadable byte of a streamed group: its parameters'
-    (fp32: the param chunk is the master, 4 of 8 bytes; bf16/fp16: the low-precision copy, 2
-    of 12)."""
+    """Bytes a step copies aside per offloadable byte of a streamed group: its parameters' (fp32: the param chunk is
+    the master, 4 of 8 bytes; bf16/fp16: the low-precision copy, 2 of 12)."""
     return param_dtype.itemsize / offloaded_bytes_per_element(param_dtype)
 
 
 def shallower_pipeline(layout: NvmeLayout, *, cpu_memory: int | None, wanted: int) -> str | None:
-    """What to tell the user (once: callers choose several times) when ``cpu_memory`` made the
-    pipeline of ``layout`` shallower than ``nvme_pipeline_depth=wanted``; None when it did not."""
+    """What to tell the user (once: callers choose several times) when ``cpu_memory`` made the pipeline of ``layout``
+    shallower than ``nvme_pipeline_depth=wanted``; None when it did not."""
     if not layout.nvme_groups or layout.depth >= wanted or cpu_memory is None:
         return None
     return (f"GeminiConfig.cpu_memory={format_size(cpu_memory)} holds the states of {2 * layout.depth + 1} chunk "

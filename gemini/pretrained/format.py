@@ -1,5 +1,5 @@
-"""The safetensors format's file names and dtypes, shared by the reader and the writer (the
-file layout: [Note: writing safetensors a group at a time] in gemini/pretrained/save.py)."""
+"""The safetensors format's file names and dtypes, shared by the reader and the writer (the file layout: [Note:
+writing safetensors a group at a time] in gemini/pretrained/save.py)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,21 @@
-"""Weights streamed from safetensors into chunks: the checkpoint's keys matched to the model's
-parameters and buffers, and the value source the chunks are filled from.
+"""Weights streamed from safetensors into chunks: the checkpoint's keys matched to the model's parameters and
+buffers, and the value source the chunks are filled from.
 
 [Note: a model that never exists whole in RAM]
-``gemini.initialize(model, cfg, weights=PATH)`` takes a model whose parameters may be on the
-meta device (``accelerate.init_empty_weights()``). Before anything is allocated the checkpoint's
-headers are checked against the model (missing, unexpected and mis-shaped keys fail together,
-naming them). Then :class:`~chunks.ChunkManager` builds the chunk groups one by one and asks a
-*value source* for each group's tensors just before it fills that group's chunks (see [Note:
-where a chunk's first values come from] in chunks/manager.py): here the source reads the
-tensor's bytes from its file with ``os.preadv`` at the offset the header gives — only the range
-the group needs (under ZeRO with parameter sharding, this rank's piece) — and the chunk casts
-them to its dtype (the compute dtype for the parameters, fp32 for the master). A group is
-complete, and the NVMe tier may already be writing it out, before the next group is read, so
-host memory holds a group's values at a time. The files are read with plain positioned reads,
-not memory-mapped: pages of a mapping that were touched count in the process's resident set
-for as long as the mapping lives, which for a large checkpoint would look like — and under
-memory pressure behave like — holding the whole model.
+``gemini.initialize(model, cfg, weights=PATH)`` takes a model whose parameters may be on the meta device
+(``accelerate.init_empty_weights()``). Before anything is allocated the checkpoint's headers are checked against the
+model (missing, unexpected and mis-shaped keys fail together, named). Then :class:`~chunks.ChunkManager` builds the
+chunk groups one by one and asks a *value source* for each group's tensors just before filling its chunks ([Note:
+where a chunk's first values come from] in chunks/manager.py). Here the source reads, with ``os.preadv`` at the
+header's offset, only the range the group needs (under ZeRO-3, this rank's piece), and the chunk casts it to its dtype
+(compute dtype for parameters, fp32 for the master). A group is complete, and the NVMe tier may be writing it out,
+before the next is read, so host memory holds one group's values at a time. Files are read with positioned reads, not
+memory-mapped: touched pages of a mapping count in the resident set while it lives, which for a large checkpoint
+would look like (and under memory pressure behave like) holding the whole model.
 
-Without ``weights``, parameters on the meta device are initialized module by module: when the
-manager first asks for one of a module's parameters, that module's own parameters get real
-storage and its ``reset_parameters()`` runs; each parameter's value then lives until its group
-is built and its ``.data`` re-pointed into the chunk.
+Without ``weights``, meta parameters are initialized module by module: when the manager first asks for one of a
+module's parameters, that module's own parameters get storage and its ``reset_parameters()`` runs; each value lives
+until its group is built and its ``.data`` re-pointed into the chunk.
 """
 
 from __future__ import annotations
@@ -60,8 +55,8 @@ class PreparedValues:
 
 
 def _keys_by_tensor(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, list[str]]]:
-    """The module's state_dict (keep_vars) and, per tensor, every key it appears under (tied
-    parameters appear under several), in state_dict order."""
+    """The module's state_dict (keep_vars) and, per tensor, every key it appears under (tied parameters appear under
+    several), in state_dict order."""
     own = model.state_dict(keep_vars=True)
     keys: dict[int, list[str]] = {}
     for key, t in own.items():
@@ -70,10 +65,9 @@ def _keys_by_tensor(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[int
 
 
 def prepare_values(model: nn.Module, weights: str | os.PathLike | None) -> PreparedValues:
-    """Check ``weights`` (or, without, the modules on the meta device) against ``model`` and return
-    the value source ``ChunkManager.register`` fills the chunks from. Buffers are loaded here
-    (they are small and stay outside chunks). Raises :class:`WeightsError` / ``ValueError``
-    naming every problem before anything is allocated."""
+    """Check ``weights`` (or, without, the modules on the meta device) against ``model`` and return the value source
+    ``ChunkManager.register`` fills the chunks from. Buffers are loaded here (they are small and stay outside chunks).
+    Raises :class:`WeightsError` / ``ValueError`` naming every problem before anything is allocated."""
     if weights is None:
         return PreparedValues(_reset_source(model))
     started = time.perf_counter()
@@ -88,9 +82,9 @@ def prepare_values(model: nn.Module, weights: str | os.PathLike | None) -> Prepa
 
 def _check_keys(model: nn.Module, ckpt: SafetensorsCheckpoint, *, shape_of=lambda t: tuple(t.shape),
                 problems: Iterable[str] = ()) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
-    """Match the checkpoint's keys to the module's state_dict, strictly (like ``load_state_dict``):
-    returns (the state_dict with keep_vars, tensor -> the key its value is read from), or raises
-    :class:`WeightsError` listing every missing, unexpected and mis-shaped key (and ``problems``)."""
+    """Match the checkpoint's keys to the module's state_dict, strictly (like ``load_state_dict``): returns (the
+    state_dict with keep_vars, tensor -> the key its value is read from), or raises :class:`WeightsError` listing
+    every missing, unexpected and mis-shaped key (and ``problems``)."""
     own, keys = _keys_by_tensor(model)
     entries = ckpt.entries
     missing, mismatched = [], []
@@ -120,8 +114,8 @@ def _check_keys(model: nn.Module, ckpt: SafetensorsCheckpoint, *, shape_of=lambd
 
 
 def _common_prefix(longer: list[str], shorter: list[str]) -> tuple[str, int]:
-    """The prefix (whole dotted components) that most often turns a key of ``shorter`` into one
-    of ``longer``, and how many keys of ``shorter`` it does that for ("", 0 if none)."""
+    """The prefix (whole dotted components) that most often turns a key of ``shorter`` into one of ``longer``, and
+    how many keys of ``shorter`` it does that for ("", 0 if none)."""
     targets, counts = set(shorter), {}
     for key in longer:
         for i, c in enumerate(key):
@@ -131,11 +125,11 @@ def _common_prefix(longer: list[str], shorter: list[str]) -> tuple[str, int]:
 
 
 def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
-    """Why the keys may not match, when most of the file's unmatched keys are the missing ones
-    less or plus one prefix: weights saved from the base model (``LlamaModel``) loaded into a
-    model with a head (``LlamaForCausalLM``, whose keys carry "model."), or the reverse, or from
-    a wrapper (torch.compile's "_orig_mod.", DDP's "module."). Transformers' ``from_pretrained``
-    adds or strips the base model's prefix itself; loading stays strict here, so it only says so."""
+    """Why the keys may not match, when most of the file's unmatched keys are the missing ones less or plus one
+    prefix: weights of the base model (``LlamaModel``) loaded into a model with a head (``LlamaForCausalLM``, keys
+    with "model."), the reverse, or a wrapper's (torch.compile's "_orig_mod.", DDP's "module."). Transformers'
+    ``from_pretrained`` adds or strips the base model's prefix itself; loading stays strict here, so this only
+    says so."""
     lacks, n_lacks = _common_prefix(missing, unexpected)
     has, n_has = _common_prefix(unexpected, missing)
     if n_lacks >= n_has and 2 * n_lacks >= len(unexpected) > 0:
@@ -152,8 +146,8 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
 
 def _load_buffers(model: nn.Module, own: dict[str, torch.Tensor], key_of: dict[int, str],
                   ckpt: SafetensorsCheckpoint) -> None:
-    """Buffers (small, outside chunks): a meta one replaced by the checkpoint's value, a real one
-    overwritten in place (cast to its dtype)."""
+    """Buffers (small, outside chunks): a meta one replaced by the checkpoint's value, a real one overwritten in place
+    (cast to its dtype)."""
     params = {id(p) for p in model.parameters()}
     loaded: dict[int, torch.Tensor] = {}
     with torch.no_grad():
@@ -188,11 +182,10 @@ def _file_source(model: nn.Module, ckpt: SafetensorsCheckpoint) -> ValueSource:
 
 
 def load_pretrained_into(model: GeminiModel, weights: str | os.PathLike) -> None:
-    """Overwrite an initialized model's weights (and persistent buffers) from safetensors, streamed
-    like ``initialize(..., weights=...)``: per chunk group, each tensor's needed range read once
-    and written into the parameter chunk (or its ZeRO-3 shard) and the fp32 master, a master on
-    NVMe read and written back once. Keys are checked as strictly. Adam's states are untouched.
-    Under ZeRO every rank reads its own ranges; no collective."""
+    """Overwrite an initialized model's weights (and persistent buffers) from safetensors, streamed like
+    ``initialize(..., weights=...)``: per chunk group, each tensor's needed range is read once and written into the
+    parameter chunk (or its ZeRO-3 shard) and the fp32 master; a master on NVMe is read and written back once. Keys
+    are checked as strictly. Adam's states are untouched. Under ZeRO each rank reads its own ranges; no collective."""
     model = gemini_model(model, "load_pretrained_into")
     runtime = model._runtime
     manager = runtime.manager

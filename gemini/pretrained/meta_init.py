@@ -1,5 +1,5 @@
-"""A model built on the meta device and no weights: each module's parameters get storage and
-their values from its own ``reset_parameters()`` when the chunk manager first needs them."""
+"""A model built on the meta device and no weights: each module's parameters get storage and their values from its
+own ``reset_parameters()`` when the chunk manager first needs them."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def _meta_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
 
 
 def _reset_source(model: nn.Module) -> ValueSource:
-    """Values of parameters on the meta device from their module's ``reset_parameters()``, run
-    when the first of the module's parameters is needed (see [Note: a model that never exists
-    whole in RAM] in gemini/pretrained/load.py); real parameters give their own values."""
+    """Values of parameters on the meta device from their module's ``reset_parameters()``, run when the first of the
+    module's parameters is needed (see [Note: a model that never exists whole in RAM] in gemini/pretrained/load.py);
+    real parameters give their own values."""
     owner: dict[int, tuple[str, nn.Module]] = {}
     for mod_name, module in model.named_modules():
         for p in module._parameters.values():
@@ -55,8 +55,8 @@ def _reset_source(model: nn.Module) -> ValueSource:
     def source(param: nn.Parameter, slot: TensorSlot, start: int, stop: int) -> torch.Tensor:
         if param.is_meta:
             name, module = owner[id(param)]
-            # Only this module's own parameters become real; swap_tensors keeps each Parameter
-            # object (ties, optimizer references) while giving it storage.
+            # Only this module's own parameters become real; swap_tensors keeps each Parameter object (ties, optimizer
+            # references) while giving it storage.
             for p in module._parameters.values():
                 if p is not None and p.is_meta:
                     real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
@@ -70,10 +70,9 @@ def _reset_source(model: nn.Module) -> ValueSource:
 def tie_meta_weights(model: nn.Module) -> None:
     """Tie a Hugging Face model's weights again if it has parameters on the meta device.
 
-    ``accelerate.init_empty_weights()`` re-wraps every parameter as it is registered, which
-    unties what the model's constructor tied (``lm_head.weight`` and ``embed_tokens.weight``);
-    ``from_pretrained`` ties them again after loading, and so do we, before the chunks are laid
-    out, so that a tied pair is one parameter with one chunk slot."""
+    ``accelerate.init_empty_weights()`` re-wraps every parameter as it is registered, which unties what the
+    constructor tied (``lm_head.weight`` and ``embed_tokens.weight``); ``from_pretrained`` ties them again after
+    loading, and so do we before the chunks are laid out, so a tied pair is one parameter with one chunk slot."""
     tie = getattr(model, "tie_weights", None)
     if callable(tie) and any(p.is_meta for p in model.parameters()):
         tie()

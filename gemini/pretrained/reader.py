@@ -1,5 +1,5 @@
-"""Reading safetensors checkpoints: every file's header checked when the checkpoint is opened,
-then any element range of a tensor read with positioned reads."""
+"""Reading safetensors checkpoints: every file's header checked when the checkpoint is opened, then any element range
+of a tensor read with positioned reads."""
 
 from __future__ import annotations
 
@@ -71,11 +71,11 @@ def _read_header(path: Path) -> dict[str, _Entry]:
 
 
 class SafetensorsCheckpoint:
-    """The tensors of a safetensors checkpoint: one file, or a folder as ``save_pretrained``
-    writes it (``model.safetensors``, or shards listed by ``model.safetensors.index.json``).
+    """The tensors of a safetensors checkpoint: one file, or a folder as ``save_pretrained`` writes it
+    (``model.safetensors``, or shards listed by ``model.safetensors.index.json``).
 
-    :meth:`read` returns any element range of a tensor, flat, in the file's dtype, reading only
-    those bytes (see [Note: a model that never exists whole in RAM] in gemini/pretrained/load.py).
+    :meth:`read` returns any element range of a tensor, flat, in the file's dtype, reading only those bytes (see
+    [Note: a model that never exists whole in RAM] in gemini/pretrained/load.py).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:

@@ -1,12 +1,11 @@
 """Weights written out of chunks as safetensors, one chunk group at a time.
 
 [Note: writing safetensors a group at a time]
-A safetensors file is an 8-byte little-endian header length, a JSON header giving each
-tensor's dtype, shape and byte range, then the raw bytes. Every shape and dtype is known before
-any value is read, so :func:`save_pretrained` computes every shard's header first, then visits
-the chunk groups in order — with a group's fp32 master read from NVMe once (not Adam's m and
-v), and under ZeRO gathered from every rank — and writes each tensor's bytes at its offset. Files are written
-under temporary names and renamed when complete.
+A safetensors file is an 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape and byte
+range, then the raw bytes. Every shape and dtype is known before any value is read, so :func:`save_pretrained`
+computes every shard's header first, then visits the chunk groups in order (a group's fp32 master read from NVMe
+once, not Adam's m and v; under ZeRO gathered from every rank) and writes each tensor's bytes at its offset. Files
+are written under temporary names and renamed when complete.
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ class _Out:
 
 
 def _plan_shards(outs: list[_Out], max_shard_bytes: int) -> list[list[_Out]]:
-    """Greedy in key order, like transformers: a new shard when the next tensor would overflow
-    the current one; a tensor larger than the limit gets a shard of its own."""
+    """Greedy in key order, like transformers: a new shard when the next tensor would overflow the current one; a
+    tensor larger than the limit gets a shard of its own."""
     shards: list[list[_Out]] = []
     size = 0
     for o in outs:
@@ -65,8 +64,8 @@ def _plan_shards(outs: list[_Out], max_shard_bytes: int) -> list[list[_Out]]:
 
 
 def _header(tensors: list[_Out]) -> bytes:
-    """The shard's header, and each tensor's absolute offset set: larger elements first so that
-    every tensor's bytes are aligned to its element size (as safetensors itself orders them)."""
+    """The shard's header, and each tensor's absolute offset set: larger elements first so that every tensor's bytes
+    are aligned to its element size (as safetensors itself orders them)."""
     ordered = sorted(tensors, key=lambda o: -_element_size(o.dtype))  # stable: key order within a size
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     pos = 0
@@ -89,18 +88,17 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 def save_pretrained(model: GeminiModel, folder: str | os.PathLike, *, max_shard_size: int | str = "5GB",
                     dtype: torch.dtype | None = None) -> list[Path]:
-    """Write ``model``'s weights (a :class:`~gemini.GeminiModel` from ``initialize``) to ``folder``
-    as safetensors, in the layout ``transformers``' ``save_pretrained`` writes and
-    ``from_pretrained`` / ``initialize(..., weights=folder)`` read: ``model.safetensors``, or
-    ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_size`` (``"5GB"`` is
-    5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30) and ``model.safetensors.index.json``. Keys are the
-    wrapped module's ``state_dict`` keys, a tied parameter under its first name only (like
-    transformers); values are the fp32 masters, or cast to ``dtype``. ``config.json`` (and
-    ``generation_config.json``) are written too when the module is a Hugging Face model.
+    """Write ``model``'s weights (a :class:`~gemini.GeminiModel` from ``initialize``) to ``folder`` as safetensors,
+    in the layout ``transformers``' ``save_pretrained`` writes and ``from_pretrained`` / ``initialize(...,
+    weights=folder)`` read: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards of at most
+    ``max_shard_size`` (``"5GB"`` is 5 * 10**9 bytes, ``"5GiB"`` 5 * 2**30) and ``model.safetensors.index.json``. Keys
+    are the wrapped module's ``state_dict`` keys, a tied parameter under its first name only (like transformers);
+    values are the fp32 masters, or cast to ``dtype``. ``config.json`` (and ``generation_config.json``) are written
+    too when the module is a Hugging Face model.
 
-    Streamed: one chunk group's values in memory at a time (see [Note: writing safetensors a
-    group at a time]). Under ZeRO a collective: every rank calls it, rank 0 writes. Returns the
-    weight files written (on rank 0; an empty list elsewhere).
+    Streamed: one chunk group's values in memory at a time (see [Note: writing safetensors a group at a time]). Under
+    ZeRO a collective: every rank calls it, rank 0 writes. Returns the weight files written (on rank 0; an empty list
+    elsewhere).
     """
     model = gemini_model(model, "save_pretrained")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype not in _NAMES):
@@ -109,7 +107,7 @@ def save_pretrained(model: GeminiModel, folder: str | os.PathLike, *, max_shard_
     max_bytes = parse_size(max_shard_size, field="max_shard_size")
     if max_bytes <= 0:
         raise ValueError(f"max_shard_size={max_shard_size!r} must be positive")
-    if is_peft_model(model.module):  # PEFT's adapter files: see [Note: PEFT models]
+    if is_peft_model(model.module):  # PEFT's adapter files: see [Note: PEFT models] in gemini/peft.py
         return save_adapter(model, folder, dtype=dtype)
     runtime = model._runtime
     manager, zero = runtime.manager, runtime.zero
@@ -205,8 +203,8 @@ def save_pretrained(model: GeminiModel, folder: str | os.PathLike, *, max_shard_
 
 
 def _remove_stale(folder: Path, keep: Iterable[str]) -> None:
-    """Weight files of an earlier save in another layout (single file vs shards) would confuse a
-    reader: remove them, as transformers does."""
+    """Weight files of an earlier save in another layout (single file vs shards) would confuse a reader: remove them,
+    as transformers does."""
     keep = set(keep)
     for path in folder.iterdir():
         if path.name in keep:
@@ -217,8 +215,8 @@ def _remove_stale(folder: Path, keep: Iterable[str]) -> None:
 
 
 def _save_hf_configs(module: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """``config.json`` (with the written dtype and the architecture, as transformers records them)
-    and ``generation_config.json`` for a Hugging Face model; nothing for other modules."""
+    """``config.json`` (with the written dtype and the architecture, as transformers records them) and
+    ``generation_config.json`` for a Hugging Face model; nothing for other modules."""
     config = getattr(module, "config", None)
     if config is None or not callable(getattr(config, "save_pretrained", None)):
         return

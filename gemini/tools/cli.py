@@ -1,12 +1,11 @@
 """Command line: ``python -m gemini`` (and the ``gemini`` console script).
 
-Commands: ``demo`` (a GPT several times the device budget, trained with per-step reports),
-``train`` (a GPT of a chosen size under any placement and budgets), ``tune-margin`` (the
-margin tuner), ``report`` (summarise and plot a JSON Lines file of reports), ``plan``
-(before training: whether a model fits and where its bytes will go) and ``consolidate`` (a
-sharded checkpoint made one file for any number of ranks). This module builds the
-parser and runs a command, showing the user's errors without a traceback; the options are in
-:mod:`gemini.tools.cli_options`, what each command runs in :mod:`gemini.tools.cli_commands`.
+Commands: ``demo`` (a GPT several times the device budget, trained with per-step reports), ``train`` (a GPT of a
+chosen size under any placement and budgets), ``tune-margin`` (the margin tuner), ``report`` (summarise and plot a
+JSON Lines file of reports), ``plan`` (before training: whether a model fits and where its bytes go) and
+``consolidate`` (a sharded checkpoint made one file for any number of ranks). This module builds the parser and runs
+a command, showing the user's errors without a traceback; the options are in :mod:`gemini.tools.cli_options`, what
+each command runs in :mod:`gemini.tools.cli_commands`.
 """
 
 from __future__ import annotations
@@ -26,24 +25,21 @@ from offload import format_size
 
 __all__ = ["build_parser", "main"]
 
-# The demo's model on a 2-core CPU: 19.5M parameters (about 300 MiB of model data), a step in a
-# fraction of a second under a budget a quarter of that; its activations (batch 2 x 32 tokens,
-# under 20 MiB) leave room in that budget for the chunks being computed with.
+# The demo's model: 19.5M parameters (about 300 MiB of model data), a step in a fraction of a second on a 2-core CPU
+# under a budget a quarter of that; its small activations (batch 2 x 32 tokens) leave room for the chunks in use.
 _DEMO_MODEL = dict(layers=6, embd=512, heads=8, vocab=1024, seq=32, batch=2)
 _TRAIN_MODEL = dict(layers=4, embd=256, heads=4, vocab=4096, seq=128, batch=8)
 
 
-# "1751392 bytes" in a message, not already followed by a readable size; and budgets written as
-# the config's fields with an int ("device_memory=100000").
+# "1751392 bytes" in a message, not already followed by a readable size; and budgets as the config's int fields
+# ("device_memory=100000").
 _RAW_BYTES = re.compile(r"(?<![\w.])(\d{4,}) bytes(?! \()")
 _RAW_BUDGET = re.compile(r"\b((?:device|cpu)_memory=)(\d{4,})\b(?! \()")
 
 
 def readable_sizes(message: str) -> str:
-    """``message`` with each raw byte count followed by the same size in readable units:
-    "1751392 bytes" -> "1751392 bytes (1.67 MiB)", "device_memory=100000" ->
-    "device_memory=100000 (97.66 KiB)". The library's errors count exact bytes (what a
-    program compares); a person at a terminal reads the units."""
+    """``message`` with each raw byte count followed by its readable size: "1751392 bytes" -> "1751392 bytes
+    (1.67 MiB)". The library's errors count exact bytes (what a program compares); a person reads the units."""
     message = _RAW_BYTES.sub(lambda m: f"{m.group(1)} bytes ({format_size(int(m.group(1)))})", message)
     return _RAW_BUDGET.sub(lambda m: f"{m.group(1)}{m.group(2)} ({format_size(int(m.group(2)))})", message)
 

@@ -1,9 +1,9 @@
 """What each ``python -m gemini`` subcommand runs, once its arguments are parsed and checked.
 
-``demo`` and ``train`` train a seeded GPT on one synthetic batch with a line per step,
-``tune-margin`` runs the margin tuner on that GPT, ``report`` summarises (and plots) a JSON
-Lines file of reports, ``plan`` plans a GPT built on the meta device, ``consolidate`` makes a
-sharded checkpoint whole. Each returns the exit status; the parser and error handling are in :mod:`gemini.tools.cli`.
+``demo`` and ``train`` train a seeded GPT on one synthetic batch with a line per step, ``tune-margin`` runs the
+margin tuner on that GPT, ``report`` summarises (and plots) a JSON Lines file of reports, ``plan`` plans a GPT built
+on the meta device, ``consolidate`` makes a sharded checkpoint whole. Each returns the exit status; the parser and
+error handling are in :mod:`gemini.tools.cli`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ def _gpt_config(args: argparse.Namespace) -> GPTConfig:
                      n_embd=args.embd, activation_checkpointing=getattr(args, "activation_checkpointing", False))
 
 
-# Options named after GeminiConfig fields go into the config as they are; a command without one
-# of them gets GeminiConfig's default for it.
+# Options named after GeminiConfig fields go into the config as they are; a command without one gets the default.
 _CONFIG_OPTIONS = ("device", "placement", "precision", "chunk_size", "device_memory", "cpu_memory", "nvme_dir",
                    "nvme_offload_fraction", "nvme_pipeline_depth", "static_param_device_fraction",
                    "static_optimizer_offload_fraction", "gpu_margin_mem_ratio")
@@ -61,8 +60,7 @@ def _seeded_gpt(cfg: GPTConfig) -> GPT:
 
 
 def _model_data_bytes(cfg: GPTConfig, args: argparse.Namespace) -> int:
-    """Bytes of every chunk (parameters, gradients, Adam states) as the planner lays them out,
-    for a model built on the meta device (no memory)."""
+    """Bytes of every chunk (params, grads, Adam states) as the planner lays them out, built on meta (no memory)."""
     with torch.device("meta"):
         model = GPT(cfg)
     config = _gemini_config(args, device="cpu", placement="cpu", device_memory=None, cpu_memory=None,
@@ -74,8 +72,7 @@ def _model_data_bytes(cfg: GPTConfig, args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ training
 def _progress(total: int, *, quiet: bool, unit: str) -> Callable[[StepResult], None]:
-    """Prints each step as it ends, "step   2/8 | ...", counted from 1 like every line of the
-    CLI (and the warm-up's plan when a step carries one)."""
+    """Prints each step as it ends ("step   2/8 | ...", counted from 1), and the warm-up's plan when it comes."""
 
     def on_step(result: StepResult) -> None:
         r = result.report

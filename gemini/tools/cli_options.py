@@ -1,10 +1,9 @@
 """The command line's options: what each accepts and what the subcommands share.
 
-Numeric options are checked as they are parsed (argparse's type functions), so a bad value
-ends the command at once, exit status 2, naming the option and the accepted range, before a
-model is built or a step is run. The option groups (model, engine, run) are added the same way
-to every subcommand that takes them, with GeminiConfig's own defaults; :func:`check_arguments`
-checks what no single option's type can.
+Numeric options are checked as they are parsed (argparse's type functions): a bad value ends the command at once
+(exit status 2, naming the option and the accepted range), before a model is built. The option groups (model,
+engine, run) are added the same way to every subcommand that takes them, with GeminiConfig's own defaults;
+:func:`check_arguments` checks what no single option's type can.
 """
 
 from __future__ import annotations
@@ -99,14 +98,13 @@ def run_number(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------- option groups
-# The engine options' defaults are GeminiConfig's own (CONFIG_DEFAULTS, one source: `plan`,
-# `train`, `demo` and `tune-margin` default to what the library does when the option is left out).
+# The engine options' defaults are GeminiConfig's own (CONFIG_DEFAULTS): every command defaults to what the library
+# does when the option is left out.
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default, "(default: 4)", unless the help already says
-    what the default is in words (a default of None means something: "the whole device",
-    "searched"), and flags (off unless given) say nothing."""
+    """Every option's help ends with "(default: 4)", except flags (off unless given) and options whose help says
+    the default in words (a default of None means something: "the whole device", "searched")."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -129,10 +127,9 @@ def add_model_args(p: argparse.ArgumentParser, defaults: dict[str, int], *, batc
 
 def add_engine_args(p: argparse.ArgumentParser, *, placement: bool, static: bool, device: bool = True,
                     budget_default: str = "the whole device") -> None:
-    """GeminiConfig's options. ``placement=False`` for a command that fixes the placement itself
-    (demo and tune-margin run ``auto``); ``static=False`` where no ``static`` placement can be
-    chosen, so that a command never accepts the ``--static-*`` options only to ignore them.
-    ``budget_default``: what the command budgets without --device-memory, for its help."""
+    """GeminiConfig's options. ``placement=False`` for a command that fixes the placement itself (demo and
+    tune-margin run ``auto``); ``static=False`` where no ``static`` placement can be chosen, so that a command never
+    accepts the ``--static-*`` options only to ignore them. ``budget_default``: the help's default budget."""
     g = p.add_argument_group("engine (GeminiConfig)")
     d = CONFIG_DEFAULTS
     if device:
@@ -197,8 +194,8 @@ def add_output_args(g: argparse.ArgumentParser | argparse._ArgumentGroup, *, qui
 
 # ----------------------------------------------------------------------- checks across options
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """What one option's type cannot check alone, before a model is built or a file read;
-    exits like argparse (status 2), in the words of the command's own usage."""
+    """What one option's type cannot check alone, before a model is built or a file read; exits like argparse
+    (status 2), in the words of the command's own usage."""
     sub = _subparser(parser, args.command)
     embd, heads = getattr(args, "embd", None), getattr(args, "heads", None)
     if embd is not None and heads is not None and embd % heads:

@@ -1,18 +1,15 @@
 """The planner's questions to a placement, answered by one class per placement.
 
-:func:`gemini.tools.planner.plan_placement` asks every placement the same things: which chunk
-groups it keeps on the device (under auto, from the margin its warm-up will leave), what model
-data it holds at the activation peak, the device's peak in the first step and in the later ones,
-and what to advise when a budget falls short. Each ``GeminiConfig.placement`` value answers in
-its own class here; :func:`forecast_for` picks it once, by the policy class
+:func:`gemini.tools.planner.plan_placement` asks every placement the same things: which chunk groups it keeps on the
+device (under auto, from the margin its warm-up will leave), what model data it holds at the activation peak, the
+device's peak in the first and later steps, and what to advise when a budget falls short. Each
+``GeminiConfig.placement`` answers in its own class; :func:`forecast_for` picks it by the policy class
 :func:`gemini.policies.placement_type` names, so nothing tests the placement's name.
 
-Why here and not on the policy classes: the answers read the engine's safety reserve
-(``planned_reserve_bytes``), the meta run's peaks and the plan, and a policy imports nothing of
-gemini/engine/ or gemini/tools/. What is the policy's own the forecast asks its policy class:
-the groups it keeps from the layout alone (``layout_choice``, the rule ``initialize`` applies
-too). The classes follow the runtime's kinship: auto's warm-up moves chunks as "cpu" does (its
-``budget_advice`` is cpu's), so :class:`AutoForecast` is a :class:`CpuForecast`.
+Not on the policy classes because the answers read the engine's reserve (``planned_reserve_bytes``), the meta run's
+peaks and the plan, and a policy imports nothing of gemini/engine/ or gemini/tools/. What is the policy's own (the
+groups kept from the layout alone: ``layout_choice``, as ``initialize`` applies it) the forecast asks its policy
+class. Auto's warm-up moves chunks as "cpu" does, so :class:`AutoForecast` is a :class:`CpuForecast`.
 """
 
 from __future__ import annotations
@@ -39,20 +36,18 @@ __all__ = ["AutoForecast", "CpuForecast", "CudaForecast", "PlacementForecast", "
 
 
 class PlacementForecast:
-    """One placement's answers for one model and config. The base answers as a placement that
-    keeps its chunks on the device for good does ("cuda", "static"); those that fetch chunks
-    for compute ("cpu", "auto") answer in :class:`CpuForecast`."""
+    """One placement's answers for one model and config. The base answers for placements that keep their chunks on
+    the device for good ("cuda", "static"); those that fetch chunks for compute ("cpu", "auto") answer in
+    :class:`CpuForecast`."""
 
     policy: type[PlacementPolicy] = PlacementPolicy
-    # The model data on the device at the activation peak, as the predicted peak's note says it.
+    # Words for the plan's notes and advice: the model data on the device at the activation peak (``holds``) and
+    # without example inputs (``needs``); the end of a refused peak's advice (placements keeping less on the device);
+    # what takes optimizer states out of short host memory; the end of the offload_activations note.
     holds = "the chunks it keeps"
-    # The model data the device must hold, as the check without example inputs says it.
     needs = "the chunks it keeps"
-    # Ends the advice of a refused peak: the placements that keep less on the device.
     peak_advice = ", or placement 'cpu'/'auto'"
-    # What takes optimizer states out of host memory when it is short.
     host_advice = "set cpu_memory and nvme_dir to move optimizer states to NVMe"
-    # Ends the offload_activations note.
     activation_offload_note = ""
 
     def host_memory_advice(self, staging_bytes: int) -> str:
@@ -73,23 +68,22 @@ class PlacementForecast:
         self.layout = layout
         self.buffer_bytes = buffer_bytes
         self.peaks = peaks  # None: no example inputs, activations not counted
-        # The safety reserve is the warm-up's (auto's): the other placements check each step's peak
-        # against the budget itself, so their verdicts keep only a slack (with the 64 KiB reserve
-        # they refused budgets they train under).
+        # The safety reserve is the warm-up's (auto's): the other placements check each step's peak against the budget
+        # itself, so their verdicts keep only a slack (the reserve would refuse budgets they train under).
         reserve = planned_reserve_bytes if self.traces else planned_slack_bytes
         self.reserve_bytes = None if peaks is None else reserve(peaks.non_model_bytes, config.resolved_device())
         self.choice: DeviceGroups = self.policy.layout_choice(config, layout)
-        # Only auto's warm-up plans (with example inputs) and leaves a margin (with a budget too).
+        # Only auto's warm-up plans (with example inputs) and leaves a margin (with a budget too); ``later_peaks``:
+        # auto's later steps, replayed when offload_activations keeps some activations on the device.
         self.planned_peak_bytes: int | None = None
         self.margin_bytes: int | None = None
-        # auto with offload_activations keeping some on the device: its later steps replayed.
         self.later_peaks: MetaPeaks | None = None
 
     @classmethod
     def residents(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups | None:
-        """The groups this placement keeps on the device while others visit it for compute,
-        for the meta run to replay (see [Note: what stays on the device, replayed] in
-        gemini/tools/meta_replay.py); None: no such timeline (nothing kept, or everything)."""
+        """The groups this placement keeps on the device while others visit it for compute, for the meta run to
+        replay (see [Note: what stays on the device, replayed] in gemini/tools/meta_replay.py); None: no such
+        timeline (nothing kept, or everything)."""
         return None
 
     def notes(self, plan: PlacementPlan) -> list[str]:
@@ -108,31 +102,27 @@ class PlacementForecast:
         return plan.tier_bytes("device") + plan.buffer_bytes
 
     def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
-        """(The first step's device peak, every later step's), from the meta run's non-model
-        peak (so only with example inputs); see [Note: the predicted device peak]."""
+        """(The first step's device peak, every later step's), from the meta run's non-model peak (so only with
+        example inputs); see [Note: the predicted device peak]."""
         # [Note: the predicted device peak]
-        # The activation peak (the end of forward, the start of backward) meets the model data the
-        # placement holds then:
+        # The activation peak (end of forward, start of backward) meets the model data the placement holds then:
         # - "cuda": the chunks it keeps, its gradient chunks among them from the first step on
         #   ([Note: what every step keeps is there from the first] in gemini/engine/residency.py);
-        # - "static": the chunks it keeps (the same), and the other groups visiting as under
-        #   "cpu", replayed on meta with the activations;
+        # - "static": the same, plus the other groups visiting as under "cpu", replayed on meta with the activations;
         # - "cpu": the groups visiting for compute, replayed on meta with the activations (see
         #   [Note: the warm-up replayed on meta] in gemini/tools/meta_replay.py);
-        # - "auto": its first step is the warm-up, which behaves like "cpu", and then brings the
-        #   margin's groups to the device for its optimizer step (where it will evict nothing,
-        #   every parameter chunk too, after its update: ``settle``). Later it keeps every
-        #   parameter chunk it fetched, and the margin's whole groups, until the budget less the
-        #   reserve makes it evict: the peak is the lesser of all of that and the budget's limit.
+        # - "auto": its first step is the warm-up, like "cpu", which then brings the margin's groups to the device
+        #   for its optimizer step (and, where it will evict nothing, every parameter chunk after its update:
+        #   ``settle``). Later it keeps every parameter chunk it fetched and the margin's whole groups until the
+        #   budget less the reserve makes it evict: the peak is the lesser of the two.
         steady = self._kept_peak_bytes(plan)
         return steady, steady
 
     def step_peak_bytes(self, plan: PlacementPlan) -> tuple[int, int]:
-        """The optimizer step's device peak (the first step's, every later one's): the chunks on
-        the device and, under bf16/fp16, the fp32 scratch the device's Adam holds for one
-        gradient per param group (``AdamBatch.scratch`` in gemini/optim/adam_batches.py), a
-        whole chunk's at most. With few activations (auto's first step brings the margin's
-        groups, models settled on the device) the step is the peak."""
+        """The optimizer step's device peak (the first step's, every later one's): the chunks on the device and,
+        under bf16/fp16, the fp32 scratch the device's Adam holds for one gradient per param group
+        (``AdamBatch.scratch`` in gemini/optim/adam_batches.py), a whole chunk's at most. With few activations (or
+        when auto's first step brings the margin's groups) the step is the peak."""
         largest: dict[int, int] = {}
         if self.config.param_dtype != torch.float32:
             for i in self.choice.whole:
@@ -165,8 +155,7 @@ class StaticForecast(PlacementForecast):
         return cls.policy.layout_choice(config, layout)
 
     def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
-        # The kept chunks, and the peak of what comes and goes beside them (the visiting groups,
-        # the activations), replayed on meta at each operator.
+        # The kept chunks, and the peak of what comes and goes beside them (visiting groups, activations), replayed.
         steady = plan.tier_bytes("device") + plan.buffer_bytes + self.peaks.resident_peak_bytes
         return steady, steady
 
@@ -190,8 +179,8 @@ class CpuForecast(PlacementForecast):
 
 
 class AutoForecast(CpuForecast):
-    """The warm-up as "cpu"; then parameter chunks cached as the budget allows, and the margin's
-    whole groups on the device for good (see [Note: auto placement] in gemini/policies/auto.py)."""
+    """The warm-up as "cpu"; then parameter chunks cached as the budget allows, and the margin's whole groups on the
+    device for good (see [Note: auto placement] in gemini/policies/auto.py)."""
 
     policy = AutoPlacement
     holds = ("the parameter chunks it caches and the margin's whole groups (its warm-up: the chunk groups visiting "
@@ -215,14 +204,12 @@ class AutoForecast(CpuForecast):
 
     @classmethod
     def residents(cls, config: GeminiConfig, layout: Layout) -> DeviceGroups | None:
-        # After the warm-up every parameter chunk stays cached (the budget allowing; ZeRO-3
-        # gathers them for each use instead: [Note: a plan under ZeRO] in planner.py); which
-        # groups the margin keeps whole is known only from the warm-up's peak.
+        # After the warm-up every parameter chunk stays cached (budget allowing; ZeRO-3 gathers them for each use:
+        # [Note: a plan under ZeRO] in planner.py); the margin's whole groups are known only from the warm-up's peak.
         return None if config.shard_params else DeviceGroups(params=frozenset(range(len(layout))))
 
     def _margin_choice(self, margin_bytes: int) -> DeviceGroups:
-        """The groups ``gpu_margin_mem_ratio`` keeps in the margin, by the engine's own rule
-        (``AutoPlacement.adopt``)."""
+        """The groups ``gpu_margin_mem_ratio`` keeps in the margin, by the engine's rule (``AutoPlacement.adopt``)."""
         config, layout = self.config, self.layout
         trainable = [i for i, (_, pg, _) in enumerate(layout) if pg >= 0]
         room = margin_room_bytes(margin_bytes, config.gpu_margin_mem_ratio, param_dtype=config.param_dtype,
@@ -246,8 +233,8 @@ class AutoForecast(CpuForecast):
 
     def predict_peaks(self, plan: PlacementPlan) -> tuple[int, int]:
         first, _ = super().predict_peaks(plan)
-        # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam
-        # updates them there once the activations are gone (the planner adds the step's peak).
+        # The first step ends the warm-up: the margin's groups come to the device, whole, and Adam updates them there
+        # once the activations are gone (the planner adds the step's peak).
         later = self.later_peaks or self.peaks
         cached = self._cached_bytes() + plan.buffer_bytes + later.resident_peak_bytes
         if plan.device_budget_bytes is not None:
@@ -255,10 +242,9 @@ class AutoForecast(CpuForecast):
         return first, max(first, cached)
 
     def activations_kept_from(self) -> int | None:
-        """With ``offload_activations`` and a known margin: the first saved tensor auto keeps on
-        the device after its warm-up (in the margin's part optimizer states leave, by the
-        engine's own rule ``kept_on_device``); None when all are offloaded as in the warm-up.
-        The planner then replays those later steps on meta (``later_peaks``)."""
+        """With ``offload_activations``: the index of the first saved tensor auto keeps on the device after its
+        warm-up (in the part of the margin optimizer states leave, by the engine's rule ``kept_on_device``); None when
+        all are offloaded as in the warm-up. The planner then replays those later steps on meta (``later_peaks``)."""
         sizes = self.peaks.offloaded_sizes if self.peaks is not None else ()
         if not sizes:
             return None
@@ -279,23 +265,20 @@ class AutoForecast(CpuForecast):
         return first - cached * self.config.param_dtype.itemsize, later
 
     def settle(self) -> None:
-        # Where the plan evicts nothing, every parameter chunk is sent back to the device right
-        # after its update ([Note: parameters stay where nothing is evicted] in
-        # gemini/policies/auto.py). Else under bf16/fp16 the step casts the masters into the
-        # parameter chunks where they lie, so those cached on the device stay there after the
-        # step (under fp32 the chunk is the master, updated on the host: its device copy is
-        # dropped). Auto caches them all unless the budget makes it evict (the device peak is
-        # capped so).
+        # Where the plan evicts nothing, every parameter chunk is sent back to the device right after its update
+        # ([Note: parameters stay where nothing is evicted] in gemini/policies/auto.py). Else under bf16/fp16 the step
+        # casts the masters into the parameter chunks where they lie, so those cached on the device stay (under fp32
+        # the chunk is the master, updated on the host, and its device copy is dropped). Auto caches them all unless
+        # the budget makes it evict (predict_peaks caps the peak so).
         if self.config.param_dtype != torch.float32 or self._evicts_nothing():
             every = frozenset(range(len(self.layout)))
             self.choice = DeviceGroups(whole=self.choice.whole, params=every - self.choice.whole)
 
     def _evicts_nothing(self) -> bool:
-        """Whether every chunk auto may hold fits on the device at once beside the largest
-        non-model peak and the activations it keeps, as ``AutoPlacement.adopt`` decides that
-        periods need not be followed (and ZeRO-3 gathers no parameters for good). No budget: the
-        whole device, taken to hold it (the verdict says where it does not); no example inputs:
-        model data alone, as the verdict."""
+        """Whether every chunk auto may hold fits on the device at once beside the largest non-model peak and the
+        activations it keeps, as ``AutoPlacement.adopt`` decides that periods need not be followed (never under
+        ZeRO-3, which keeps no parameters). No budget: taken to fit (the verdict says where it does not); no example
+        inputs: model data alone, as the verdict."""
         budget = self.config.device_memory
         if self.config.shard_params:
             return False
@@ -311,9 +294,9 @@ class AutoForecast(CpuForecast):
         return fits(budget, most, self.buffer_bytes, self.peaks.non_model_bytes, kept, self.reserve_bytes)
 
     def _cached_bytes(self) -> int:
-        """What auto holds on the device for good once nothing presses it: the margin's whole
-        groups and every other group's parameters (the gradient chunks come and go with the
-        activations: ``resident_peak_bytes``, which counts the whole groups' ones too)."""
+        """What auto holds on the device for good once nothing presses it: the margin's whole groups and every other
+        group's parameters (gradient chunks come and go with the activations, in ``resident_peak_bytes``, which
+        counts the whole groups' ones too)."""
         param_dtype, whole = self.config.param_dtype, self.choice.whole
         elem = param_dtype.itemsize
         pinned = sum(whole_group_bytes(cap, param_dtype=param_dtype) for i, (_, _, cap) in enumerate(self.layout)

@@ -1,14 +1,11 @@
 """Kernels whose outputs differ between the meta device and the configured one.
 
-The meta device's kernels give what CUDA's do. The CPU's layer and batch norms keep their
-saved statistics (mean, inverse standard deviation) in the input's dtype, where CUDA and meta
-keep float32: under bf16/fp16 every norm of a model saved twice the bytes the CPU stand-in
-holds (14 KiB on a 3-layer GPT, enough that the warm-up's margin and the plan's differed and
-gpu_margin_mem_ratio=1 kept 3 groups in the plan and 4 in training). And the CPU's
-``mse_loss`` and ``smooth_l1_loss`` reduce in place: the scalar they return is a view of the
-elementwise losses, which live as long as the loss does (the input's size: 1.8% of the peak of
-a small MLP trained on ``F.mse_loss``). For a CPU target the meta run's outputs take the CPU's
-form (:class:`CpuKernels`, below the tensor-accounting monitor: it sees only the final ones).
+The meta device's kernels give what CUDA's do. Two CPU kernels differ: the CPU's layer and batch norms keep their
+saved statistics (mean, inverse std) in the input's dtype where CUDA and meta keep float32, so under bf16/fp16 the
+meta run would charge twice the bytes the CPU stand-in holds (enough to change auto's margin); and the CPU's
+``mse_loss`` and ``smooth_l1_loss`` reduce in place: the scalar is a view of the elementwise losses, which live as
+long as the loss does. For a CPU target the meta run's outputs take the CPU's form (:class:`CpuKernels`, entered
+below the tensor-accounting monitor, which sees only the final outputs).
 """
 
 from __future__ import annotations

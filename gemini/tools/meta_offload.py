@@ -1,14 +1,12 @@
 """``offload_activations`` in the planner's meta run: saved tensors wait off the device.
 
-The engine (see [Note: activation offload] in gemini/engine/activations.py) installs
-saved-tensor hooks around the root module's forward: each saved tensor of at least
-``activation_offload_min_bytes`` that is no parameter (nor a view of one) is copied to host
-memory, its device memory freed once nothing else holds it, and copied back (one device copy
-for every unpack while it lives) when backward unpacks it. :class:`MetaOffload` does the same
-on meta tensors: the host copy is a record of shape, strides and dtype, and the copy back a new
-meta tensor, which the meta run's monitor counts as the device's. What it packed, in order,
-is the warm-up's trace, from which auto keeps the last tensors on the device after it
-(``keep_from``: a second meta run replays those later steps).
+The engine (see [Note: activation offload] in gemini/engine/activations.py) installs saved-tensor hooks around the
+root module's forward: each saved tensor of at least ``activation_offload_min_bytes`` that is no parameter (nor a
+view of one) is copied to host memory, its device memory freed once nothing else holds it, and copied back when
+backward unpacks it (one device copy per unpack while it lives). :class:`MetaOffload` does the same on meta tensors:
+the host copy is a record of shape, strides and dtype, the copy back a new meta tensor the monitor counts as the
+device's. The sizes it packed, in order, are the warm-up's trace; auto keeps the last tensors on the device after its
+warm-up (``keep_from``: a second meta run replays those later steps).
 """
 
 from __future__ import annotations

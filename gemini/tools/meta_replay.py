@@ -1,8 +1,8 @@
 """The warm-up's chunk visits, replayed beside the planner's meta run (gemini/tools/meta_run.py).
 
-It holds what the engine's warm-up holds on the device at each operator — the chunk groups a
-module computes with, a group's gradient chunk while its gradients arrive — and so gives the
-warm-up's peak and the peak its plan charges (see [Note: the warm-up replayed on meta]).
+It holds what the engine's warm-up holds on the device at each operator (the chunk groups a module computes with, a
+group's gradient chunk while its gradients arrive), and so gives the warm-up's peak and the peak its plan charges
+(see [Note: the warm-up replayed on meta]).
 """
 
 from __future__ import annotations
@@ -19,48 +19,38 @@ __all__ = ["WarmupReplay"]
 
 
 # [Note: the warm-up replayed on meta]
-# The warm-up (placement "cpu", and "auto" before its plan) holds a chunk group on the device
-# only while it computes: from the forward pre-hook of the first module using it in a forward
-# until the last such module's forward ends (tied and straddling groups wait for their last
-# use); in backward from the backward of a module call using it until every begun call using
-# it is done (its inputs' gradients computed) or all its gradients are in, with its gradient
-# chunk from the first gradient to the last. The meta run follows the same events with the
-# engine's own period hooks (tracer/hooks.py), module hooks and gradient hooks, and after every
-# operator adds the chunk bytes held to the non-model bytes alive: the largest sum is the
-# warm-up's peak. (The largest non-model peak often falls where no chunk is held: the loss on
-# the logits runs after the root module's forward. Adding the largest group to it, as a sum
-# of peaks would, overstates the peak.) The engine's plan charges each segment — a period,
-# from one module's forward or backward to the next, cut again where backward marks a
-# decision: a group's first gradient, a call's backward done — its own most chunk bytes plus
-# its own non-model peak, since later iterations keep fetched chunks cached; the meta run
-# keeps the same per-segment figures, so its planned peak, and the margin auto computes from
-# it, are the engine's (bench_plan.py compares them).
+# The warm-up (placement "cpu", and "auto" before its plan) holds a chunk group on the device only while it computes:
+# in forward, from the pre-hook of the first module using it until the last such module's forward ends (tied and
+# straddling groups wait for their last use); in backward, from the backward of a module call using it until every
+# begun call using it is done (its inputs' gradients computed) or all its gradients are in, with its gradient chunk
+# from the first gradient to the last. The meta run follows the same events with the engine's own period hooks
+# (tracer/hooks.py), module hooks and gradient hooks, and after every operator adds the chunk bytes held to the
+# non-model bytes alive: the largest sum is the warm-up's peak. (A sum of the two peaks would overstate it: the
+# largest non-model peak often falls where no chunk is held, e.g. the loss after the root module's forward.)
+# The engine's plan charges each segment (a period, from one module's forward or backward to the next, cut again
+# where backward marks a decision: a group's first gradient, a call's backward done) its own most chunk bytes plus
+# its own non-model peak, since later iterations keep fetched chunks cached; the meta run keeps the same per-segment
+# figures, so its planned peak, and the margin auto computes from it, are the engine's.
 #
 # [Note: a gradient taken into its chunk]
-# A parameter's gradient is accumulated by autograd as a tensor of its own; the engine's
-# post-accumulate hook then allocates the group's gradient chunk (at its first gradient),
-# copies the gradient in and only then drops it, and after the group's last gradient releases
-# its parameters and moves the gradient chunk to the host. So for a moment the parameters, the
-# gradient chunk and the gradient are all on the device: with one parameter per group (a big
-# weight, or a model whose groups each hold one) that moment is the peak. Counting the chunk
-# only between a group's first and last gradient missed it (31% under on two bias-free
-# linears).
+# Autograd accumulates a parameter's gradient as a tensor of its own; the engine's post-accumulate hook then
+# allocates the group's gradient chunk (at its first gradient), copies the gradient in and only then drops it, and
+# after the group's last gradient releases its parameters and moves the gradient chunk to the host. So for a moment
+# the parameters, the gradient chunk and the gradient are all on the device: with one parameter per group (a big
+# weight) that moment is the peak, which counting the chunk only between first and last gradient would miss.
 #
 # [Note: what stays on the device, replayed]
-# A placement that keeps some groups on the device for good ("static"'s fractions; "auto"
-# after its warm-up, which caches every parameter chunk it fetched) has its own timeline: the
-# kept chunks throughout, the other groups visiting as in the warm-up. With ``residents``
-# (which groups keep their parameters, which are kept whole) the replay also follows that
-# timeline and gives its peak over the chunks that come and go (``resident_peak``), which the
-# forecast adds to the bytes kept. Adding the largest visiting group and the non-model peak to
-# the kept bytes instead, a sum of peaks that never coincide, said 21% too much under
-# "static". Their gradient chunks are there from the first step on (see [Note: what every
-# step keeps is there from the first] in gemini/engine/residency.py).
+# A placement that keeps some groups on the device for good ("static"'s fractions; "auto" after its warm-up, which
+# caches every parameter chunk it fetched) has its own timeline: the kept chunks throughout, the other groups
+# visiting as in the warm-up. With ``residents`` (which groups keep their parameters, which are kept whole) the
+# replay also follows that timeline and gives the peak of the chunks that come and go plus non-model bytes
+# (``resident_peak``), which the forecast adds to the bytes kept; adding the largest visiting group and the non-model
+# peak instead sums peaks that never coincide. Kept groups' gradient chunks are there from the first step on
+# (see [Note: what every step keeps is there from the first] in gemini/engine/residency.py).
 
 
 class WarmupReplay(TorchDispatchMode):
-    """Follows the chunk groups the warm-up holds, and the peaks (see [Note: the warm-up
-    replayed on meta])."""
+    """Follows the chunk groups the warm-up holds, and the peaks (see [Note: the warm-up replayed on meta])."""
 
     def __init__(self, monitor: TensorAccountingMonitor, group_bytes: Sequence[int],
                  uses: dict[int, int], grads_expected: dict[int, int], residents: DeviceGroups | None = None) -> None:
@@ -108,8 +98,7 @@ class WarmupReplay(TorchDispatchMode):
         self.period_held = self.held_bytes
 
     def on_boundary(self, boundary: Boundary, groups: Sequence[int]) -> None:
-        """A period begins (the engine's own boundaries: tracer/hooks.py); a backward one
-        fetches the module's groups."""
+        """A period begins (the engine's boundaries: tracer/hooks.py); a backward one fetches the module's groups."""
         self.new_period()
         if boundary.phase is Phase.BACKWARD and groups:
             for g in groups:
@@ -124,14 +113,14 @@ class WarmupReplay(TorchDispatchMode):
         self._update()
 
     def forward_over(self) -> None:
-        """The root's forward returned: from now on (a checkpoint's recompute) a group leaves
-        after each module using it, as the engine's ``Residency.end_forward`` arranges."""
+        """The root's forward returned: from now on (a checkpoint's recompute) a group leaves after each module using
+        it, as the engine's ``Residency.end_forward`` arranges."""
         self.uses_left = None
         self._update()
 
     def backward_done(self, groups: Sequence[int]) -> None:
-        """A module call's inputs have their gradients: the engine marks, and releases the
-        groups no other begun call still reads."""
+        """A module call's inputs have their gradients: the engine marks a decision and releases the groups no other
+        begun call still reads."""
         self.new_period()
         for g in groups:
             if self.backward_open.get(g):
@@ -146,9 +135,8 @@ class WarmupReplay(TorchDispatchMode):
         self._update()
 
     def grad_in(self, group: int) -> None:
-        """A gradient of ``group`` is accumulated and not yet taken: the engine copies it into
-        the gradient chunk while the gradient itself is still alive (see [Note: a gradient
-        taken into its chunk])."""
+        """A gradient of ``group`` is accumulated and not yet taken: the engine copies it into the gradient chunk
+        while the gradient itself is still alive (see [Note: a gradient taken into its chunk])."""
         self.grads_in[group] = self.grads_in.get(group, 0) + 1
         if self.grads_in[group] == 1:
             # The engine marks a decision here (a new segment), then the gradient chunk arrives.
@@ -157,8 +145,8 @@ class WarmupReplay(TorchDispatchMode):
         self._update()
 
     def grad_taken(self, group: int) -> None:
-        """The gradient is in its chunk and dropped; after the group's last one the engine
-        releases its parameters and moves its gradient chunk off the device."""
+        """The gradient is in its chunk and dropped; after the group's last one the engine releases its parameters and
+        moves its gradient chunk off the device."""
         if self.grads_in[group] >= self.grads_expected[group]:
             self.backward_open.pop(group, None)
             self.grad_chunks.discard(group)

@@ -1,21 +1,17 @@
-"""`non_model_peak_bytes`: the activations and temporaries of one forward and backward, measured
-on the meta device before anything is allocated.
+"""`non_model_peak_bytes`: the activations and temporaries of one forward and backward, measured on the meta device
+before anything is allocated.
 
 [Note: planning on the meta device]
-A tensor on the meta device has a shape, a dtype and no storage: every operator computes its
-output's shape and nothing else. Running the model once there, under the same tensor-
-accounting monitor the warm-up uses on the CPU (tracer/accounting_monitor.py, which counts storages by
-identity and so works on meta too), gives the peak of the bytes that are not model data —
-activations saved for backward, temporaries, each parameter's gradient until it is taken —
-without memory or compute. The parameters are meta stand-ins in the dtype the chunks will hold
-(``param_dtype``), passed through ``torch.func.functional_call``, so the model itself is
-never touched and may live anywhere (on meta too). Each gradient is dropped as soon as it is
-accumulated, as the engine moves it into its gradient chunk.
+A meta tensor has a shape, a dtype and no storage: every operator computes only its output's shape. Running the model
+once there, under the tensor-accounting monitor the warm-up uses on the CPU (tracer/accounting_monitor.py, which
+counts storages by identity and so works on meta too), gives the peak of the bytes that are not model data
+(activations saved for backward, temporaries, each parameter's gradient until it is taken) without memory or compute.
+The parameters are meta stand-ins in the chunks' dtype (``param_dtype``), passed through
+``torch.func.functional_call``, so the model itself is never touched and may live anywhere (on meta too). Each
+gradient is dropped as soon as it is accumulated, as the engine moves it into its gradient chunk.
 
-What it cannot see: kernels' internal scratch (as on the CPU stand-in), the CUDA caching
-allocator's rounding and fragmentation, and code that needs values (``.item()``, data-
-dependent shapes), which fails here with a clear error.
-
+It cannot see kernels' internal scratch (nor can the CPU stand-in), the CUDA caching allocator's rounding and
+fragmentation, or code that needs values (``.item()``, data-dependent shapes), which fails here with a clear error.
 Attention (``F.scaled_dot_product_attention``) is charged as the configured device runs it: see
 [Note: attention on the meta device] in gemini/tools/meta_attention.py.
 """
@@ -47,8 +43,8 @@ __all__ = ["MetaPeaks", "meta_inputs", "meta_peaks", "non_model_peak_bytes"]
 
 
 def meta_inputs(example_inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """``example_inputs`` on the meta device: tensors keep their shape and dtype, ``(shape,
-    dtype)`` pairs become tensors of them, anything else passes unchanged."""
+    """``example_inputs`` on the meta device: tensors keep their shape and dtype, ``(shape, dtype)`` pairs become
+    tensors of them, anything else passes unchanged."""
     if isinstance(example_inputs, (torch.Tensor, dict)) or not isinstance(example_inputs, Sequence):
         raise TypeError(f"example_inputs must be a tuple or list of the model's positional arguments, got "
                         f"{type(example_inputs).__name__}")
@@ -67,8 +63,7 @@ def meta_inputs(example_inputs: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _first_output(output: Any) -> torch.Tensor:
-    """The default loss's source: the output itself, or its first element (tuple, list, dict or a
-    transformers ModelOutput)."""
+    """The default loss's source: the output, or its first element (tuple, list, dict or transformers ModelOutput)."""
     while not isinstance(output, torch.Tensor):
         if isinstance(output, dict) and output:
             output = next(iter(output.values()))
@@ -81,20 +76,19 @@ def _first_output(output: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MetaPeaks:
-    """What one forward and backward on the meta device needs on the device (see [Note: the
-    warm-up replayed on meta])."""
+    """What one forward and backward on the meta device needs on the device (see
+    [Note: the warm-up replayed on meta] in gemini/tools/meta_replay.py)."""
 
     non_model_bytes: int  # the most non-model bytes alive at once
     forward_non_model_bytes: int  # the most until the model's output has its gradient (the loss's too)
     backward_non_model_bytes: int  # the most from then on (the model's own backward)
-    # With the chunk groups given: the warm-up's peak (non-model bytes and the chunks it holds,
-    # at the same moment), and its planned peak (per period, the most chunk bytes held plus the
-    # most non-model bytes, as ``MemoryPlan.planned_peak_bytes`` charges them). Buffers aside.
+    # With the chunk groups given: the warm-up's peak (non-model bytes and the chunks it holds, at the same moment),
+    # and its planned peak (per period, the most chunk bytes held plus the most non-model bytes, as
+    # ``MemoryPlan.planned_peak_bytes`` charges them). Buffers aside.
     warmup_peak_bytes: int
     planned_peak_bytes: int
-    # With ``residents``: the peak of the non-model bytes and the chunks that come and go while
-    # those groups stay on the device (see [Note: what stays on the device, replayed] in
-    # gemini/tools/meta_replay.py). 0 without.
+    # With ``residents``: the peak of the non-model bytes and the chunks that come and go while those groups stay on
+    # the device (see [Note: what stays on the device, replayed] in gemini/tools/meta_replay.py). 0 without.
     resident_peak_bytes: int = 0
     # With ``offload_min_bytes``: the bytes of each saved tensor offloaded, in the order saved.
     offloaded_sizes: tuple[int, ...] = ()
@@ -103,9 +97,8 @@ class MetaPeaks:
 def non_model_peak_bytes(model: nn.Module, example_inputs: Sequence[Any], *,
                          loss_fn: Callable[[Any], torch.Tensor] | None = None,
                          param_dtype: torch.dtype = torch.float32, device_type: str = "cuda") -> int:
-    """The most bytes of non-model tensors alive at once in one forward and backward of
-    ``model`` on ``example_inputs`` on a ``device_type`` device (see [Note: planning on the
-    meta device])."""
+    """The most bytes of non-model tensors alive at once in one forward and backward of ``model`` on
+    ``example_inputs`` on a ``device_type`` device (see [Note: planning on the meta device])."""
     return meta_peaks(model, example_inputs, loss_fn=loss_fn, param_dtype=param_dtype,
                       device_type=device_type).non_model_bytes
 
@@ -116,20 +109,18 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
                group_of: Mapping[str, int] | None = None, group_bytes: Sequence[int] = (),
                residents: DeviceGroups | None = None, offload_min_bytes: int | None = None,
                offload_keep_from: int | None = None) -> MetaPeaks:
-    """The device's needs in one forward and backward of ``model`` on ``example_inputs``, on
-    the meta device (see [Note: planning on the meta device]). ``group_of`` maps each
-    parameter's name (as ``model.named_parameters()`` gives it) to its chunk group, and
-    ``group_bytes[g]`` is group g's parameter (and gradient) chunk bytes: with them the
-    warm-up's chunk visits are replayed (see [Note: the warm-up replayed on meta] in
-    gemini/tools/meta_replay.py); with ``residents`` too, the timeline of a placement that
-    keeps those groups on the device. With ``offload_min_bytes`` the tensors the forward saves
-    for backward are offloaded as ``offload_activations`` does (gemini/tools/meta_offload.py);
-    with ``offload_keep_from`` too, those saved from that index on stay (auto after its warm-up).
+    """The device's needs in one forward and backward of ``model`` on ``example_inputs``, on the meta device (see
+    [Note: planning on the meta device]). ``group_of`` maps each parameter's name (as ``model.named_parameters()``
+    gives it) to its chunk group, and ``group_bytes[g]`` is group g's parameter (and gradient) chunk bytes: with them
+    the warm-up's chunk visits are replayed (see [Note: the warm-up replayed on meta] in gemini/tools/meta_replay.py);
+    with ``residents`` too, the timeline of a placement that keeps those groups on the device. With
+    ``offload_min_bytes`` the tensors the forward saves for backward are offloaded as ``offload_activations`` does
+    (gemini/tools/meta_offload.py); with ``offload_keep_from`` too, those saved from that index on stay (auto after
+    its warm-up).
 
-    ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
-    output, in fp32). Attention is charged as a ``device_type`` device runs it (see [Note:
-    attention on the meta device] in gemini/tools/meta_attention.py). Raises ``ValueError`` if
-    the model cannot run on the meta device.
+    ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first output, in fp32). Attention
+    is charged as a ``device_type`` device runs it (see [Note: attention on the meta device] in
+    gemini/tools/meta_attention.py). Raises ``ValueError`` if the model cannot run on the meta device.
     """
     group_of = dict(group_of or {})
     monitor = TensorAccountingMonitor("meta")
@@ -148,8 +139,7 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
                                                     train=any(t.requires_grad for t in state.values())))
     try:
         with as_on_device(device_type), monitor, attention_as_on(device_type), replay, periods:
-            # The stand-ins stay in place until backward is over: a checkpoint's recompute
-            # reads the module's parameters then.
+            # The stand-ins stay in place until backward is over: a checkpoint's recompute reads the parameters then.
             forward_peak, backward_peak = functional_call(iteration, {f"model.{k}": v for k, v in state.items()}, args)
             replay.finish()
     except _LossTypeError as e:
@@ -173,8 +163,8 @@ def meta_peaks(model: nn.Module, example_inputs: Sequence[Any], *,
 
 def _stand_ins(model: nn.Module, param_dtype: torch.dtype, group_of: Mapping[str, int], replay: WarmupReplay,
                grads_expected: dict[int, int]) -> dict[str, torch.Tensor]:
-    """Meta tensors for the parameters (in the chunks' dtype) and buffers, by name; each
-    trainable parameter's gradient is taken as the engine takes it."""
+    """Meta tensors for the parameters (in the chunks' dtype) and buffers, by name; each trainable parameter's
+    gradient is taken as the engine takes it."""
     state: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         dtype = param_dtype if p.is_floating_point() else p.dtype
@@ -201,14 +191,13 @@ def _take_grad(replay: WarmupReplay, group: int | None, leaf: torch.Tensor) -> N
 
 def _hook_modules(model: nn.Module, group_of: Mapping[str, int], replay: WarmupReplay,
                   uses: dict[int, int]) -> tuple[list, dict[nn.Module, list[int]]]:
-    """Forward hooks on each module owning parameters, as the engine's; their handles, and
-    each module's groups."""
+    """Forward hooks on each module owning parameters, as the engine's; their handles, and each module's groups."""
 
     def begin_call(groups: list[int], module: nn.Module, inputs: tuple) -> None:
         replay.forward_begins(groups)
-        # Done when its inputs' gradients are computed (as the engine follows it); a call whose
-        # inputs need none (the embedding) holds its groups until their gradients are in. A
-        # recompute's inputs never get gradients (the engine follows none either).
+        # Done when its inputs' gradients are computed (as the engine follows it); a call whose inputs need none (the
+        # embedding) holds its groups until their gradients are in. A recompute's inputs never get gradients (the
+        # engine follows none either).
         if torch._C._current_graph_task_id() == -1:
             hook_all_grads_of(inputs, lambda: replay.backward_done(groups))
 
@@ -232,8 +221,8 @@ class _LossTypeError(TypeError):
 
 
 def _check_loss(loss: Any, source: str) -> None:
-    """The loss a trainable model's backward starts from: a tensor with a graph. ``source``
-    says where it came from ("loss_fn returned")."""
+    """The loss a trainable model's backward starts from: a tensor with a graph. ``source`` says where it came from
+    ("loss_fn returned")."""
     if not isinstance(loss, torch.Tensor):
         raise _LossTypeError(f"{source} {type(loss).__name__} {loss!r}: loss_fn must return the scalar tensor to "
                              f"differentiate, computed from the model's output")
@@ -244,8 +233,8 @@ def _check_loss(loss: Any, source: str) -> None:
 
 
 class _Iteration(nn.Module):
-    """``body(model, *args)`` as a module, so that ``functional_call`` keeps the stand-ins in
-    ``model`` through forward and backward."""
+    """``body(model, *args)`` as a module, so that ``functional_call`` keeps the stand-ins in ``model`` through
+    forward and backward."""
 
     def __init__(self, model: nn.Module, body: Callable[..., Any]) -> None:
         super().__init__()
@@ -259,22 +248,21 @@ class _Iteration(nn.Module):
 def _forward_backward(model: nn.Module, *args: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
                       monitor: TensorAccountingMonitor, replay: WarmupReplay, offload: MetaOffload | None,
                       train: bool) -> tuple[int, int]:
-    """One forward, the loss and its backward; the non-model peak before the model's output has
-    its gradient and after."""
+    """One forward, the loss and its backward; the non-model peak before the model's output has its gradient and
+    after."""
     with offload.hooks() if offload is not None else contextlib.nullcontext():  # the root's forward only
         output = model(*args)
     replay.forward_over()
-    # Until the model's output has its gradient, the engine's backward has not begun (its
-    # gradient chunks come then): the loss and its backward belong to the first part.
+    # Until the model's output has its gradient the engine's backward has not begun (its gradient chunks come then):
+    # the loss and its backward belong to the first part.
     split = [None]
 
     def output_grad() -> None:
         split[0] = monitor.peak_bytes()
         monitor.reset_peak()
 
-    # On the outputs' gradient nodes, as the engine's hook beginning its backward: a loss_fn
-    # modifying the output in place keeps them (see [Note: a call's outputs hooked through
-    # in-place ops] in tracer/grad_nodes.py).
+    # On the outputs' gradient nodes, as the engine's hook beginning its backward: a loss_fn modifying the output in
+    # place keeps them (see [Note: a call's outputs hooked through in-place ops] in tracer/grad_nodes.py).
     outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if outputs:
         hook_first_grad(outputs, output_grad)

@@ -1,12 +1,10 @@
 """The planner: before training, where parameters, gradients and optimizer states will live.
 
-From a model (its parameters may be on the meta device, so a model larger than this machine
-can be planned) and a :class:`GeminiConfig`, :func:`plan_placement` lays out the chunk groups
-exactly as :func:`gemini.initialize` will, applies the placement's rule and the NVMe tier's
-choice, and says how many bytes of each chunk kind sit on the device, in host memory and on
-NVMe at the end of a step — the figures ``MemoryReport.model_bytes_by_tier`` then measures —
-and whether the budgets hold them. What differs between placements (the groups kept on the
-device, the predicted peaks, the advice) each answers in its own class (gemini/tools/forecast.py).
+From a model (its parameters may be on the meta device, so a model larger than this machine can be planned) and a
+:class:`GeminiConfig`, :func:`plan_placement` lays out the chunk groups exactly as :func:`gemini.initialize` will,
+applies the placement's rule and the NVMe tier's choice, and says how many bytes of each chunk kind sit on the
+device, in host memory and on NVMe at the end of a step (what ``MemoryReport.model_bytes_by_tier`` then measures) and
+whether the budgets hold them. What differs between placements is answered per placement in gemini/tools/forecast.py.
 """
 
 from __future__ import annotations
@@ -66,27 +64,26 @@ class PlacementPlan:
     buffer_bytes: int  # module buffers, kept on the device
     device_working_set_bytes: int  # the largest chunk group's parameters and gradients
     nvme_staging_bytes: int  # host memory the NVMe pipeline uses while streaming
-    # The step's copies aside of the streamed groups' parameters (gemini/engine/transaction.py): host
-    # bytes at most, and bytes of their NVMe files when cpu_memory sends them there.
+    # The step's copies aside of the streamed groups' parameters (gemini/engine/transaction.py): host bytes at most,
+    # and bytes of their NVMe files when cpu_memory sends them there.
     nvme_undo_bytes: int = 0
     nvme_undo_file_bytes: int = 0
     device_budget_bytes: int | None
     cpu_memory_bytes: int | None
     host_available_bytes: int
     nvme_free_bytes: int | None
-    # With example inputs (see gemini/tools/meta_run.py): the activations' and temporaries' peak of one
-    # forward and backward, and the device's predicted peak (model data held then + that + the
-    # safety reserve's share the warm-up would keep). None: not counted.
+    # With example inputs (see gemini/tools/meta_run.py): the activations' and temporaries' peak of one forward and
+    # backward, and the device's predicted peak (model data held then + that + the reserve the warm-up would keep).
+    # None: not counted.
     non_model_peak_bytes: int | None = None
     device_peak_bytes: int | None = None  # every step after the first
-    # The first step's: under "cuda"/"static" the device's gradient chunks do not exist yet at
-    # its activation peak; under "auto" it is the warm-up, which holds only what it computes with.
+    # The first step's: under "auto" it is the warm-up, which holds only what it computes with.
     first_step_peak_bytes: int | None = None
-    # placement "auto" with example inputs and a budget: the margin the warm-up will leave
-    # (budget - reserve - the warm-up's peak), of which gpu_margin_mem_ratio holds whole groups.
+    # placement "auto" with example inputs and a budget: the margin the warm-up will leave (budget - reserve - the
+    # warm-up's peak), of which gpu_margin_mem_ratio holds whole groups.
     margin_bytes: int | None = None
-    # ZeRO: every figure above is one of ``world_size`` ranks'; ``ranks_per_host`` of them share
-    # one host's memory (see [Note: a plan under ZeRO]).
+    # ZeRO: every figure above is one of ``world_size`` ranks'; ``ranks_per_host`` of them share one host's memory
+    # (see [Note: a plan under ZeRO]).
     world_size: int = 1
     ranks_per_host: int = 1
     problems: list[str] = field(default_factory=list)  # why it does not fit; empty: it fits
@@ -144,21 +141,19 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
                    world_size: int | None = None, ranks_per_host: int | None = None) -> PlacementPlan:
     """Where ``initialize(model, config, param_groups=...)`` will put every chunk, before it runs.
 
-    With ``example_inputs`` (the model's positional arguments: tensors, or ``(shape, dtype)``
-    pairs) one forward and backward runs on the meta device — no memory, no compute — and the
-    verdict counts the activations (``non_model_peak_bytes``, ``first_step_peak_bytes``,
-    ``device_peak_bytes``; see [Note: the predicted device peak] in gemini/tools/forecast.py).
-    Under "auto" they also predict the margin the warm-up will leave, and
-    ``gpu_margin_mem_ratio``'s groups in it are chosen by the engine's own rule
-    (:func:`gemini.policies.footprint.margin_choice`); without them (or without
-    ``device_memory``) auto's host and NVMe figures are those of ratio 0 and the notes say so.
-    ``loss_fn(output)`` gives the scalar to differentiate (default: the sum of the first
-    output). Without them the verdict says that activations were not counted.
+    With ``example_inputs`` (the model's positional arguments: tensors, or ``(shape, dtype)`` pairs) one forward and
+    backward runs on the meta device (no memory, no compute) and the verdict counts the activations
+    (``non_model_peak_bytes``, ``first_step_peak_bytes``, ``device_peak_bytes``; see
+    [Note: the predicted device peak] in gemini/tools/forecast.py). Under "auto" they also predict the margin the
+    warm-up will leave, and ``gpu_margin_mem_ratio``'s groups in it are chosen by the engine's rule
+    (:func:`gemini.policies.footprint.margin_choice`); without them (or without ``device_memory``) auto's host and
+    NVMe figures are those of ratio 0 and the notes say so. ``loss_fn(output)`` gives the scalar to differentiate
+    (default: the sum of the first output). Without example inputs the verdict says activations were not counted.
 
-    Under ZeRO the figures are one rank's: ``world_size`` ranks (default: as ``initialize``
-    resolves ``GeminiConfig.process_group``, torch.distributed's world where it is initialized),
-    ``ranks_per_host`` of them on each host (default: torchrun's ``LOCAL_WORLD_SIZE``, or every
-    rank of ``world_size`` when it is given); see [Note: a plan under ZeRO].
+    Under ZeRO the figures are one rank's: ``world_size`` ranks (default: as ``initialize`` resolves
+    ``GeminiConfig.process_group``, torch.distributed's world where it is initialized), ``ranks_per_host`` of them on
+    each host (default: torchrun's ``LOCAL_WORLD_SIZE``, or all of ``world_size`` when it is given); see
+    [Note: a plan under ZeRO].
     """
     config = GeminiConfig() if config is None else config  # as initialize takes it
     if not isinstance(config, GeminiConfig):
@@ -230,18 +225,15 @@ def plan_placement(model: nn.Module, config: GeminiConfig | None, *,
 
 
 # [Note: a plan under ZeRO]
-# Under ZeRO each rank keeps 1/world of every chunk group's gradients (its reduced shard) and
-# optimizer states, and with shard_params of its parameters; capacities are rounded up to a
-# multiple of the world so every shard is equal (chunks/manager.py). The plan lays the chunks out
-# as initialize will on each rank and counts one rank's bytes: they equal that rank's report's
-# model_bytes_by_tier. The ranks on one host share its memory and its drive, so the host and NVMe
-# checks count ranks_per_host ranks against them (DeepSpeed's memory estimators ask for the GPUs
-# per node for the same reason). Under shard_params auto caches no parameters after its warm-up
-# (ZeRO-3 gathers them for each use), and the forecasts read ``config.shard_params`` as ZeRO-3 in
-# effect. The predicted device peak is of one rank (within 1% of each rank's measured peak in
-# tests/test_zero_loop.py) without ZeRO's own buffers (the reduce-scatter buckets in flight;
-# under shard_params the chunk group gathered ahead of its use: [Note: the warm-up plans the
-# prefetch]): the plan's note says so.
+# Under ZeRO each rank keeps 1/world of every chunk group's gradients (its reduced shard) and optimizer states, and
+# with shard_params of its parameters; capacities are rounded up to a multiple of the world so shards are equal
+# (chunks/manager.py). The plan lays the chunks out as initialize will on each rank and counts one rank's bytes, the
+# same as that rank's report's model_bytes_by_tier. The ranks on one host share its memory and drive, so the host and
+# NVMe checks count ranks_per_host ranks against them. Under shard_params auto caches no parameters after its warm-up
+# (ZeRO-3 gathers them for each use); the forecasts read ``config.shard_params`` as ZeRO-3 in effect. The predicted
+# device peak is one rank's without ZeRO's own buffers (the reduce-scatter buckets in flight; under shard_params the
+# group gathered ahead of its use: [Note: the warm-up plans the prefetch] in gemini/engine/warmup.py): the plan's
+# note says so.
 def _ranks(config: GeminiConfig, world_size: int | None, ranks_per_host: int | None) -> tuple[int, int]:
     """(the ranks ZeRO shards across, those sharing one host): see [Note: a plan under ZeRO]."""
     for name, value in (("world_size", world_size), ("ranks_per_host", ranks_per_host)):
@@ -275,9 +267,8 @@ def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups
                                   nvme_available=config.nvme_dir is not None, undo_ratio=undo_ratio(config.param_dtype))
 
     try:
-        # initialize() chooses while registering among the groups the placement leaves on the host
-        # from the layout alone (every one under auto, before its margin takes some), then again
-        # among those left on the host tier.
+        # initialize() chooses while registering, among the groups the placement leaves on the host from the layout
+        # alone (all under auto, before its margin takes some), then again among those left on the host tier.
         choose([i for i in trainable if i not in device_groups(config, layout).whole])
         chosen = choose(host_groups)
         warning = shallower_pipeline(chosen, cpu_memory=config.cpu_memory, wanted=config.nvme_pipeline_depth)
@@ -290,8 +281,7 @@ def _nvme_layout(config: GeminiConfig, layout, trainable: list[int], host_groups
 
 
 def _check_device(plan: PlacementPlan, forecast: PlacementForecast) -> None:
-    """The device's verdict: the predicted peak against the budget with example inputs, the
-    model data the placement keeps there without."""
+    """The device's verdict: the predicted peak against the budget with example inputs, else the model data kept."""
     config = forecast.config
     plan.notes.extend(forecast.notes(plan))
     if config.offload_activations:

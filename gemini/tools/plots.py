@@ -1,8 +1,7 @@
 """PNG plots of memory reports: memory per step by tier and kind, and the warm-up timeline.
 
-matplotlib is an optional extra (``pip install 'gemini-offload[plot]'``): it is imported when
-a plot is drawn, never at ``import gemini``. Figures are drawn on matplotlib's Agg canvas
-directly, without pyplot, so plotting changes no global state of the caller's matplotlib.
+matplotlib is an optional extra (``pip install 'gemini-offload[plot]'``), imported when a plot is drawn, never at
+``import gemini``. Figures are drawn on the Agg canvas without pyplot, so plotting changes no global matplotlib state.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ def _matplotlib() -> SimpleNamespace:
 
 
 def require_matplotlib() -> None:
-    """Raises the ImportError (saying how to install matplotlib) that drawing a plot would raise,
-    now: the CLI calls it when ``--plot-dir`` is given, before a model is built or trained."""
+    """Raises now the ImportError (saying how to install matplotlib) that drawing a plot would raise: the CLI calls
+    it when ``--plot-dir`` is given, before a model is built or trained."""
     _matplotlib()
 
 
@@ -61,8 +60,7 @@ def _save(fig, path: str | os.PathLike) -> Path:
 
 
 def _kind_bytes(report: MemoryReport, tier: str) -> list[tuple[str, int, str]]:
-    """(label, bytes, colour) per kind on ``tier``; one total when the report has no breakdown
-    (files written before the breakdown existed)."""
+    """(label, bytes, colour) per kind on ``tier``; one total when the report has no breakdown (older files)."""
     by_kind = report.model_bytes_by_tier.get(tier)
     if not by_kind:
         return [("chunks (all kinds)", getattr(report, _TIER_TOTALS[tier]), "tab:gray")]
@@ -70,9 +68,9 @@ def _kind_bytes(report: MemoryReport, tier: str) -> list[tuple[str, int, str]]:
 
 
 def plot_memory(reports: Sequence[MemoryReport], path: str | os.PathLike) -> Path:
-    """Memory per step, one panel per tier (device, host, and NVMe when used): chunk bytes at
-    the end of the step stacked by kind; on the device panel the measured peak, the chunks'
-    peak and the budget, on the host panel the process's resident memory. Returns the PNG's path."""
+    """Memory per step, one panel per tier (device, host, and NVMe when used): chunk bytes at the end of the step
+    stacked by kind; on the device panel the measured peak, the chunks' peak and the budget, on the host panel the
+    process's resident memory. Returns the PNG's path."""
     if not reports:
         raise ValueError("plot_memory needs at least one report")
     mpl = _matplotlib()
@@ -115,8 +113,8 @@ def plot_memory(reports: Sequence[MemoryReport], path: str | os.PathLike) -> Pat
 
 
 def plot_timeline(timeline: WarmupTimeline, path: str | os.PathLike) -> Path:
-    """The warm-up iteration period by period: each period's non-model peak (coloured by
-    forward / backward / recompute) against the budget and what is left under the reserve."""
+    """The warm-up iteration period by period: each period's non-model peak (coloured by forward / backward /
+    recompute) against the budget and the budget less the reserve and buffers. Returns the PNG's path."""
     if not isinstance(timeline, WarmupTimeline):  # report.timeline is None but under placement auto
         raise TypeError(f"plot_timeline takes a WarmupTimeline (report.timeline of the step that ended placement "
                         f"auto's warm-up, or optimizer.timeline), got {type(timeline).__name__}")

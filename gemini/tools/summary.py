@@ -22,14 +22,14 @@ def _unit(unit: str) -> str:
 
 
 def gib(nbytes: int | None, unit: str = "GiB") -> str:
-    """Bytes in ``unit`` (GiB by default) with three decimals, "-" for not measured. One unit
-    in every column, so that lines of different steps and runs line up and compare at a glance."""
+    """Bytes in ``unit`` (GiB by default) with three decimals, "-" for not measured. One unit in every column, so
+    that lines of different steps and runs line up and compare at a glance."""
     return "-" if nbytes is None else f"{nbytes / UNITS[unit]:.3f}"
 
 
 def readable_unit(max_bytes: float) -> tuple[str, int]:
-    """A unit for a table or an axis whose largest value is ``max_bytes``: GiB for large runs,
-    MiB for small ones, so that figures keep a few significant digits."""
+    """A unit for a table or axis whose largest value is ``max_bytes``: GiB from 1 GiB up, else MiB, so that figures
+    keep a few significant digits."""
     return ("GiB", GiB) if max_bytes >= GiB else ("MiB", UNITS["MiB"])
 
 
@@ -41,10 +41,10 @@ def _share_of_budget(nbytes: int, budget_bytes: int | None, unit: str) -> str:
 
 def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str = "GiB",
                  total: int | None = None) -> str:
-    """One line: time (transfers vs compute), device peak against the budget, model and
-    non-model bytes, host and NVMe, bytes moved, optimizer-state chunks on the device.
-    Sizes are in ``unit`` ("GiB" or "MiB"). Steps are counted from 1 ("step   1" is the report
-    with ``step == 0``); with ``total``, the step reads as "step   1/4"."""
+    """One line: time (transfers vs compute), device peak against the budget, model and non-model bytes, host and
+    NVMe, bytes moved, optimizer-state chunks on the device. Sizes are in ``unit`` ("GiB" or "MiB",
+    case-insensitive). Steps are counted from 1 ("step   1" is the report with ``step == 0``); with ``total``, the
+    step reads as "step   1/4"."""
     if not isinstance(report, MemoryReport):  # optimizer.report is None before the first step
         raise TypeError(f"summary_line takes a MemoryReport (optimizer.report after a step), got {report!r}")
     unit = _unit(unit)
@@ -53,8 +53,7 @@ def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str =
     timing = f"transfers {r.transfer_seconds:.2f}"
     if uses_nvme:
         timing += f", NVMe wait {r.nvme_wait_seconds:.2f}"
-    # Text counts steps from 1 (the report's ``step`` field is the 0-based index), so that a
-    # progress line reads "step 1/4" for the first of four, as people count.
+    # Text counts steps from 1 (the report's ``step`` is 0-based): "step 1/4" for the first of four, as people count.
     parts = [f"step {r.step + 1:>3}" + (f"/{total}" if total is not None else "")]
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
@@ -79,8 +78,8 @@ def summary_line(report: MemoryReport, *, loss: float | None = None, unit: str =
 
 
 def run_summary(reports: Sequence[MemoryReport], *, unit: str = "GiB") -> str:
-    """A few lines over a whole run: step time and its split, peaks, tiers, traffic, skips.
-    Steps are counted from 1, as in :func:`summary_line`."""
+    """A few lines over a whole run: step time and its split, peaks, tiers, traffic, skips. Steps are counted from
+    1, as in :func:`summary_line`."""
     unit = _unit(unit)
     if not reports:
         return "no reports"

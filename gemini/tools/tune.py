@@ -1,38 +1,31 @@
 """The margin tuner: try ``gpu_margin_mem_ratio`` values, recommend the fastest that keeps headroom.
 
 [Note: what the ratio trades]
-Under placement="auto" the margin (budget − reserve − the warm-up's planned peak) times
-``gpu_margin_mem_ratio`` holds whole optimizer-state chunk groups on the device, updated there
-and never copied. A larger ratio moves Adam work off the host, but leaves less room for caching
-parameter chunks, so more of them are fetched again each iteration; which side wins depends on
-the model, the batch and the machine. The tuner runs a few steps at each ratio and measures.
+Under placement="auto" the margin (budget − reserve − the warm-up's planned peak) times ``gpu_margin_mem_ratio``
+holds whole optimizer-state chunk groups on the device, updated there and never copied. A larger ratio moves Adam
+work off the host but leaves less room to cache parameter chunks, so more are fetched again each iteration; which
+side wins depends on the model, the batch and the machine, so the tuner runs a few steps at each ratio and measures.
 
 [Note: needed memory, not the measured peak]
-Under auto the engine fills whatever the budget leaves with cached parameter chunks, evicting
-them when a period needs the room: the measured device peak is ~99% of the budget at every
-ratio, and says nothing about how close a ratio runs to the edge. What a step *needs* is what
-the engine cannot evict: the warm-up's planned peak (``MemoryPlan.planned_peak_bytes``: at each
-decision of the schedule, the chunks the step computes with, the buffers and the non-model
-memory, never below the warm-up's measured peak) plus the chunk groups the margin pinned on
-the device for good (every flavour of each: parameters, gradients, master, m, v), plus the
-safety reserve the engine keeps free beside them. That sum is the tuner's ``needed_bytes``: the
-``device_memory`` the step trains in (an upper bound: a pinned group's parameters may already
-be part of the planned peak; it left the reserve out, so a budget of that size was refused by
-64 KiB on the CPU stand-in, 5.77 MiB on CUDA). A ratio
-keeps the headroom when ``needed_bytes <= (1 − headroom_fraction) × budget``: the room left is
-what longer sequences or fragmentation can use after the engine evicts its cache. Both figures
-are reported.
+Under auto the engine fills whatever the budget leaves with cached parameter chunks, evicting them when a period
+needs the room: the measured device peak is close to the budget at every ratio and says nothing about how close a
+ratio runs to the edge. What a step *needs* is what the engine cannot evict: the warm-up's planned peak
+(``MemoryPlan.planned_peak_bytes``: at each decision of the schedule, the chunks in use, the buffers and the
+non-model memory, never below the warm-up's measured peak), plus the chunk groups the margin pinned on the device
+(each with its parameters, gradients, master, m, v), plus the safety reserve the engine keeps free beside them. That
+sum is ``needed_bytes``: the ``device_memory`` the step trains in (an upper bound: a pinned group's parameters may
+already be in the planned peak; without the reserve a budget of that size would be refused). A ratio keeps the
+headroom when ``needed_bytes <= (1 − headroom_fraction) × budget``: the room left is what longer sequences or
+fragmentation can use after the engine evicts its cache. Both figures are reported.
 
 [Note: one engine at a time]
-Each trial builds a whole new model and engine. Where ``model_fn`` and ``loss_fn`` can be
-pickled, each trial runs in a fresh process (``spawn``; ``isolate=None`` or ``True``): every
-trial starts from the same clean state (no allocator cache or pinned pool warmed by the trial
-before) and its memory goes back to the system when it exits. Otherwise (``isolate=False``)
-they run here, each engine closed (which frees it: see ``GeminiRuntime.close``) before the
-next starts.
+Each trial builds a whole new model and engine. Where ``model_fn`` and ``loss_fn`` pickle, each trial runs in a fresh
+``spawn`` process (``isolate=None`` or ``True``): every trial starts from the same clean state (no allocator cache or
+pinned pool warmed by the trial before) and its memory goes back to the system when it exits. Otherwise
+(``isolate=False``) they run here, each engine closed (which frees it: ``GeminiRuntime.close``) before the next.
 
-How a tuning's trials become a recommendation ([Note: timing within noise]) is in
-:mod:`gemini.tools.tune_results`, whose names this module re-exports.
+How trials become a recommendation ([Note: timing within noise]) is in :mod:`gemini.tools.tune_results`, whose names
+this module re-exports.
 """
 
 from __future__ import annotations
@@ -70,8 +63,8 @@ DEFAULT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def measure_reports(ratio: float, reports: Sequence[MemoryReport]) -> Measurement:
-    """The default measurement: the median step time after the first step (a warm-up, traced
-    and conservative, unlike the steps that follow) and the highest device peak of all."""
+    """The default measurement: the median step time after the first step (a warm-up, traced and conservative,
+    unlike the steps that follow) and the highest device peak of all."""
     timed = reports[1:] or reports
     return Measurement(step_seconds=statistics.median(r.step_seconds for r in timed),
                        device_peak_bytes=max(r.device_peak_bytes for r in reports))
@@ -91,19 +84,17 @@ def tune_margin(
     isolate: bool | None = None,
     **initialize_kwargs: Any,
 ) -> MarginTuning:
-    """Train ``steps`` steps at each ratio, ``rounds`` times interleaved, and recommend the
-    fastest (within noise, then the least device memory) that keeps the headroom.
+    """Train ``steps`` steps at each ratio, ``rounds`` times interleaved, and recommend the fastest (within noise,
+    then the least device memory) that keeps the headroom.
 
-    ``model_fn()`` builds a fresh model for each trial (the same one each time: seed it);
-    ``loss_fn(model)`` runs forward and returns the loss. ``config`` needs placement="auto" and
-    a ``device_memory`` budget; its ``gpu_margin_mem_ratio`` and ``report_path`` are replaced.
-    ``measure(ratio, reports)`` turns a trial's reports into a :class:`Measurement` (inject
-    one to control timing; a ``needed_bytes`` it gives replaces the engine's); ``on_trial``
-    sees each trial as it ends. ``isolate``: run each trial in its own process (None: when
-    ``model_fn`` and ``loss_fn`` pickle; see [Note: one engine at a time]).
-    ``initialize_kwargs`` (``lr``, ``weight_decay``, ...) go to :func:`gemini.initialize`.
-    See [Note: what the ratio trades], [Note: needed memory, not the measured peak] and
-    [Note: timing within noise].
+    ``model_fn()`` builds a fresh model for each trial (the same one each time: seed it); ``loss_fn(model)`` runs
+    forward and returns the loss. ``config`` needs placement="auto" and a ``device_memory`` budget; its
+    ``gpu_margin_mem_ratio`` and ``report_path`` are replaced. ``measure(ratio, reports)`` turns a trial's reports
+    into a :class:`Measurement` (inject one to control timing; a ``needed_bytes`` it gives replaces the engine's);
+    ``on_trial`` sees each trial as it ends. ``isolate``: run each trial in its own process (None: when ``model_fn``
+    and ``loss_fn`` pickle; see [Note: one engine at a time]). ``initialize_kwargs`` (``lr``, ``weight_decay``, ...)
+    go to :func:`gemini.initialize`. See
+    [Note: timing within noise], [Note: what the ratio trades] and [Note: needed memory, not the measured peak].
     """
     if isinstance(model_fn, nn.Module) or not callable(model_fn):  # each trial needs a fresh model
         raise TypeError(f"model_fn={type(model_fn).__name__} is invalid: expected a function building a fresh model "
@@ -201,8 +192,8 @@ def _run_trial(model_fn, loss_fn, config: GeminiConfig, steps: int, initialize_k
 
 
 def _needed_bytes(optimizer) -> int | None:
-    """The warm-up's planned peak plus every chunk group pinned on the device and the reserve
-    (see [Note: needed memory, not the measured peak]); None without a plan."""
+    """The warm-up's planned peak plus every chunk group pinned on the device and the reserve (see
+    [Note: needed memory, not the measured peak]); None without a plan."""
     runtime = optimizer._rt
     plan, placement = runtime.plan, runtime.placement
     if plan is None:

@@ -1,17 +1,16 @@
 """The margin tuner's verdict: trials, their per-ratio results, and the recommended ratio.
 
-Pure bookkeeping over measured trials (nothing here runs a model): :func:`summarize` groups
-trials by ratio, :func:`recommend` picks one, :class:`MarginTuning` prints the table. How the
-trials are run and what they measure: :mod:`gemini.tools.tune`.
+Pure bookkeeping over measured trials (nothing here runs a model): :func:`summarize` groups trials by ratio,
+:func:`recommend` picks one, :class:`MarginTuning` prints the table. How trials run and what they measure:
+:mod:`gemini.tools.tune`.
 
 [Note: timing within noise]
-Each ratio is run ``rounds`` times, the rounds interleaved (round r tries the ratios in an order
-rotated by r, so a drift of the machine is spread over all of them). A trial's time is the median
-of its steps after the warm-up; a ratio's time is the median of its trials, its spread their
-min–max range. Two ratios are tied when their ranges overlap or their medians differ by less
-than the larger of their two spreads: the data cannot tell them apart. Among the ratios that
-keep the headroom, the recommendation is, of those tied with the fastest, the one that needs
-the least device memory (then the smaller ratio): the same timings give the same answer.
+Each ratio is run ``rounds`` times, the rounds interleaved (round r tries the ratios in an order rotated by r, so a
+drift of the machine is spread over all of them). A trial's time is the median of its steps after the warm-up; a
+ratio's time is the median of its trials, its spread their min–max range. Two ratios are tied when their ranges
+overlap or their medians differ by less than the larger spread: the data cannot tell them apart. Among the ratios
+that keep the headroom, of those tied with the fastest, the recommendation is the one needing the least device
+memory (then the smaller ratio): the same timings give the same answer.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ __all__ = ["MarginTrial", "MarginTuning", "Measurement", "RatioResult", "fits_he
 
 @dataclass(kw_only=True)
 class Measurement:
-    """What a trial's steps say about its ratio: its step time, the device's measured peak and
-    (when known) the device memory the step needs (see [Note: needed memory, not the measured peak])."""
+    """What a trial's steps say about its ratio: its step time (s), the device's measured peak and (when known) the
+    device memory the step needs (see [Note: needed memory, not the measured peak] in gemini/tools/tune.py)."""
 
     step_seconds: float
     device_peak_bytes: int
@@ -59,7 +58,7 @@ class MarginTrial:
     os_chunks_total: int | None
     step_seconds: float | None
     device_peak_bytes: int | None  # measured (under auto: the budget filled with cached chunks)
-    needed_bytes: int | None = None  # planned peak + pinned groups; None when not known
+    needed_bytes: int | None = None  # planned peak + pinned groups + reserve; None when not known
     round: int = 0
     host_peak_bytes: int | None = None  # the trial process's peak RSS, when it ran in its own
     error: str | None = None  # e.g. a DeviceBudgetError: the ratio does not fit at all
@@ -145,9 +144,8 @@ def tied_fastest(results: Sequence[RatioResult], *, limit_bytes: int) -> list[Ra
 
 
 def recommend(results: Sequence[RatioResult], *, limit_bytes: int) -> float | None:
-    """Of the ratios within headroom tied with the fastest, the one needing the least device
-    memory (then the smaller ratio); None when no ratio keeps the headroom. Pure: the same
-    results give the same answer."""
+    """Of the ratios within headroom tied with the fastest, the one needing the least device memory (then the smaller
+    ratio); None when no ratio keeps the headroom. Pure: the same results give the same answer."""
     tied = tied_fastest(results, limit_bytes=limit_bytes)
     if not tied:
         return None
@@ -176,9 +174,8 @@ class MarginTuning:
         return limit_bytes(self.budget_bytes, self.headroom_fraction)
 
     def table(self) -> str:
-        """Per ratio: optimizer-state chunks on the device, median step time and its min–max over
-        the rounds, the memory the step needs and the measured peak; ``*`` marks the pick, ``~``
-        the ratios within noise of the fastest."""
+        """Per ratio: optimizer-state chunks on the device, median step time and its min–max over the rounds, needed
+        memory and measured peak; ``*`` marks the pick, ``~`` the ratios within noise of the fastest."""
         unit = readable_unit(self.budget_bytes)[0]
         tied = {r.ratio for r in tied_fastest(self.results, limit_bytes=self.limit_bytes)}
 
