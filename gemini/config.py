@@ -56,11 +56,11 @@ class GeminiConfig:
 
     static_param_device_fraction: float = 1.0
     """placement="static": share of parameter chunk groups (the first ones) kept on the device
-    for good; the others visit it for compute, in [0, 1]."""
+    for good; the others visit it for compute, in [0, 1] (counts round halves up)."""
 
     static_optimizer_offload_fraction: float = 0.0
     """placement="static": share of optimizer-state chunk groups (the last ones) kept on the host
-    and updated by CPU Adam; the others live and update on the device, in [0, 1]."""
+    and updated by CPU Adam; the others live and update on the device, in [0, 1] (counts round halves up)."""
 
     cpu_memory: int | str | None = None
     """Host budget for optimizer-state chunks (bytes or "8GiB"); beyond it they go to NVMe."""
@@ -73,7 +73,7 @@ class GeminiConfig:
 
     nvme_pipeline_depth: int = 2
     """Chunk groups whose NVMe-resident states are read ahead of (and written behind) the one
-    being updated, an int >= 1; the pipeline holds ``2 * depth + 1`` groups in host memory."""
+    being updated, an int in [1, 64]; the pipeline holds ``2 * depth + 1`` groups in host memory."""
 
     clip_grad_norm: float = 0.0
     """Max global L2 norm of the gradients over all chunks (and ranks); 0 turns clipping off."""

@@ -11,6 +11,7 @@ import torch
 
 from chunks import Chunk, ChunkKind, ChunkState, ChunkStorage, Tier
 from gemini.policies.nvme_choice import choose_nvme_groups
+from gemini.policies.footprint import static_choice
 from offload import NvmeCorruptionError, NvmeStore
 
 
@@ -124,6 +125,19 @@ def test_choice_keeps_the_first_groups_in_memory_and_budgets_the_pipeline():
                                   ((100, 100), 0.2, set()), ((100,) * 4, 0.5, {2, 3}), ((100,) * 3, 0.5, {1, 2})]:
         got = choose_nvme_groups(_sizes(*sizes), cpu_memory=None, fraction=fraction, depth=1, nvme_available=True)
         assert got.nvme_groups == want, (sizes, fraction)
+
+
+def test_static_fractions_round_as_the_nvme_share():
+    """static's two fractions count whole groups as nvme_offload_fraction does (halves up): Python's round() kept
+    none of one group at static_param_device_fraction=0.5 and offloaded none at static_optimizer_offload_fraction=0.5,
+    and rounded 0.5 of five groups to two (halves to even)."""
+    for n, fraction, kept, offloaded in [(1, 0.5, 1, 1), (2, 0.5, 1, 1), (3, 0.5, 2, 2), (5, 0.5, 3, 3),
+                                         (4, 0.3, 1, 1), (4, 0.0, 0, 0), (4, 1.0, 4, 4), (3, 0.1, 0, 0)]:
+        groups = list(range(n))
+        on_device, states_on_device = static_choice(groups, groups, param_device_fraction=fraction,
+                                                    optimizer_offload_fraction=fraction)
+        assert on_device == set(range(kept)), (n, fraction)  # the first groups stay
+        assert states_on_device == set(range(n - offloaded)), (n, fraction)  # the last ones go to the host
 
 
 def test_choice_errors_name_the_field():

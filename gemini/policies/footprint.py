@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from chunks import ChunkKind, Tier, fits
+from gemini.policies.nvme_choice import forced_count
 
 __all__ = ["DeviceGroups", "Layout", "chunk_bytes", "margin_choice", "margin_room_bytes", "named_bytes",
            "static_choice", "whole_group_bytes"]
@@ -48,9 +49,9 @@ def static_choice(
 ) -> tuple[set[int], set[int]]:
     """placement="static"'s rule, on chunk-group indices in model order: (groups whose parameters stay on the device,
     trainable groups whose optimizer states do). The first groups stay, the last ones are offloaded. A pure function,
-    so the planner applies the same rule before any chunk exists."""
-    params_on_device = set(groups[: round(param_device_fraction * len(groups))])
-    n_offload = round(optimizer_offload_fraction * len(trainable))
+    so the planner applies the same rule before any chunk exists. Counts round as the NVMe share's (halves up)."""
+    params_on_device = set(groups[: forced_count(param_device_fraction, len(groups))])
+    n_offload = forced_count(optimizer_offload_fraction, len(trainable))
     return params_on_device, set(trainable[: len(trainable) - n_offload])
 
 

@@ -118,8 +118,8 @@ def choose_nvme_groups(
 
 
 def forced_count(fraction: float, groups: int) -> int:
-    """How many of ``groups`` chunk groups ``nvme_offload_fraction=fraction`` sends to NVMe: the nearest whole count,
-    halves up (not Python's ``round``, which rounds 0.5 of one group to none)."""
+    """How many of ``groups`` chunk groups a share ``fraction`` of them is (``nvme_offload_fraction``, static's two
+    fractions): the nearest whole count, halves up (not Python's ``round``, which rounds 0.5 of one group to none)."""
     return math.floor(fraction * groups + 0.5)
 
 

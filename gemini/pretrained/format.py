@@ -20,7 +20,7 @@ _DTYPES = {
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header (MAX_HEADER_SIZE in its Rust crate)
 
 if sys.byteorder != "little":  # the format is little-endian; we copy raw bytes both ways
     raise ImportError("gemini.pretrained reads and writes safetensors' little-endian bytes as they are: "

@@ -187,11 +187,6 @@ class AutoForecast(CpuForecast):
              "for compute)")
     activation_offload_note = "; the margin left by gpu_margin_mem_ratio keeps the last ones on the device"
 
-    @property
-    def traces(self) -> bool:
-        """Whether the placement plans from a warm-up iteration (auto), which keeps a reserve."""
-        return self.policy.plans_from_measurement
-
     def __init__(self, config: GeminiConfig, layout: Layout, *, buffer_bytes: int, peaks: MetaPeaks | None) -> None:
         super().__init__(config, layout, buffer_bytes=buffer_bytes, peaks=peaks)
         if peaks is None:
