@@ -77,7 +77,7 @@ def default_search_range(groups: Sequence[Sequence[int]], *, min_chunks: int = 8
     mean = sum(sizes) / len(sizes)
     std = math.sqrt(sum((n - mean) ** 2 for n in sizes) / len(sizes))
     regular = [n for n in sizes if n <= mean + 3 * std] or sizes
-    lo = round_up(max(regular), DEFAULT_STEP_ELEMENTS)
+    lo = round_up(max(max(regular), 1), DEFAULT_STEP_ELEMENTS)  # one step where every tensor is empty
     hi = max(lo, round_up(math.ceil(sum(sizes) / min_chunks), DEFAULT_STEP_ELEMENTS))
     return lo, hi
 

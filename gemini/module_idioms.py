@@ -9,11 +9,16 @@ gemini places itself.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from gemini.optim.group_specs import LAYOUT_NOT_KEPT
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ModuleIdioms"]
 
@@ -75,7 +80,9 @@ class ModuleIdioms:
     def to(self, *args: Any, **kwargs: Any) -> ModuleIdioms:
         """A no-op when it asks for the compute device and precision already in force; anything else is refused:
         gemini decides where every parameter lives."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+            logger.warning("model.to(memory_format=%s) changes no parameter: %s", memory_format, LAYOUT_NOT_KEPT)
         mine = self._runtime.device
         if device is not None:
             device = torch.device(device)

@@ -166,6 +166,19 @@ def test_default_range_sets_outliers_aside_and_keeps_several_chunks():
     assert lo <= found.chunk_size <= hi
 
 
+def test_a_model_of_empty_tensors_still_gets_a_chunk_size_and_trains():
+    """Only zero-size parameters: the search range was [0, 0] ("chunk size range [0, 0] is empty or not positive",
+    naming nothing); torch steps such a model, so does gemini."""
+    import gemini
+
+    assert default_search_range([[0, 0]]) == (1024, 1024)
+    net = nn.Linear(0, 4, bias=False)
+    gmodel, opt = gemini.initialize(net, gemini.GeminiConfig(device="cpu", placement="cpu"))
+    gmodel(torch.randn(2, 0)).sum().backward()
+    opt.step()
+    assert net.weight.shape == (4, 0)
+
+
 def test_a_nearly_empty_chunk_costs_its_content_not_a_full_chunk():
     """Next-fit packing closes a chunk holding only a LayerNorm (200 elements) because the
     next Linear does not fit, and one holding only a bias after an oversized weight: such

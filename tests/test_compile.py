@@ -119,6 +119,31 @@ def test_compiled_model_equals_adamw(name):
         assert opt.report.device_peak_bytes <= cfg.device_memory
 
 
+def test_a_compiled_model_trained_and_evaluated_stays_compiled():
+    """Each hooked module's forward is a compiled frame of its own, and TINY's Linear layers (5 parameter shapes),
+    trained and evaluated under no_grad, took 10 of dynamo's 8 cache entries for Linear.forward: dynamo ran it
+    eagerly from then on, with a warning. The first compiled forward makes room ([Note: compiled frames between the
+    module hooks] in gemini/engine/hooks.py); every output and step still equals eager torch."""
+    base, ref = clone_pair()
+    data = _data()
+    evaluate = batches(TINY, 1, batch=3, seq=16, seed=7)[0][0]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    gmodel, opt = gemini.initialize(base, gemini.GeminiConfig(device=DEVICE, placement="cpu", chunk_size=CHUNK),
+                                    lr=1e-2, weight_decay=0.1)
+    run = torch.compile(gmodel, backend="aot_eager")
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        for x, y in data:
+            for net, o in ((run, opt), (ref, ref_opt)):
+                GPT.loss(net(x), y).backward()
+                o.step()
+                o.zero_grad()
+            with torch.no_grad():
+                torch.testing.assert_close(run(evaluate), ref(evaluate), rtol=1e-6, atol=1e-7)
+            assert_params_close(gmodel.state_dict(), ref.state_dict())
+        assert torch._dynamo.config.recompile_limit >= 2 * 2 * 5
+    assert counters["frames"]["ok"] > 0
+
+
 def test_compiled_with_inductor_under_cuda_placement_equals_adamw():
     """The default backend. Inductor's kernels (fused bias gradients, GELU backward) may sum in
     another order; Adam turns a gradient's last bits into a visible change where it is near 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -153,7 +154,7 @@ def test_param_in_two_groups_is_refused():
 def test_integer_parameters_are_refused_naming_them():
     model = torch.nn.Linear(4, 4)
     model.counter = torch.nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
-    with pytest.raises(TypeError, match="parameter counter has dtype torch.int64.*register a frozen integer"):
+    with pytest.raises(TypeError, match="parameter counter has dtype torch.int64.*register a frozen torch.int64 tensor as a buffer"):
         gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
 
 
@@ -166,6 +167,74 @@ def test_a_sparse_embedding_is_refused_naming_it(module):
         gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
     module.weight.requires_grad_(False)  # frozen: no gradient at all, nothing to refuse
     gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"))
+
+
+class _FunctionalSparseEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(10, 4))
+        self.head = torch.nn.Linear(4, 1)
+        self.sparse = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.nn.functional.embedding(idx, self.table, sparse=self.sparse))
+
+
+@pytest.mark.parametrize("placement", ["cuda", "cpu", "static", "auto"])
+def test_a_sparse_gradient_from_functional_code_is_refused_naming_it(placement):
+    """F.embedding(..., sparse=True) on a plain parameter, which initialize cannot see: the backward refuses the
+    sparse gradient under every placement, naming the parameter, before it reaches p.grad or a chunk (under cuda it
+    trained as dense, elsewhere torch's "reshape is not implemented for sparse tensors" came out of a hook); after it,
+    the model trains on dense gradients equal to torch's."""
+    torch.manual_seed(0)
+    model = _FunctionalSparseEmbedding()
+    reference = copy.deepcopy(model)
+    extra = dict(device_memory="64MiB") if placement == "auto" else {}
+    gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement=placement, **extra), lr=1e-2)
+    idx = torch.tensor([[1, 2, 3], [3, 4, 5]])
+    before = model.table.detach().clone()
+    with pytest.raises(RuntimeError, match="gradient of table is torch.sparse_coo.*dense gradients only"):
+        gmodel(idx).sum().backward()
+    opt.zero_grad()
+    opt.step()
+    assert torch.equal(model.table.detach(), before) and model.table.grad is None
+    model.sparse = reference.sparse = False  # dense gradients again: trains as torch does
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    for net, o in ((gmodel, opt), (reference, ref_opt)):
+        for _ in range(2):
+            o.zero_grad()
+            net(idx).sum().backward()
+            o.step()
+    torch.testing.assert_close(model.table.detach(), reference.table.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_memory_format_not_kept_is_warned_about(caplog):
+    """Chunks hold parameters contiguous: a channels_last conv weight becomes contiguous (torch then picks the conv's
+    kernels by its input alone); both the converted model at initialize and model.to(memory_format=...) after it say
+    so, and the numbers still equal torch's given channels_last inputs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(1))
+    model(torch.randn(1, 3, 6, 6))
+    model = model.to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    with caplog.at_level("WARNING", logger="gemini"):
+        gmodel, opt = gemini.initialize(model, gemini.GeminiConfig(device="cpu", placement="cpu"), lr=1e-2)
+    assert "1 of the model's parameters are not contiguous (like '0.weight')" in caplog.text
+    assert model[0].weight.is_contiguous()  # not kept, as warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gemini"):
+        assert gmodel.to(memory_format=torch.channels_last) is gmodel
+        gmodel.to("cpu")
+    assert caplog.text.count("changes no parameter") == 1, caplog.text
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    for net, o in ((gmodel, opt), (reference, ref_opt)):
+        for _ in range(3):
+            o.zero_grad()
+            net(x).square().sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_parameters_of_several_dtypes_are_warned_about(caplog):

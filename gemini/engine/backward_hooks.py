@@ -90,9 +90,14 @@ class BackwardHooks:
         # module's output, whose hook announces a pass: it is announced here, before autograd accumulates, so the
         # exposed views are withdrawn first (otherwise autograd accumulates into them and the pass is never counted).
         # The parameters' data stays as the graph read it: see [Note: a pass begun inside its graph] in grad_views.py.
+        param = param_ref()
+        if grad.layout is not torch.strided and param is not None:  # before autograd accumulates it anywhere
+            raise RuntimeError(
+                f"gemini: the gradient of {self.manager.locate(param)[1].name} is {grad.layout} (F.embedding(..., "
+                f"sparse=True) makes one): gemini's chunks, like torch's Adam, hold dense gradients only; pass "
+                f"sparse=False")
         if torch._C._current_graph_task_id() != self._task_seen:
             self._begin_backward_pass(at_gradient=True)
-        param = param_ref()
         if param is not None and param in self._to_preload:
             self._preload(param, grad)
         elif self._devices_differ and param is not None:

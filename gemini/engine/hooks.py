@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -46,6 +46,29 @@ def _weak_method(method: Callable) -> Callable:
             bound(*args)
 
     return call
+
+
+# [Note: compiled frames between the module hooks]
+# Under torch.compile each module hook is a graph break ([Note: hooks under torch.compile]), so dynamo compiles each
+# hooked module's forward as a frame of its own, and modules of one class share its code object, whose cache holds
+# ``recompile_limit`` entries (8). A frame's guards include its parameters' shapes and the grad mode: a GPT's Linear
+# layers of 5 shapes, trained and evaluated, need 10, and past the limit dynamo runs that forward eagerly (a warning;
+# the speed-up lost). A plain compiled model is one frame through all of them. So the first compiled forward raises
+# the limit (never lowers it) to 4 entries per parameter-shape signature of the class with the most: each grad mode,
+# static and then with dynamic shapes (automatic dynamic's one recompile).
+def _room_for_compiled_frames(modules: Iterable[nn.Module]) -> bool:
+    import torch._dynamo.config as dynamo_config  # imported already: a model is being compiled
+
+    signatures: dict[object, set] = {}
+    for m in modules:
+        signature = tuple((n, None if p is None else tuple(p.shape)) for n, p in m._parameters.items())
+        signatures.setdefault(getattr(type(m).forward, "__code__", type(m)), set()).add(signature)
+    needed = 4 * max(map(len, signatures.values()), default=0)
+    if needed > dynamo_config.recompile_limit:
+        logger.info("torch._dynamo.config.recompile_limit %d -> %d: see [Note: compiled frames between the module "
+                    "hooks]", dynamo_config.recompile_limit, needed)
+        dynamo_config.recompile_limit = needed
+    return True
 
 
 class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
@@ -105,6 +128,8 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
             if torch.is_grad_enabled() and self._graph_forwards and self.renews_accumulators:
                 renew_accumulators(self.manager.trainable_groups)  # see [Note: one accumulator per forward]
             self._graph_forwards += torch.is_grad_enabled()
+            if compiling and not self._frames_made_room:
+                self._frames_made_room = _room_for_compiled_frames(self._hooked)
             on_root_forward(args, kwargs)
             self._periods.root_forward()
             self._begin_descendant_reads(m, compiling)
@@ -128,6 +153,7 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
                 residency.count_uses(groups)
                 self._owners.append((sub, groups))
         self._hooked = {sub for sub, _ in self._owners}  # those with _post_forward (see _announce)
+        self._frames_made_room = False  # see [Note: compiled frames between the module hooks]
         self._groups_of = dict(self._owners)  # hooked module -> the groups its hooks fetch
         # See [Note: parameters of a descendant read by its ancestor]: the kinds of forward (training, grad
         # enabled) searched already, and the search under way (None: none is).

@@ -50,8 +50,9 @@ def split_param_groups(model: nn.Module, param_groups):
     for n, p in named:
         if not p.is_floating_point():
             raise TypeError(f"parameter {n} has dtype {p.dtype}: gemini packs parameters into floating-point "
-                            f"chunks{'' if p.requires_grad else '; register a frozen integer tensor as a buffer'}")
+                            f"chunks{'' if p.requires_grad else f'; register a frozen {p.dtype} tensor as a buffer'}")
     _warn_mixed_dtypes(named)
+    _warn_layouts_not_kept(named)
     _refuse_sparse_gradients(model)
     if param_groups is None:
         specs: list[dict[str, Any]] = [{"params": [p for _, p in named]}]
@@ -124,6 +125,19 @@ def _refuse_misspelt_keys(spec: dict[str, Any], index: int) -> None:
         if near:
             raise ValueError(f"param_groups[{index}] has the key {key!r}: did you mean {near[0]!r}? (the "
                              f"hyperparameters are {', '.join(_HYPERPARAMETERS)}; other keys are kept, as torch keeps them)")
+
+
+LAYOUT_NOT_KEPT = ("gemini keeps every parameter contiguous in its chunk, so a parameter's memory format "
+                   "(torch.channels_last, other strides) is not kept; torch picks a conv's channels_last kernels from "
+                   "its input as well: x.to(memory_format=torch.channels_last)")
+
+
+def _warn_layouts_not_kept(named: list[tuple[str, nn.Parameter]]) -> None:
+    """Chunks hold each parameter as a flat slot viewed in its shape: a strided one becomes contiguous."""
+    strided = [n for n, p in named if not p.is_contiguous()]
+    if strided:
+        logger.warning("%d of the model's parameters are not contiguous (like %r): %s", len(strided), strided[0],
+                       LAYOUT_NOT_KEPT)
 
 
 def _warn_mixed_dtypes(named: list[tuple[str, nn.Parameter]]) -> None:

@@ -95,8 +95,10 @@ class AutoPlacement(PlacementPolicy):
         return Tier.DEVICE if group.index in self.os_on_device else Tier.HOST
 
     def keep_params_on_device(self, group: ChunkGroup) -> bool:
-        # Where chunks can be evicted, a group read outside its modules leaves after its uses.
-        return self.plan is not None and (group.index not in self._read_outside or not self.track_periods)
+        # Where chunks can be evicted, a group read outside its modules leaves after its uses; in an iteration that
+        # left its trace every group does ([Note: an iteration that leaves its trace]).
+        return (self.plan is not None and not self._diverged
+                and (group.index not in self._read_outside or not self.track_periods))
 
     def pinned_groups(self) -> set[int]:
         return self.os_on_device
@@ -217,6 +219,13 @@ class AutoPlacement(PlacementPolicy):
     def end_backward(self) -> None:
         self._iteration_open = False
 
+    # [Note: an iteration that leaves its trace]
+    # Control flow the inputs do not show (a depth or a route chosen in forward) may take an iteration past the traced
+    # periods. Its non-model peaks are unknown from there on, and the trace's largest may be far below them: a deeper
+    # path traced shallow went over the budget at every deep step, while traced first it trained there. So from the
+    # period where it left, the iteration moves chunks as the warm-up did, whose peak the budget held: every fetch first
+    # evicts each group not in use, and each group leaves after its use. The plan stays for the iterations that follow
+    # it. The margin's groups stay (an overrun beside them retraces, as any overrun does).
     def on_boundary(self, boundary: Boundary) -> set[int] | None:
         plan = self.plan
         if plan is None:
@@ -230,8 +239,8 @@ class AutoPlacement(PlacementPolicy):
             self.period, self._diverged = (self.period, True) if later is None else (later, False)
             self._skipped = not self._diverged
             if self._diverged:
-                logger.warning("auto placement: iteration diverged from the traced one at period %d (%s %r); planning "
-                               "with the largest non-model peak until the next forward", self.period,
+                logger.warning("auto placement: iteration diverged from the traced one at period %d (%s %r); moving "
+                               "chunks as the warm-up does until the next forward", self.period,
                                boundary.phase.value, boundary.module_name)
         return set(plan.access[self.period]) if not self._diverged else set()
 
@@ -312,13 +321,17 @@ class AutoPlacement(PlacementPolicy):
     def victims(self, nbytes: int, *, keep: set[int], in_use: Callable[[], set[int]],
                 wanted: set[int] = frozenset()) -> list[int]:
         over = self._missing_bytes(nbytes, self._non_model_now())
-        if not over:
+        if not over and not self._diverged:
             return []
         # Groups in use were kept by the warm-up too, so the plan has room for them; the margin's groups live on the
         # device for good. ``wanted`` ones may go, last (see [Note: what a decision keeps]).
         busy = keep | in_use() | self.os_on_device
         candidates = {g.index: self._evictable_bytes(g) for g in self.manager.groups if g.index not in busy}
         candidates = {i: b for i, b in candidates.items() if b > 0}
+        if self._diverged:  # all of them: see [Note: an iteration that leaves its trace]
+            over = max(over, sum(candidates.values()))
+            if not over:
+                return []
         try:
             if self.plan is not None and not self._diverged:
                 victims = choose_victims(
