@@ -229,13 +229,13 @@ class _Deep(nn.Module):
         return self.head(h)
 
 
-def _train_depths(depths, budget, *, reference: bool = False):
+def _train_depths(depths, budget, *, reference: bool = False, ratio: float = 0.0):
     torch.manual_seed(0)
     net = _Deep()
     ref = copy.deepcopy(net)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0, fused=True)
     model, opt = gemini.initialize(net, gemini.GeminiConfig(device=DEVICE, placement="auto", chunk_size=2048,
-                                                            device_memory=budget, gpu_margin_mem_ratio=0.0), lr=1e-2)
+                                                            device_memory=budget, gpu_margin_mem_ratio=ratio), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     peaks = []
     for depth in depths:
@@ -266,3 +266,19 @@ def test_an_iteration_past_its_trace_moves_chunks_as_the_warm_up_did():
         warnings.simplefilter("ignore")
         peaks = _train_depths([1, 4, 1, 4, 1, 4], budget, reference=True)
     assert max(peaks) <= budget, (peaks, budget)
+
+
+@STANDIN
+@pytest.mark.xfail(raises=DeviceBudgetError, strict=True,
+                   reason="the margin's groups stay on the device through an iteration that leaves its trace")
+def test_an_iteration_past_its_trace_beside_the_margin():
+    """Known limit: at gpu_margin_mem_ratio=1 the margin, sized by the shallow trace, stays on the device while a deep
+    iteration runs past the trace; the first deep steps are refused at the budget the deep path trains in when it is
+    traced first (then an overrun's retrace settles it). Lending the margin then, as an evaluation borrows it between
+    steps ([Note: an evaluation beside the margin]), would move optimizer states inside a forward or backward."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        deep_first = _train_depths([4, 4], None, ratio=1.0)
+        budget = int(deep_first[0] * 1.02)
+        assert max(_train_depths([4, 1, 4, 1], budget, ratio=1.0)) <= budget  # traced deep first: trains
+        _train_depths([1, 4, 1, 4], budget, ratio=1.0)
