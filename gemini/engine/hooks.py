@@ -65,8 +65,8 @@ def _room_for_compiled_frames(modules: Iterable[nn.Module]) -> bool:
         signatures.setdefault(getattr(type(m).forward, "__code__", type(m)), set()).add(signature)
     needed = 4 * max(map(len, signatures.values()), default=0)
     if needed > dynamo_config.recompile_limit:
-        logger.info("torch._dynamo.config.recompile_limit %d -> %d: see [Note: compiled frames between the module "
-                    "hooks]", dynamo_config.recompile_limit, needed)
+        logger.info("torch._dynamo.config.recompile_limit %d -> %d: each hooked module's forward is a compiled "
+                    "frame of its own", dynamo_config.recompile_limit, needed)
         dynamo_config.recompile_limit = needed
     return True
 
