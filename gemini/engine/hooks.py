@@ -56,7 +56,7 @@ def _weak_method(method: Callable) -> Callable:
 # the speed-up lost). A plain compiled model is one frame through all of them. So the first compiled forward raises
 # the limit (never lowers it) to 4 entries per parameter-shape signature of the class with the most: each grad mode,
 # static and then with dynamic shapes (automatic dynamic's one recompile).
-def _room_for_compiled_frames(modules: Iterable[nn.Module]) -> bool:
+def _room_for_compiled_frames(modules: Iterable[nn.Module]) -> None:
     import torch._dynamo.config as dynamo_config  # imported already: a model is being compiled
 
     signatures: dict[object, set] = {}
@@ -68,7 +68,6 @@ def _room_for_compiled_frames(modules: Iterable[nn.Module]) -> bool:
         logger.info("torch._dynamo.config.recompile_limit %d -> %d: each hooked module's forward is a compiled "
                     "frame of its own", dynamo_config.recompile_limit, needed)
         dynamo_config.recompile_limit = needed
-    return True
 
 
 class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
@@ -129,7 +128,8 @@ class ModuleHooks(DescendantReadHooks, BackwardHooks, NotCopyable):
                 renew_accumulators(self.manager.trainable_groups)  # see [Note: one accumulator per forward]
             self._graph_forwards += torch.is_grad_enabled()
             if compiling and not self._frames_made_room:
-                self._frames_made_room = _room_for_compiled_frames(self._hooked)
+                self._frames_made_room = True
+                _room_for_compiled_frames(self._hooked)
             on_root_forward(args, kwargs)
             self._periods.root_forward()
             self._begin_descendant_reads(m, compiling)
